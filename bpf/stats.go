@@ -1,0 +1,502 @@
+// Package bpf holds brokkr's eBPF objects and the Go side of the per-exposure
+// counter map, exposure_stats, shared by the kernel fast path (netplane) and
+// the userspace proxy.
+//
+// The map is a BPF_F_MMAPABLE array pinned under bpfDir. A Store maps it into
+// the process and counters are bumped with atomic operations on that memory,
+// so counting a connection or a buffer of bytes costs no syscall. Slots are
+// found again by name after a restart, so counters survive the daemon; a slot
+// is zeroed only when its exposure is deleted.
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// MapName is the pin name under bpfDir. A changed value layout gets a new
+	// name (exposure_stats_v2) so an old pin is never misread.
+	MapName = "exposure_stats"
+	// NameLen is the size of the name field, NUL included.
+	NameLen = 64
+	// MaxNameLen is the longest exposure name a slot can hold.
+	MaxNameLen = NameLen - 1
+	// Slots is the number of entries in the array.
+	Slots = 16384
+
+	// bpffsMagic is BPF_FS_MAGIC from statfs(2).
+	bpffsMagic = 0xcafe4a11
+)
+
+// statLayout is the value struct as bpf2go generated it from exposure_stats.c.
+type statLayout = statsExposureStat
+
+const valueSize = int(unsafe.Sizeof(statLayout{}))
+
+// Field offsets inside one value, taken from the generated struct so the Go
+// and C views cannot drift.
+var (
+	offProtocol = int(unsafe.Offsetof(statLayout{}.Protocol))
+	offHostPort = int(unsafe.Offsetof(statLayout{}.HostPort))
+	offActive   = int(unsafe.Offsetof(statLayout{}.Active))
+	offAccepted = int(unsafe.Offsetof(statLayout{}.Accepted))
+	offRefused  = int(unsafe.Offsetof(statLayout{}.Refused))
+	offDropped  = int(unsafe.Offsetof(statLayout{}.Dropped))
+	offBytesIn  = int(unsafe.Offsetof(statLayout{}.BytesIn))
+	offBytesOut = int(unsafe.Offsetof(statLayout{}.BytesOut))
+)
+
+// Protocol numbers as stored in the map.
+const (
+	ProtoTCP uint32 = unix.IPPROTO_TCP
+	ProtoUDP uint32 = unix.IPPROTO_UDP
+)
+
+// ProtoNumber maps "tcp"/"udp" to the number stored in the map (0 if unknown).
+func ProtoNumber(name string) uint32 {
+	switch strings.ToLower(name) {
+	case "tcp":
+		return ProtoTCP
+	case "udp":
+		return ProtoUDP
+	}
+	return 0
+}
+
+// ProtoName is the inverse of ProtoNumber.
+func ProtoName(n uint32) string {
+	switch n {
+	case ProtoTCP:
+		return "tcp"
+	case ProtoUDP:
+		return "udp"
+	}
+	return fmt.Sprintf("proto-%d", n)
+}
+
+// Counters is one exposure's figures. Active is a gauge, the rest are totals.
+type Counters struct {
+	Active   uint64 `json:"active"`
+	Accepted uint64 `json:"accepted"`
+	Refused  uint64 `json:"refused"`
+	Dropped  uint64 `json:"dropped"`
+	BytesIn  uint64 `json:"bytesIn"`
+	BytesOut uint64 `json:"bytesOut"`
+}
+
+// Entry is one occupied slot, as Dump returns it.
+type Entry struct {
+	Slot     int
+	Name     string
+	Protocol uint32
+	HostPort uint32
+	Counters
+}
+
+// Store is the process's view of exposure_stats: the pinned, mmapped map, or
+// plain memory when BPF is not available. Use one Store per pin per process.
+type Store struct {
+	mu     sync.Mutex
+	m      *ebpf.Map // nil in memory mode
+	mem    []byte    // mmapped map values, or heap memory
+	path   string    // pin path; "" in memory mode
+	reason string    // why the store is in memory, if it is
+	byName map[string]int
+	refs   map[int]int
+	closed bool
+}
+
+// Open loads (or creates) the map pinned at dir/exposure_stats and maps it
+// into memory. dir must be on a bpffs; see EnsureBPFFS.
+func Open(dir string) (*Store, error) {
+	if err := checkBPFFS(dir); err != nil {
+		return nil, err
+	}
+	spec, err := loadStats()
+	if err != nil {
+		return nil, fmt.Errorf("exposure_stats: %w", err)
+	}
+	var objs statsMaps
+	err = spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}})
+	if errors.Is(err, ebpf.ErrMapIncompatible) {
+		return nil, fmt.Errorf("%s: a pinned map with another layout is in the way (remove it, or it belongs to another version): %w", filepath.Join(dir, MapName), err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("loading %s: %w", filepath.Join(dir, MapName), err)
+	}
+	m := objs.ExposureStats
+	size := Slots * valueSize
+	size = (size + os.Getpagesize() - 1) &^ (os.Getpagesize() - 1)
+	mem, err := unix.Mmap(m.FD(), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		m.Close()
+		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, MapName), err)
+	}
+	s := &Store{m: m, mem: mem, path: filepath.Join(dir, MapName)}
+	s.index()
+	return s, nil
+}
+
+// NewInMemory returns a Store that counts in process memory only; reason says
+// why (it is reported in status so an operator knows bpftool will not see it).
+func NewInMemory(reason string) *Store {
+	words := make([]uint64, Slots*valueSize/8) // uint64 backing keeps 8-byte alignment
+	mem := unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), len(words)*8)
+	s := &Store{mem: mem, reason: reason}
+	s.index()
+	return s
+}
+
+// OpenOrMemory opens the pinned map and falls back to memory when that fails;
+// the error is kept as the store's reason.
+func OpenOrMemory(dir string) *Store {
+	s, err := Open(dir)
+	if err != nil {
+		return NewInMemory(fmt.Sprintf("counters in memory only: %v", err))
+	}
+	return s
+}
+
+func (s *Store) index() {
+	s.byName = make(map[string]int)
+	s.refs = make(map[int]int)
+	for i := 0; i < Slots; i++ {
+		if n := s.nameAt(i); n != "" {
+			s.byName[n] = i
+		}
+	}
+}
+
+// Pinned reports whether counters live in the pinned BPF map.
+func (s *Store) Pinned() bool { return s.m != nil }
+
+// Path is the pin path ("" in memory mode).
+func (s *Store) Path() string { return s.path }
+
+// Reason says why the store is in memory ("" when pinned).
+func (s *Store) Reason() string { return s.reason }
+
+// Close unmaps the map and drops the process's handle. The pin and its values
+// stay for the next process.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil
+	}
+	s.closed = true
+	if s.m == nil {
+		return nil
+	}
+	err := unix.Munmap(s.mem)
+	return errors.Join(err, s.m.Close())
+}
+
+func (s *Store) base(i int) int { return i * valueSize }
+
+func (s *Store) word(i, off int) *atomic.Uint64 {
+	return (*atomic.Uint64)(unsafe.Pointer(&s.mem[s.base(i)+off]))
+}
+
+func (s *Store) u32(i, off int) *atomic.Uint32 {
+	return (*atomic.Uint32)(unsafe.Pointer(&s.mem[s.base(i)+off]))
+}
+
+func (s *Store) nameAt(i int) string {
+	b := s.mem[s.base(i) : s.base(i)+NameLen]
+	if n := indexByte(b, 0); n >= 0 {
+		b = b[:n]
+	}
+	return string(b)
+}
+
+func indexByte(b []byte, c byte) int {
+	for i, x := range b {
+		if x == c {
+			return i
+		}
+	}
+	return -1
+}
+
+func (s *Store) read(i int) Counters {
+	return Counters{
+		Active:   s.word(i, offActive).Load(),
+		Accepted: s.word(i, offAccepted).Load(),
+		Refused:  s.word(i, offRefused).Load(),
+		Dropped:  s.word(i, offDropped).Load(),
+		BytesIn:  s.word(i, offBytesIn).Load(),
+		BytesOut: s.word(i, offBytesOut).Load(),
+	}
+}
+
+func (s *Store) zero(i int) {
+	for _, off := range []int{offActive, offAccepted, offRefused, offDropped, offBytesIn, offBytesOut} {
+		s.word(i, off).Store(0)
+	}
+	s.u32(i, offProtocol).Store(0)
+	s.u32(i, offHostPort).Store(0)
+	clear(s.mem[s.base(i) : s.base(i)+NameLen])
+}
+
+// ValidName reports whether name fits a slot.
+func ValidName(name string) error {
+	if name == "" {
+		return errors.New("empty name")
+	}
+	if len(name) > MaxNameLen {
+		return fmt.Errorf("name %q is longer than %d bytes", name, MaxNameLen)
+	}
+	if strings.IndexByte(name, 0) >= 0 {
+		return fmt.Errorf("name %q contains NUL", name)
+	}
+	return nil
+}
+
+// Attach returns the slot for the named exposure, finding it again if an
+// earlier process left it in the map, or taking a free one. Protocol and host
+// port are (re)written so bpftool shows the exposure's current shape. Every
+// Attach must be paired with a Release.
+func (s *Store) Attach(name string, protocol uint32, hostPort uint16) (*Slot, error) {
+	if err := ValidName(name); err != nil {
+		return nil, fmt.Errorf("exposure_stats slot: %w", err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, errors.New("exposure_stats: store is closed")
+	}
+	i, ok := s.byName[name]
+	if !ok {
+		i = -1
+		for j := 0; j < Slots; j++ {
+			if s.mem[s.base(j)] == 0 && s.refs[j] == 0 {
+				i = j
+				break
+			}
+		}
+		if i < 0 {
+			return nil, fmt.Errorf("exposure_stats: all %d slots are in use", Slots)
+		}
+		s.zero(i)
+		copy(s.mem[s.base(i):s.base(i)+MaxNameLen], name)
+		s.byName[name] = i
+	}
+	s.u32(i, offProtocol).Store(protocol)
+	s.u32(i, offHostPort).Store(uint32(hostPort))
+	s.refs[i]++
+	return &Slot{s: s, i: i, name: name}, nil
+}
+
+// Lookup reads the named exposure's counters without attaching.
+func (s *Store) Lookup(name string) (Counters, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	i, ok := s.byName[name]
+	if !ok {
+		return Counters{}, false
+	}
+	return s.read(i), true
+}
+
+// ResetActive zeroes every active gauge. A daemon calls it once at start:
+// connections it proxied died with the previous process, and the kernel path
+// re-adds what conntrack still holds.
+func (s *Store) ResetActive() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, i := range s.byName {
+		s.word(i, offActive).Store(0)
+	}
+}
+
+// Prune zeroes and frees every slot whose name keep rejects and that no one
+// holds: exposures deleted while no process was watching.
+func (s *Store) Prune(keep func(name string) bool) []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var gone []string
+	for name, i := range s.byName {
+		if s.refs[i] > 0 || keep(name) {
+			continue
+		}
+		s.zero(i)
+		delete(s.byName, name)
+		gone = append(gone, name)
+	}
+	sort.Strings(gone)
+	return gone
+}
+
+// Entries lists the occupied slots, in slot order.
+func (s *Store) Entries() []Entry {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]Entry, 0, len(s.byName))
+	for name, i := range s.byName {
+		out = append(out, Entry{Slot: i, Name: name, Protocol: s.u32(i, offProtocol).Load(),
+			HostPort: s.u32(i, offHostPort).Load(), Counters: s.read(i)})
+	}
+	sort.Slice(out, func(a, b int) bool { return out[a].Slot < out[b].Slot })
+	return out
+}
+
+// Slot is one exposure's entry. Its methods are safe for concurrent use and
+// cost one atomic instruction each.
+type Slot struct {
+	s        *Store
+	i        int
+	name     string
+	released atomic.Bool
+}
+
+// Index is the array index, for tools and BPF programs.
+func (sl *Slot) Index() int { return sl.i }
+
+// Name is the exposure name the slot carries.
+func (sl *Slot) Name() string { return sl.name }
+
+func (sl *Slot) add(off int, d uint64) { sl.s.word(sl.i, off).Add(d) }
+
+// Opened counts a connection admitted: accepted+1, active+1.
+func (sl *Slot) Opened() {
+	sl.add(offAccepted, 1)
+	sl.add(offActive, 1)
+}
+
+// Closed is the end of a connection counted by Opened: active-1.
+func (sl *Slot) Closed() { sl.add(offActive, ^uint64(0)) }
+
+// AddActive moves the active gauge by d (negative allowed).
+func (sl *Slot) AddActive(d int64) { sl.add(offActive, uint64(d)) }
+
+// AddAccepted, AddRefused and AddDropped add to the totals.
+func (sl *Slot) AddAccepted(n uint64) { sl.add(offAccepted, n) }
+func (sl *Slot) AddRefused(n uint64)  { sl.add(offRefused, n) }
+func (sl *Slot) AddDropped(n uint64)  { sl.add(offDropped, n) }
+
+// AddBytes adds to bytes_in (caller to guest) and bytes_out (guest to caller).
+func (sl *Slot) AddBytes(in, out uint64) {
+	if in != 0 {
+		sl.add(offBytesIn, in)
+	}
+	if out != 0 {
+		sl.add(offBytesOut, out)
+	}
+}
+
+// Read returns the slot's current counters.
+func (sl *Slot) Read() Counters { return sl.s.read(sl.i) }
+
+// Release gives the slot back. With deleted set and no other holder left, the
+// exposure is gone for good: the slot is zeroed and freed. Without it the
+// values stay for the next process (a daemon stopping, not a deletion).
+func (sl *Slot) Release(deleted bool) {
+	if sl.released.Swap(true) {
+		return
+	}
+	s := sl.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.refs[sl.i]--
+	if s.refs[sl.i] > 0 {
+		return
+	}
+	delete(s.refs, sl.i)
+	if deleted && !s.closed {
+		s.zero(sl.i)
+		delete(s.byName, sl.name)
+	}
+}
+
+// Dump reads a pinned exposure_stats map read-only, without attaching or
+// mapping it: what `brokkr stats` uses, daemon or not.
+func Dump(pinPath string) ([]Entry, error) {
+	m, err := ebpf.LoadPinnedMap(pinPath, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return nil, fmt.Errorf("opening %s: %w", pinPath, err)
+	}
+	defer m.Close()
+	if int(m.ValueSize()) != valueSize {
+		return nil, fmt.Errorf("%s: value size %d, want %d (another layout version)", pinPath, m.ValueSize(), valueSize)
+	}
+	var out []Entry
+	var key uint32
+	var v statLayout
+	it := m.Iterate()
+	for it.Next(&key, &v) {
+		name := cString(v.Name[:])
+		if name == "" {
+			continue
+		}
+		out = append(out, Entry{Slot: int(key), Name: name, Protocol: v.Protocol, HostPort: v.HostPort,
+			Counters: Counters{Active: v.Active, Accepted: v.Accepted, Refused: v.Refused, Dropped: v.Dropped,
+				BytesIn: v.BytesIn, BytesOut: v.BytesOut}})
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("reading %s: %w", pinPath, err)
+	}
+	return out, nil
+}
+
+func cString(b []int8) string {
+	var sb strings.Builder
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		sb.WriteByte(byte(c))
+	}
+	return sb.String()
+}
+
+// EnsureBPFFS makes dir usable for pins: when dir is under /sys/fs/bpf and no
+// bpffs is mounted there, it mounts one; then it creates dir. Anything else
+// that is not a bpffs is an error, never silently a tmpfs.
+func EnsureBPFFS(dir string) error {
+	const root = "/sys/fs/bpf"
+	clean := filepath.Clean(dir)
+	if clean == root || strings.HasPrefix(clean, root+"/") {
+		if !isBPFFS(root) {
+			if err := os.MkdirAll(root, 0o755); err != nil {
+				return fmt.Errorf("bpfDir %s: %w", dir, err)
+			}
+			if err := unix.Mount("bpf", root, "bpf", 0, "mode=0700"); err != nil {
+				return fmt.Errorf("bpfDir %s: mounting bpffs at %s: %w", dir, root, err)
+			}
+		}
+	}
+	if strings.Contains(filepath.Base(clean), ".") {
+		return fmt.Errorf("bpfDir %s: bpffs names may not contain '.'", dir)
+	}
+	if err := os.MkdirAll(clean, 0o700); err != nil {
+		return fmt.Errorf("bpfDir %s: %w", dir, err)
+	}
+	return checkBPFFS(clean)
+}
+
+func checkBPFFS(dir string) error {
+	if !isBPFFS(dir) {
+		return fmt.Errorf("bpfDir %s is not on a bpffs (mount -t bpf bpf %s, or use a path under /sys/fs/bpf)", dir, dir)
+	}
+	return nil
+}
+
+func isBPFFS(path string) bool {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return false
+	}
+	return uint32(st.Type) == bpffsMagic
+}

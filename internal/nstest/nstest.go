@@ -1,0 +1,164 @@
+// Package nstest gives tests and benchmarks network namespaces of their own,
+// named brk-*, deleted on cleanup (also when the test fails), so nothing ever
+// touches the root namespace's links, routes, nftables or sysctls.
+package nstest
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+)
+
+// NS is one named network namespace under /run/netns.
+type NS struct {
+	Name string
+	Path string
+}
+
+// RequireRoot skips the test when not running as root.
+func RequireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: creates network namespaces")
+	}
+}
+
+// Name derives a short, unique namespace name from the test name and a role:
+// brk-<hash>-<role>. netns names become file names and device-free, but short
+// names keep `ip netns list` readable.
+func Name(t testing.TB, role string) string {
+	// The test binary's name keeps equal test names in two packages apart.
+	sum := sha256.Sum256([]byte(filepath.Base(os.Args[0]) + "/" + t.Name()))
+	return "brk-" + hex.EncodeToString(sum[:4]) + "-" + role
+}
+
+// New creates the namespace brk-<hash>-<role> with lo up, and deletes it when
+// the test ends.
+func New(t testing.TB, role string) *NS {
+	t.Helper()
+	RequireRoot(t)
+	name := Name(t, role)
+	_ = exec.Command("ip", "netns", "delete", name).Run() // a leftover of a killed run
+	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
+		t.Fatalf("ip netns add %s: %v: %s", name, err, out)
+	}
+	n := &NS{Name: name, Path: "/run/netns/" + name}
+	t.Cleanup(func() { n.Delete() })
+	n.MustRun(t, "ip", "link", "set", "lo", "up")
+	return n
+}
+
+// Delete removes the namespace. Processes still inside keep it alive until
+// they exit, so callers kill their children first.
+func (n *NS) Delete() {
+	_ = exec.Command("ip", "netns", "delete", n.Name).Run()
+}
+
+// Command builds a command that runs inside the namespace. It enters only the
+// network namespace (nsenter --net), unlike `ip netns exec`, so the caller's
+// mount namespace and with it /sys/fs/bpf stay visible.
+func (n *NS) Command(name string, args ...string) *exec.Cmd {
+	return exec.Command("nsenter", append([]string{"--net=" + n.Path, "--", name}, args...)...)
+}
+
+// Run runs a command in the namespace and returns its combined output.
+func (n *NS) Run(name string, args ...string) (string, error) {
+	out, err := n.Command(name, args...).CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("%s %s (in %s): %w: %s", name, strings.Join(args, " "), n.Name, err, out)
+	}
+	return string(out), nil
+}
+
+// MustRun is Run that fails the test on error.
+func (n *NS) MustRun(t testing.TB, name string, args ...string) string {
+	t.Helper()
+	out, err := n.Run(name, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// Handle opens the namespace as a netns handle; the caller closes it.
+func (n *NS) Handle() (netns.NsHandle, error) { return netns.GetFromPath(n.Path) }
+
+// Netlink returns a netlink handle bound to the namespace, closed at cleanup.
+func (n *NS) Netlink(t testing.TB) *netlink.Handle {
+	t.Helper()
+	h, err := n.Handle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	nl, err := netlink.NewHandleAt(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nl.Close)
+	return nl
+}
+
+// Do runs fn on a locked OS thread switched into the namespace. Sockets made
+// inside fn belong to the namespace and stay there after Do returns. If the
+// thread cannot be switched back it is left locked so the runtime discards it.
+func (n *NS) Do(fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer orig.Close()
+		target, err := n.Handle()
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- err
+			return
+		}
+		defer target.Close()
+		if err := netns.Set(target); err != nil {
+			runtime.UnlockOSThread()
+			errc <- err
+			return
+		}
+		ferr := fn()
+		if err := netns.Set(orig); err != nil {
+			errc <- fmt.Errorf("restoring netns: %w (thread discarded)", err)
+			return // thread stays locked and dies with the goroutine
+		}
+		runtime.UnlockOSThread()
+		errc <- ferr
+	}()
+	return <-errc
+}
+
+// Link joins two namespaces with a veth pair and addresses both ends
+// (CIDR form, e.g. "10.99.0.1/24"); either address may be "".
+func Link(t testing.TB, a *NS, aIf, aAddr string, b *NS, bIf, bAddr string) {
+	t.Helper()
+	// Created from inside a, so the pair never appears in the root namespace.
+	if _, err := a.Run("ip", "link", "add", aIf, "type", "veth", "peer", "name", bIf, "netns", b.Name); err != nil {
+		t.Fatalf("veth %s/%s: %v", aIf, bIf, err)
+	}
+	for _, e := range []struct {
+		ns        *NS
+		ifc, cidr string
+	}{{a, aIf, aAddr}, {b, bIf, bAddr}} {
+		if e.cidr != "" {
+			e.ns.MustRun(t, "ip", "addr", "add", e.cidr, "dev", e.ifc)
+		}
+		e.ns.MustRun(t, "ip", "link", "set", e.ifc, "up")
+	}
+}

@@ -1,0 +1,74 @@
+// Package netplane owns the host side of the guest network: the bridge, one
+// tap per VM, guest addressing (IPAM + DHCP), and the nftables table
+// `inet brokkr` that publishes guest ports (map-dispatched DNAT with caps,
+// counters, guards), masquerade, isolation and conntrack hygiene.
+package netplane
+
+import (
+	"net"
+	"net/netip"
+
+	"github.com/brokkr/brokkr/bpf"
+)
+
+// Network is the config's `network:` section, validated.
+type Network struct {
+	Bridge        string       // e.g. brokkr0
+	CIDR          netip.Prefix // bridge address with prefix, e.g. 10.213.0.1/24
+	MTU           int
+	Masquerade    bool
+	DHCP          bool
+	IsolateGuests bool
+}
+
+// Guest is a VM that needs a tap and an address.
+type Guest struct {
+	Name       string
+	MultiQueue bool // create the tap with IFF_MULTI_QUEUE
+}
+
+// Exposure is one published port as netplane carries it.
+type Exposure struct {
+	Name        string
+	VM          string     // the guest whose leased address is the target, or ""
+	Target      netip.Addr // explicit guest address (a guest not run by brokkr), when VM == ""
+	Protocol    string     // tcp | udp
+	HostAddress netip.Addr // unspecified (0.0.0.0) = every local address
+	HostPort    uint16
+	GuestPort   uint16
+	MaxConns    int // 0 = unlimited
+}
+
+// Desired is everything netplane converges to in one call.
+type Desired struct {
+	Network   Network
+	Guests    []Guest
+	Exposures []Exposure // only those that use the kernel path (mode nat or auto)
+}
+
+// GuestStatus is what the rest of the daemon needs to know about a guest's
+// network: its tap, MAC, assigned address, and whether it has taken a lease.
+type GuestStatus struct {
+	Name    string
+	Tap     string
+	MAC     net.HardwareAddr
+	Address netip.Addr // assigned by IPAM (stable); valid even before the lease
+	Leased  bool       // the guest has asked for and taken its DHCP lease
+	Error   string
+}
+
+// ExposureStatus is one exposure's row; State is active | pending | failed.
+type ExposureStatus struct {
+	Name     string
+	State    string
+	Reason   string
+	Counters bpf.Counters
+}
+
+// Report is the result of one Converge.
+type Report struct {
+	Guests    []GuestStatus
+	Exposures []ExposureStatus
+	Repaired  []string // drift found and repaired on this pass ("tap brk-web was missing")
+	Err       error    // a failure of the whole pass (the network section itself)
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the Debian packages brokkr's build, tests, demo and benchmarks use.
+# Idempotent and quiet when everything is already there.
+set -euo pipefail
+pkgs=(clang-14 llvm-14 libbpf-dev linux-libc-dev bpftool nftables iproute2 conntrack
+      iperf3 socat haproxy wrk busybox-static cpio qemu-system-x86 strace util-linux
+      ca-certificates curl)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,128 @@
+// Package supervisor runs the hypervisor processes from desired state: one
+// worker goroutine per VM, images and disks, records, restart policy, and
+// adoption of VMs that outlived a daemon restart.
+package supervisor
+
+import (
+	"context"
+	"net"
+	"time"
+)
+
+// Power and restart values from the config.
+const (
+	PowerRunning = "running"
+	PowerStopped = "stopped"
+
+	RestartAlways    = "always"
+	RestartOnFailure = "on-failure"
+	RestartNever     = "never"
+)
+
+// Phases of VMStatus.Phase (DESIGN.md §3).
+const (
+	PhasePending  = "pending"
+	PhaseCreating = "creating"
+	PhaseStarting = "starting"
+	PhaseRunning  = "running"
+	PhaseStopping = "stopping"
+	PhaseStopped  = "stopped"
+	PhaseFailed   = "failed"
+)
+
+// Source is a local path or an http(s) URL, with the sha256 it must have
+// (required for URLs, optional for paths).
+type Source struct {
+	Location string
+	SHA256   string
+}
+
+// Disk is the VM's root disk: a per-VM sparse copy of Source grown to Size.
+type Disk struct {
+	Source Source
+	Size   int64 // bytes; 0 = the image's own size
+}
+
+// VMSpec is one VM's desired state, with the network facts netplane supplied.
+type VMSpec struct {
+	Name      string
+	CPUs      int
+	MemoryMiB int
+	Kernel    Source
+	Initramfs *Source
+	Cmdline   string
+	Disk      *Disk
+	Power     string // running | stopped
+	Restart   string // always | on-failure | never
+
+	Tap string           // tap device to attach (made by netplane)
+	MAC net.HardwareAddr // the guest's MAC (stable per VM)
+	IP  string           // optional kernel ip= argument for direct-kernel boots
+}
+
+// VMStatus is one VM's row in a Report.
+type VMStatus struct {
+	Name     string
+	Phase    string
+	Detail   string // the step in progress or what failed ("downloading image 40%")
+	PID      int
+	Restarts int
+}
+
+// Report is what Step returns: one row per VM the engine knows (desired or recorded).
+type Report struct {
+	VMs []VMStatus
+}
+
+// LaunchConfig is what a backend needs to start one VM, with images resolved
+// to local files.
+type LaunchConfig struct {
+	Name        string
+	Dir         string // stateDir/vms/<name>: logs, console.log, disk
+	RunDir      string // runDir/vms/<name>: API/QMP sockets, pidfile (short paths: sun_path is 108 bytes)
+	CPUs        int
+	MemoryMiB   int
+	Kernel      string
+	Initramfs   string
+	Cmdline     string
+	DiskPath    string
+	Tap         string
+	MAC         net.HardwareAddr
+	ConsoleLog  string
+	ConsoleSize int64 // cap on console.log in bytes
+}
+
+// Instance is a running (or adopted) hypervisor process.
+type Instance struct {
+	PID       int
+	StartTime uint64 // /proc/<pid>/stat field 22, to tell a reused pid apart
+	Exe       string // /proc/<pid>/exe at start
+	APISocket string
+}
+
+// VMState is what a backend's Info says about the guest.
+type VMState string
+
+const (
+	VMCreated  VMState = "created"
+	VMRunning  VMState = "running"
+	VMShutdown VMState = "shutdown"
+	VMPaused   VMState = "paused"
+)
+
+// Hypervisor is the seam to a VMM (cloud-hypervisor, qemu, or a test fake).
+// Processes it starts must outlive the daemon (Setsid, no Pdeathsig).
+type Hypervisor interface {
+	// Kind names the backend ("cloud-hypervisor", "qemu").
+	Kind() string
+	// Start launches the VMM and boots the guest; it returns once the guest
+	// is booting (for CH: vm.info says Running) or ctx ends.
+	Start(ctx context.Context, cfg LaunchConfig) (Instance, error)
+	// Adopt checks that a recorded instance is still that VMM (same pid, start
+	// time and executable, API answering with that pid).
+	Adopt(ctx context.Context, inst Instance) error
+	// Info asks the VMM for the guest's state.
+	Info(ctx context.Context, inst Instance) (VMState, error)
+	// Stop: power button, wait up to grace, then API shutdown or SIGTERM, then SIGKILL.
+	Stop(ctx context.Context, inst Instance, grace time.Duration) error
+}
