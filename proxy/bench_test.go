@@ -64,3 +64,64 @@ func benchEcho(b *testing.B) int {
 	}()
 	return ln.Addr().(*net.TCPAddr).Port
 }
+
+// Bulk transfer (one connection, 64 MiB each way per op... one way: caller to
+// guest) through the proxy and, as the baseline in the same run, direct.
+func BenchmarkBulkDirect(b *testing.B) {
+	benchBulk(b, func(port int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(port)) })
+}
+
+func BenchmarkBulkProxied(b *testing.B) {
+	benchBulk(b, func(port int) string {
+		m := NewManager(func(string) string { return "127.0.0.1" }, nil)
+		b.Cleanup(m.StopAll)
+		st := m.Converge([]Spec{{ID: "bulk", VM: "vm", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: port}})[0]
+		if st.State != StateActive {
+			b.Fatal(st.Reason)
+		}
+		return st.BoundAddr
+	})
+}
+
+func benchBulk(b *testing.B, addrOf func(guestPort int) string) {
+	const size = 64 << 20
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				n, _ := io.Copy(io.Discard, c)
+				c.Write([]byte(strconv.FormatInt(n, 10)))
+			}()
+		}
+	}()
+	addr := addrOf(ln.Addr().(*net.TCPAddr).Port)
+	buf := make([]byte, 256<<10)
+	b.SetBytes(size)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for sent := 0; sent < size; sent += len(buf) {
+			if _, err := c.Write(buf); err != nil {
+				b.Fatal(err)
+			}
+		}
+		c.(*net.TCPConn).CloseWrite()
+		got, _ := io.ReadAll(c)
+		c.Close()
+		if string(got) != strconv.Itoa(size) {
+			b.Fatalf("guest got %q bytes", got)
+		}
+	}
+}

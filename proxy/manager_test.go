@@ -5,7 +5,9 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -552,4 +554,51 @@ func TestAcceptedCallersInheritKeepaliveFromTheListener(t *testing.T) {
 	assert.Equal(t, 1, on)
 	assert.Equal(t, int(keepIdle/time.Second), idle)
 	assert.Equal(t, keepCount, cnt)
+}
+
+// openFDs counts this process's descriptors, after letting the GC close the
+// splice pipes sync.Pool dropped (the race detector makes it drop some).
+func openFDs(t *testing.T) int {
+	t.Helper()
+	for i := 0; i < 3; i++ {
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond)
+	}
+	ents, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	return len(ents)
+}
+
+// An idle carried connection costs the proxy its two sockets and nothing
+// more: no splice pipe is held while a direction waits for data.
+func TestAnIdleConnectionHoldsOnlyItsTwoSockets(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	hold(t, st.BoundAddr) // warm up: the listener, the guest, the pipe pool
+	before := openFDs(t)
+	const n = 20
+	for i := 0; i < n; i++ {
+		hold(t, st.BoundAddr)
+	}
+	// In this process each connection is four sockets: the caller's, the
+	// proxy's two, and the guest's.
+	grown := openFDs(t) - before
+	if grown > 4*n+6 {
+		t.Logf("descriptors by kind: %v", fdKinds())
+	}
+	assert.GreaterOrEqual(t, grown, 4*n)
+	assert.LessOrEqual(t, grown, 4*n+6, "idle connections hold splice pipes")
+}
+
+func fdKinds() map[string]int {
+	ents, _ := os.ReadDir("/proc/self/fd")
+	kinds := map[string]int{}
+	for _, e := range ents {
+		l, _ := os.Readlink("/proc/self/fd/" + e.Name())
+		if i := strings.IndexByte(l, '['); i > 0 {
+			l = l[:i]
+		}
+		kinds[l]++
+	}
+	return kinds
 }

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // The pause an accept loop takes while the process is out of descriptors:
@@ -17,11 +19,8 @@ const (
 	acceptPauseCeiling = time.Second
 )
 
-// copyChunk bounds one io.CopyN call of a carried connection, so its byte
-// counters move while a long transfer is still running. The chunk goes
-// through io.LimitedReader, which Go's splice path unwraps: the copy is still
-// splice(2) (see TestCarriedBytesGoThroughSplice).
-const copyChunk = 1 << 20
+// copyChunk bounds one io.CopyN call of a carried connection.
+const copyChunk = 4 << 20
 
 // serveTCP is one listener's accept loop. A shortage of descriptors (EMFILE,
 // ENFILE) pauses it and keeps the port: handing the listener back would ask
@@ -142,25 +141,68 @@ func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string) {
 // keeps flowing. Any other error (a reset, a write to a closed peer) ends the
 // whole connection, which is what unblocks the other direction.
 //
-// Both ends are *net.TCPConn, never wrapped, so Go moves the bytes with
-// splice(2); bytes are counted from what io.CopyN reports.
+// Both ends are *net.TCPConn, never wrapped, so io.CopyN moves the bytes with
+// splice(2) (see TestCarriedBytesGoThroughSplice). Each CopyN is sized to the
+// bytes already queued on the source, for two reasons: the byte counters move
+// with every chunk instead of at the end of the connection, and Go's splice
+// holds a pipe (two descriptors) for as long as it waits for data, so a copy
+// that never waits inside splice leaves an idle connection holding its two
+// sockets and nothing else.
 func copyHalf(dst, src *net.TCPConn, count func(int64)) {
-	for {
-		n, err := io.CopyN(dst, src, copyChunk)
+	rc, err := src.SyscallConn()
+	for err == nil {
+		var queued int
+		if queued, err = waitQueued(rc); err != nil {
+			break
+		}
+		if queued == 0 { // EOF
+			_ = dst.CloseWrite()
+			return
+		}
+		var n int64
+		n, err = io.CopyN(dst, src, int64(min(queued, copyChunk)))
 		if n > 0 {
 			count(n)
 		}
-		switch {
-		case err == nil:
-			continue
-		case errors.Is(err, io.EOF):
-			_ = dst.CloseWrite()
-		default:
-			src.Close()
-			dst.Close()
-		}
+	}
+	if errors.Is(err, io.EOF) {
+		_ = dst.CloseWrite()
 		return
 	}
+	src.Close()
+	dst.Close()
+}
+
+// waitQueued blocks, without holding anything but the socket, until the
+// socket has bytes to read (it returns how many are queued), has reached EOF
+// (0), or has failed.
+func waitQueued(rc syscall.RawConn) (int, error) {
+	var queued int
+	var serr error
+	err := rc.Read(func(fd uintptr) bool {
+		var b [1]byte
+		for {
+			n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+			switch {
+			case err == unix.EINTR:
+				continue
+			case err == unix.EAGAIN:
+				return false // wait for the poller to say readable
+			case err != nil:
+				serr = err
+			case n > 0:
+				queued, err = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+				if err != nil || queued < 1 {
+					queued = 1
+				}
+			}
+			return true
+		}
+	})
+	if err != nil {
+		return 0, err
+	}
+	return queued, serr
 }
 
 // reset closes a caller with a RST (SO_LINGER 0), so it learns at once that

@@ -135,28 +135,31 @@ tput() { # addr streams
 crate() { inns $CL "$work/connrate" -rate "$1" -c 8 -d "${SECS}s" | awk '{ print $1 }'; }
 median() { sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 
-declare -A R1 R8 RC
+# Every measurement is one line "round path metric value" in $work/results.
+# The path order rotates each round so no path always runs first or last.
 for round in $(seq "$ROUNDS"); do
-  for p in "${paths[@]}"; do
-    R1[$p]+="$(tput "${IPERF[$p]}" 1) "
-    R8[$p]+="$(tput "${IPERF[$p]}" 8) "
-    RC[$p]+="$(crate "${RATE[$p]}") "
+  order=("${paths[@]:$(( (round - 1) % ${#paths[@]} ))}" "${paths[@]:0:$(( (round - 1) % ${#paths[@]} ))}")
+  for p in "${order[@]}"; do
+    echo "$round $p p1 $(tput "${IPERF[$p]}" 1)" >>"$work/results"
+    echo "$round $p p8 $(tput "${IPERF[$p]}" 8)" >>"$work/results"
+    echo "$round $p rate $(crate "${RATE[$p]}")" >>"$work/results"
   done
   echo "round $round done" >&2
 done
 
-# --- RSS per idle held connection -------------------------------------------------
+# --- memory and descriptors per idle held connection --------------------------------
 rss() { awk '/^VmRSS/ { print $2 }' /proc/$1/status; }
-holdrss() { # pid addr
-  local before after
-  before=$(rss "$1")
+fds() { ls /proc/$1/fd | wc -l; }
+holdrss() { # pid addr -> rss_before rss_after fds_before fds_after
+  local before after fb fa
+  before=$(rss "$1"); fb=$(fds "$1")
   coproc HOLDER { inns $CL "$work/connrate" -hold "$2" -n "$HOLD"; }
   read -r line <&"${HOLDER[0]}"
   sleep 1
-  after=$(rss "$1")
+  after=$(rss "$1"); fa=$(fds "$1")
   eval "exec ${HOLDER[1]}>&-"
   wait "$HOLDER_PID" 2>/dev/null || true
-  echo "$before $after"
+  echo "$before $after $fb $fa"
 }
 declare -A RSS
 RSS[brokkr]=$(holdrss $BROKKR 10.77.1.1:7201)
@@ -171,29 +174,51 @@ inns $CL iperf3 -c 10.77.1.1 -p 6201 -t 2 >/dev/null 2>&1 || true
 kill -INT $ST; wait $ST 2>/dev/null || true
 
 # --- report -------------------------------------------------------------------------
-m1() { echo ${R1[$1]} | tr ' ' '\n' | median; }
-m8() { echo ${R8[$1]} | tr ' ' '\n' | median; }
-mc() { echo ${RC[$1]} | tr ' ' '\n' | median; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
-d1=$(m1 direct) d8=$(m8 direct) dc=$(mc direct)
+# Medians of the values, and medians of the per-round ratios (each ratio is
+# taken between runs of the same round, minutes apart at most).
+report() {
+  awk -v paths="${paths[*]}" -v rounds="$ROUNDS" '
+    function median(arr, n,   i, j, t) {
+      for (i = 2; i <= n; i++) for (j = i; j > 1 && arr[j-1] > arr[j]; j--) { t = arr[j]; arr[j] = arr[j-1]; arr[j-1] = t }
+      return n % 2 ? arr[(n + 1) / 2] : (arr[n / 2] + arr[n / 2 + 1]) / 2
+    }
+    function med(p, m,   r, a) { for (r = 1; r <= rounds; r++) a[r] = v[r, p, m]; return median(a, rounds) }
+    function medratio(p, q, m,   r, a, n) {
+      n = 0
+      for (r = 1; r <= rounds; r++) if (v[r, q, m] > 0) a[++n] = v[r, p, m] / v[r, q, m]
+      return n ? median(a, n) : 0
+    }
+    { v[$1, $2, $3] = $4 }
+    END {
+      np = split(paths, P, " ")
+      print "| path | iperf3 -P1 Gbit/s | × direct | iperf3 -P8 Gbit/s | × direct | conns/s | × direct |"
+      print "|---|---|---|---|---|---|---|"
+      for (i = 1; i <= np; i++) {
+        p = P[i]
+        printf "| %s | %.2f | %.2f | %.2f | %.2f | %.0f | %.2f |\n", p, med(p, "p1"), medratio(p, "direct", "p1"),
+          med(p, "p8"), medratio(p, "direct", "p8"), med(p, "rate"), medratio(p, "direct", "rate")
+      }
+      printf "\nbrokkr / docker-proxy (median of per-round ratios): -P1 %.2f×, -P8 %.2f×, conns/s %.2f×\n",
+        medratio("brokkr", "docker-proxy", "p1"), medratio("brokkr", "docker-proxy", "p8"), medratio("brokkr", "docker-proxy", "rate")
+      print "\nevery round (-P1 Gbit/s | -P8 Gbit/s | conns/s):"
+      for (i = 1; i <= np; i++) {
+        p = P[i]; a = ""; b = ""; c = ""
+        for (r = 1; r <= rounds; r++) { a = a " " v[r, p, "p1"]; b = b " " v[r, p, "p8"]; c = c " " v[r, p, "rate"] }
+        printf "  %-12s%s |%s |%s\n", p, a, b, c
+      }
+    }' "$work/results"
+}
 echo
-echo "proxy benchmark $(date -u +%FT%TZ), $(nproc) CPUs, kernel $(uname -r), median of $ROUNDS x ${SECS}s; docker-proxy from docker.io $DPVER"
+echo "proxy benchmark $(date -u +%FT%TZ), $(nproc) CPUs, kernel $(uname -r), $ROUNDS rounds x ${SECS}s per measurement; docker-proxy from docker.io $DPVER"
 echo
-echo "| path | iperf3 -P1 Gbit/s | × direct | iperf3 -P8 Gbit/s | × direct | conns/s | × direct |"
-echo "|---|---|---|---|---|---|---|"
-for p in "${paths[@]}"; do
-  echo "| $p | $(m1 $p) | $(ratio $(m1 $p) $d1) | $(m8 $p) | $(ratio $(m8 $p) $d8) | $(mc $p) | $(ratio $(mc $p) $dc) |"
-done
+report
 echo
-echo "brokkr / docker-proxy: -P1 $(ratio $(m1 brokkr) $(m1 docker-proxy))×, -P8 $(ratio $(m8 brokkr) $(m8 docker-proxy))×, conns/s $(ratio $(mc brokkr) $(mc docker-proxy))×"
-echo "all rounds (-P1 | -P8 | conns/s):"
-for p in "${paths[@]}"; do echo "  $p: ${R1[$p]}| ${R8[$p]}| ${RC[$p]}"; done
-echo
-echo "| proxy | VmRSS idle kB | VmRSS with $HOLD held kB | per held connection kB |"
-echo "|---|---|---|---|"
+echo "| proxy | VmRSS idle kB | VmRSS, $HOLD idle connections held, kB | kB per held connection | fds per held connection |"
+echo "|---|---|---|---|---|"
 for p in brokkr docker-proxy haproxy; do
-  read -r b a <<<"${RSS[$p]}"
-  echo "| $p | $b | $a | $(awk -v a="$a" -v b="$b" -v n="$HOLD" 'BEGIN { printf "%.1f", (a - b) / n }') |"
+  read -r b a fb fa <<<"${RSS[$p]}"
+  awk -v p="$p" -v a="$a" -v b="$b" -v fa="$fa" -v fb="$fb" -v n="$HOLD" \
+    'BEGIN { printf "| %s | %d | %d | %.1f | %.1f |\n", p, b, a, (a - b) / n, (fa - fb) / n }'
 done
 echo
 echo "splice proof: strace -f -c -e trace=splice,read,write -p <brokkr proxy> during a 2 s iperf3 -P1:"
