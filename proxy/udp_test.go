@@ -183,6 +183,12 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 	p6 := netip.MustParseAddrPort(st[1].BoundAddr).Port()
 	to6 := netip.AddrPortFrom(netip.MustParseAddr("fd00:bb::2"), p6).String()
 	r, from = ask(t, c6, to6, "v6", 5*time.Second)
+	if r == "" {
+		m.mu.Lock()
+		ex := m.live["u6"]
+		t.Logf("no reply over IPv6; u6 reason %q lost %q conns %d counters %+v", ex.reason, ex.lost, ex.conns.Load(), ex.ctr.slot.Read())
+		m.mu.Unlock()
+	}
 	require.NotEmpty(t, r)
 	assert.Equal(t, to6, from.String())
 
