@@ -117,7 +117,7 @@ func buildArgs(cfg supervisor.LaunchConfig, p launchPlan) []string {
 		"-nodefaults", "-no-user-config", "-display", "none",
 		"-no-reboot",
 		"-pidfile", p.PIDFile,
-		"-qmp", "unix:" + p.QMPSocket + ",server=on,wait=off",
+		"-qmp", "unix:"+p.QMPSocket+",server=on,wait=off",
 		"-kernel", cfg.Kernel,
 	)
 	if cfg.Initramfs != "" {
