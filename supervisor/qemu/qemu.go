@@ -507,3 +507,20 @@ func waitExit(ctx context.Context, inst supervisor.Instance, d time.Duration) bo
 		}
 	}
 }
+
+// KVMDisabledReason says why this backend launches under TCG instead of KVM
+// ("" while KVM has not failed here), for status and logs.
+func (b *Backend) KVMDisabledReason() string {
+	if b.accel == AccelTCG {
+		return "tcg configured"
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.kvmBroken != "" {
+		return b.kvmBroken
+	}
+	if err := kvmUsable(); err != nil {
+		return err.Error()
+	}
+	return ""
+}
