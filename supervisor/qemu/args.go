@@ -26,6 +26,7 @@ const (
 type launchPlan struct {
 	Machine   string // MachineQ35 | MachineMicroVM
 	Accel     string // AccelKVM | AccelTCG (resolved, never auto)
+	CPU       string // -cpu model under KVM ("" = host)
 	TSCKHz    int64  // microvm: host TSC for tsc_early_khz= (0: leave it to the guest)
 	QMPSocket string
 	PIDFile   string
@@ -109,7 +110,11 @@ func buildArgs(cfg supervisor.LaunchConfig, p launchPlan) []string {
 		"-accel", p.Accel,
 	}
 	if p.Accel == AccelKVM {
-		args = append(args, "-cpu", "host")
+		cpu := p.CPU
+		if cpu == "" {
+			cpu = "host"
+		}
+		args = append(args, "-cpu", cpu)
 	}
 	args = append(args,
 		"-smp", strconv.Itoa(cpus),

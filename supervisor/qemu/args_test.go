@@ -214,3 +214,18 @@ func TestStopDeadInstance(t *testing.T) {
 	assert.Error(t, err)
 	assert.Error(t, New("").Adopt(t.Context(), inst), "a reused pid is not adopted")
 }
+
+func TestConsoleOnSerial(t *testing.T) {
+	assert.True(t, consoleOnSerial("quiet console=ttyS0 panic=-1"))
+	assert.True(t, consoleOnSerial("console=tty0 console=ttyS0,115200n8"))
+	assert.False(t, consoleOnSerial("console=ttyS0 console=hvc0"), "the last console= is the one init writes to")
+	assert.False(t, consoleOnSerial("console=ttyS1"))
+	assert.False(t, consoleOnSerial(""))
+}
+
+func TestKVMCPUModel(t *testing.T) {
+	p := launchPlan{Machine: MachineQ35, Accel: AccelKVM, CPU: "host,-arch-capabilities", QMPSocket: "/q", PIDFile: "/p"}
+	assert.Equal(t, "host,-arch-capabilities", argAfter(buildArgs(testLaunch(), p), "-cpu", 0))
+	p.Accel = AccelTCG
+	assert.NotContains(t, buildArgs(testLaunch(), p), "-cpu", "the KVM CPU model is not used under TCG")
+}

@@ -123,6 +123,9 @@ func httpGet(c net.Conn) (string, error) {
 // running by QMP, is adopted by a fresh backend (same pid), refuses a second
 // qemu on its QMP socket, and powers off through the ACPI power button.
 func TestBootGuestAdoptStop(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots a real VM (-short)")
+	}
 	nstest.RequireRoot(t)
 	requireQEMU(t)
 	img := findGuestImage(t)

@@ -35,6 +35,7 @@ type Backend struct {
 	accel       string
 	netnsPath   string
 	tscKHz      int64
+	kvmCPU      string
 	kvmWindow   time.Duration
 	qmpTimeout  time.Duration
 	stopStepMax time.Duration
@@ -70,6 +71,10 @@ func WithTSCKHz(khz int64) Option { return func(b *Backend) { b.tscKHz = khz } }
 // a working KVM guest prints in well under a second).
 func WithKVMProbeWindow(d time.Duration) Option { return func(b *Backend) { b.kvmWindow = d } }
 
+// WithKVMCPU sets the -cpu model for KVM launches (default "host"; TCG
+// launches use qemu's default model).
+func WithKVMCPU(model string) Option { return func(b *Backend) { b.kvmCPU = model } }
+
 // WithLogger sets the logger (default slog.Default()).
 func WithLogger(l *slog.Logger) Option { return func(b *Backend) { b.log = l } }
 
@@ -80,6 +85,7 @@ func New(path string, opts ...Option) *Backend {
 		path:        path,
 		machine:     MachineQ35,
 		accel:       AccelAuto,
+		kvmCPU:      "host",
 		kvmWindow:   10 * time.Second,
 		qmpTimeout:  5 * time.Second,
 		stopStepMax: 3 * time.Second,
@@ -188,7 +194,7 @@ func (b *Backend) pickAccel() (accel, why string) {
 
 // launch runs qemu once with the given accelerator.
 func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchConfig, accel string) (supervisor.Instance, error) {
-	plan := launchPlan{Machine: b.machine, Accel: accel, TSCKHz: b.tscKHz, QMPSocket: qmpSocket(cfg), PIDFile: pidFile(cfg)}
+	plan := launchPlan{Machine: b.machine, Accel: accel, CPU: b.kvmCPU, TSCKHz: b.tscKHz, QMPSocket: qmpSocket(cfg), PIDFile: pidFile(cfg)}
 	if cfg.ConsoleLog != "" {
 		// One previous boot's console is kept for post-mortems.
 		if fi, err := os.Stat(cfg.ConsoleLog); err == nil && fi.Size() > 0 {
@@ -241,7 +247,7 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		return fail(fmt.Errorf("qemu: vm %s: %w; qemu.log: %s", cfg.Name, err, detail))
 	}
 	if accel == AccelKVM {
-		if err := b.probeKVM(ctx, cfg, inst, logStart); err != nil {
+		if err := b.probeKVM(ctx, cfg, plan, inst, logStart); err != nil {
 			return fail(err)
 		}
 	}
@@ -287,18 +293,20 @@ func (b *Backend) waitQMP(ctx context.Context, inst supervisor.Instance) error {
 	}
 }
 
-// probeKVM watches a KVM launch until the guest prints on its console
-// (KVM works), or the vCPU stops with an internal error, qemu exits, or the
-// window passes in silence (emulated "KVM" crawling through the kernel's
-// decompressor): those are kvmFailures.
-func (b *Backend) probeKVM(ctx context.Context, cfg supervisor.LaunchConfig, inst supervisor.Instance, logStart int64) error {
-	if cfg.ConsoleLog == "" {
-		return nil // nothing to watch: trust KVM
-	}
+// probeKVM watches a KVM launch for the probe window. The vCPU stopping
+// with an internal error (QMP status) or qemu exiting is a kvmFailure. When
+// the guest's console is the serial port, the guest printing there proves
+// KVM works, and silence for the whole window is a kvmFailure too (emulated
+// "KVM" crawling through the kernel's decompressor); with the console
+// elsewhere, silence proves nothing and KVM is trusted after the window.
+func (b *Backend) probeKVM(ctx context.Context, cfg supervisor.LaunchConfig, plan launchPlan, inst supervisor.Instance, logStart int64) error {
+	onSerial := cfg.ConsoleLog != "" && consoleOnSerial(kernelCmdline(cfg, plan))
 	end := time.Now().Add(b.kvmWindow)
 	for {
-		if fi, err := os.Stat(cfg.ConsoleLog); err == nil && fi.Size() > 0 {
-			return nil
+		if onSerial {
+			if fi, err := os.Stat(cfg.ConsoleLog); err == nil && fi.Size() > 0 {
+				return nil
+			}
 		}
 		if !running(inst.PID, inst.StartTime) {
 			return &kvmFailure{reason: "qemu exited during boot: " + logTail(qemuLog(cfg), logStart)}
@@ -310,7 +318,10 @@ func (b *Backend) probeKVM(ctx context.Context, cfg supervisor.LaunchConfig, ins
 			return &kvmFailure{reason: "vCPU stopped with a KVM internal error: " + logTail(qemuLog(cfg), logStart)}
 		}
 		if time.Now().After(end) {
-			return &kvmFailure{reason: fmt.Sprintf("no console output within %s under KVM", b.kvmWindow)}
+			if !onSerial {
+				return nil
+			}
+			return &kvmFailure{reason: fmt.Sprintf("the guest printed nothing on its serial console within %s under KVM", b.kvmWindow)}
 		}
 		select {
 		case <-ctx.Done():
@@ -318,6 +329,18 @@ func (b *Backend) probeKVM(ctx context.Context, cfg supervisor.LaunchConfig, ins
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
+}
+
+// consoleOnSerial reports whether the kernel's last console= is the first
+// serial port (the last console= is /dev/console, where init prints).
+func consoleOnSerial(cmdline string) bool {
+	last := ""
+	for _, a := range strings.Fields(cmdline) {
+		if v, ok := strings.CutPrefix(a, "console="); ok {
+			last = v
+		}
+	}
+	return last == "ttyS0" || strings.HasPrefix(last, "ttyS0,")
 }
 
 // startIn starts cmd inside the network namespace at path ("" = ours). The
