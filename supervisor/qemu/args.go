@@ -64,8 +64,8 @@ func validateLaunch(cfg supervisor.LaunchConfig) error {
 // kernelCmdline adds what the backend relies on to the user's cmdline:
 // the serial console (the console log), panic=-1 (with -no-reboot a guest
 // panic ends qemu, so the engine sees the exit), the VM name for the guest,
-// and on microvm the host TSC frequency (microvm has no HPET or PM timer and
-// TSC calibration against the PIT under TCG can hang the guest).
+// and on microvm under TCG the host TSC frequency (microvm has no HPET or
+// PM timer, and TSC calibration against the PIT under TCG can hang the guest).
 func kernelCmdline(cfg supervisor.LaunchConfig, p launchPlan) string {
 	args := strings.Fields(cfg.Cmdline)
 	has := func(key string) bool {
@@ -85,7 +85,8 @@ func kernelCmdline(cfg supervisor.LaunchConfig, p launchPlan) string {
 	if !has("brokkr.name") {
 		args = append(args, "brokkr.name="+cfg.Name)
 	}
-	if p.Machine == MachineMicroVM && p.TSCKHz > 0 && !has("tsc_early_khz") {
+	// Under KVM the guest has kvmclock and needs no hint.
+	if p.Machine == MachineMicroVM && p.Accel == AccelTCG && p.TSCKHz > 0 && !has("tsc_early_khz") {
 		args = append(args, "tsc_early_khz="+strconv.FormatInt(p.TSCKHz, 10))
 	}
 	return strings.Join(args, " ")

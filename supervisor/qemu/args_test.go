@@ -71,7 +71,9 @@ func TestBuildArgsMicroVMKVM(t *testing.T) {
 	assert.Equal(t, "microvm", argAfter(args, "-machine", 0))
 	assert.Equal(t, "kvm", argAfter(args, "-accel", 0))
 	assert.Equal(t, "host", argAfter(args, "-cpu", 0))
-	assert.Equal(t, "quiet console=ttyS0 panic=-1 brokkr.name=web tsc_early_khz=2445432", argAfter(args, "-append", 0))
+	assert.Equal(t, "quiet console=ttyS0 panic=-1 brokkr.name=web", argAfter(args, "-append", 0), "KVM guests have kvmclock: no TSC hint")
+	p.Accel = AccelTCG
+	assert.Equal(t, "quiet console=ttyS0 panic=-1 brokkr.name=web tsc_early_khz=2445432", argAfter(buildArgs(testLaunch(), p), "-append", 0))
 	assert.Equal(t, "virtio-net-device,netdev=net0,mac=52:54:00:01:02:03", argAfter(args, "-device", 0), "microvm has virtio-mmio, not PCI")
 	assert.Equal(t, "virtio-blk-device,drive=disk0", argAfter(args, "-device", 1))
 }
@@ -93,11 +95,11 @@ func TestBuildArgsOptionalParts(t *testing.T) {
 func TestKernelCmdlineKeepsUserValues(t *testing.T) {
 	cfg := testLaunch()
 	cfg.Cmdline = "console=hvc0 panic=5 tsc_early_khz=1000 brokkr.name=other root=/dev/vda"
-	got := kernelCmdline(cfg, launchPlan{Machine: MachineMicroVM, TSCKHz: 2445432})
+	got := kernelCmdline(cfg, launchPlan{Machine: MachineMicroVM, Accel: AccelTCG, TSCKHz: 2445432})
 	assert.Equal(t, cfg.Cmdline, got)
 	// panicky=1 is not panic=.
 	cfg.Cmdline = "panicky=1"
-	got = kernelCmdline(cfg, launchPlan{Machine: MachineMicroVM})
+	got = kernelCmdline(cfg, launchPlan{Machine: MachineMicroVM, Accel: AccelTCG})
 	assert.Equal(t, "panicky=1 console=ttyS0 panic=-1 brokkr.name=web", got, "no TSC hint when the host rate is unknown")
 }
 
