@@ -1,6 +1,7 @@
 package images
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -16,11 +17,23 @@ const (
 	MethodSparse   = "sparse"   // data ranges copied, holes kept
 )
 
-// PrepareDisk makes the VM's disk at dst from the base image: a reflink
+// PrepareDisk makes the VM's disk at dst from base (see CloneDisk) and logs
+// how it was made.
+func (c *Cache) PrepareDisk(ctx context.Context, base, dst string, size int64) error {
+	method, err := CloneDisk(ctx, base, dst, size)
+	if err != nil {
+		return err
+	}
+	c.log.Info("disk ready", "disk", dst, "base", base, "method", method)
+	return nil
+}
+
+// CloneDisk makes the VM's disk at dst from the base image: a reflink
 // clone where the filesystem supports it, else a sparse copy, then grown to
 // size bytes (0 = the base's size). A disk that already exists is the VM's
-// own data and is kept; it is only grown, never shrunk or replaced.
-func PrepareDisk(base, dst string, size int64) (method string, err error) {
+// own data and is kept; it is only grown, never shrunk or replaced. The copy
+// stops early when ctx ends (the partial file is removed).
+func CloneDisk(ctx context.Context, base, dst string, size int64) (method string, err error) {
 	bfi, err := os.Stat(base)
 	if err != nil {
 		return "", fmt.Errorf("disk: base image: %w", err)
@@ -41,7 +54,7 @@ func PrepareDisk(base, dst string, size int64) (method string, err error) {
 	}
 	tmp := dst + ".tmp"
 	_ = os.Remove(tmp)
-	method, err = cloneFile(base, tmp)
+	method, err = cloneFile(ctx, base, tmp)
 	if err == nil {
 		err = finishDisk(tmp, dst, size)
 	}
@@ -68,7 +81,7 @@ func finishDisk(tmp, dst string, size int64) error {
 }
 
 // cloneFile copies src to a new file dst, by reflink when possible.
-func cloneFile(src, dst string) (string, error) {
+func cloneFile(ctx context.Context, src, dst string) (string, error) {
 	in, err := os.Open(src)
 	if err != nil {
 		return "", err
@@ -82,7 +95,7 @@ func cloneFile(src, dst string) (string, error) {
 	if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err == nil {
 		return MethodReflink, nil
 	}
-	if err := sparseCopy(in, out); err != nil {
+	if err := sparseCopy(ctx, in, out); err != nil {
 		return "", err
 	}
 	return MethodSparse, nil
@@ -90,7 +103,7 @@ func cloneFile(src, dst string) (string, error) {
 
 // sparseCopy copies only the data ranges of in (SEEK_DATA/SEEK_HOLE), so
 // holes stay holes in out. out is sized to in first.
-func sparseCopy(in, out *os.File) error {
+func sparseCopy(ctx context.Context, in, out *os.File) error {
 	fi, err := in.Stat()
 	if err != nil {
 		return err
@@ -113,7 +126,7 @@ func sparseCopy(in, out *os.File) error {
 		if err != nil {
 			return fmt.Errorf("SEEK_HOLE: %w", err)
 		}
-		if err := copyRange(in, out, data, hole-data); err != nil {
+		if err := copyRange(ctx, in, out, data, hole-data); err != nil {
 			return err
 		}
 		off = hole
@@ -123,10 +136,13 @@ func sparseCopy(in, out *os.File) error {
 
 // copyRange copies n bytes at off from in to the same offset in out, in the
 // kernel (copy_file_range) when it can, else through a buffer.
-func copyRange(in, out *os.File, off, n int64) error {
+func copyRange(ctx context.Context, in, out *os.File, off, n int64) error {
 	roff, woff := off, off
 	for n > 0 {
-		c, err := unix.CopyFileRange(int(in.Fd()), &roff, int(out.Fd()), &woff, int(min(n, 1<<30)), 0)
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		c, err := unix.CopyFileRange(int(in.Fd()), &roff, int(out.Fd()), &woff, int(min(n, 64<<20)), 0)
 		if err != nil {
 			if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EINVAL) {
 				_, err := io.Copy(io.NewOffsetWriter(out, roff), io.NewSectionReader(in, roff, n))

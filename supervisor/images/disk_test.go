@@ -2,6 +2,7 @@ package images
 
 import (
 	"bytes"
+	"context"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -39,7 +40,7 @@ func TestPrepareDiskSparseAndGrown(t *testing.T) {
 	base, a, b := sparseBase(t, dir)
 	dst := filepath.Join(dir, "vm", "disk.raw")
 	require.NoError(t, os.MkdirAll(filepath.Dir(dst), 0o755))
-	method, err := PrepareDisk(base, dst, 128*mib)
+	method, err := CloneDisk(t.Context(), base, dst, 128*mib)
 	require.NoError(t, err)
 	t.Logf("copy method on this filesystem: %s", method)
 	assert.Contains(t, []string{MethodReflink, MethodSparse}, method)
@@ -67,7 +68,7 @@ func TestSparseCopyDirect(t *testing.T) {
 	out, err := os.Create(filepath.Join(dir, "copy"))
 	require.NoError(t, err)
 	defer out.Close()
-	require.NoError(t, sparseCopy(in, out))
+	require.NoError(t, sparseCopy(t.Context(), in, out))
 	fi, _ := out.Stat()
 	assert.Equal(t, int64(64*mib), fi.Size())
 	got := make([]byte, mib)
@@ -82,7 +83,7 @@ func TestPrepareDiskKeepsExisting(t *testing.T) {
 	dir := t.TempDir()
 	base, _, _ := sparseBase(t, dir)
 	dst := filepath.Join(dir, "disk.raw")
-	_, err := PrepareDisk(base, dst, 0)
+	_, err := CloneDisk(t.Context(), base, dst, 0)
 	require.NoError(t, err)
 	fi, _ := os.Stat(dst)
 	assert.Equal(t, int64(64*mib), fi.Size(), "size 0 = the image's size")
@@ -92,13 +93,13 @@ func TestPrepareDiskKeepsExisting(t *testing.T) {
 	require.NoError(t, err)
 	f.Close()
 
-	method, err := PrepareDisk(base, dst, 96*mib)
+	method, err := CloneDisk(t.Context(), base, dst, 96*mib)
 	require.NoError(t, err)
 	assert.Equal(t, MethodExisting, method)
 	got, _ := os.ReadFile(dst)
 	assert.Equal(t, "guest data", string(got[10*mib:10*mib+10]))
 	assert.Len(t, got, 96*mib)
-	_, err = PrepareDisk(base, dst, 80*mib)
+	_, err = CloneDisk(t.Context(), base, dst, 80*mib)
 	require.NoError(t, err)
 	fi, _ = os.Stat(dst)
 	assert.Equal(t, int64(96*mib), fi.Size(), "never shrunk")
@@ -107,11 +108,36 @@ func TestPrepareDiskKeepsExisting(t *testing.T) {
 func TestPrepareDiskErrors(t *testing.T) {
 	dir := t.TempDir()
 	base, _, _ := sparseBase(t, dir)
-	_, err := PrepareDisk(base, filepath.Join(dir, "d"), 1*mib)
+	_, err := CloneDisk(t.Context(), base, filepath.Join(dir, "d"), 1*mib)
 	require.ErrorContains(t, err, "smaller than the image")
-	_, err = PrepareDisk(filepath.Join(dir, "nope"), filepath.Join(dir, "d"), 0)
+	_, err = CloneDisk(t.Context(), filepath.Join(dir, "nope"), filepath.Join(dir, "d"), 0)
 	require.ErrorContains(t, err, "base image")
-	_, err = PrepareDisk(base, filepath.Join(dir, "no-such-dir", "d"), 0)
+	_, err = CloneDisk(t.Context(), base, filepath.Join(dir, "no-such-dir", "d"), 0)
 	require.Error(t, err)
 	assert.NoFileExists(t, filepath.Join(dir, "d"))
+}
+
+func TestCloneDiskCanceled(t *testing.T) {
+	dir := t.TempDir()
+	base, _, _ := sparseBase(t, dir)
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	dst := filepath.Join(dir, "d")
+	_, err := CloneDisk(ctx, base, dst, 0)
+	if err == nil {
+		t.Skip("the filesystem reflinked the whole file before ctx was looked at")
+	}
+	require.ErrorIs(t, err, context.Canceled)
+	assert.NoFileExists(t, dst)
+	assert.NoFileExists(t, dst+".tmp")
+}
+
+// The Cache plugs into the engine as its ImageFetcher.
+func TestCacheIsImageFetcher(t *testing.T) {
+	c, err := New(t.TempDir())
+	require.NoError(t, err)
+	base, _, _ := sparseBase(t, t.TempDir())
+	dst := filepath.Join(t.TempDir(), "disk.raw")
+	require.NoError(t, c.PrepareDisk(t.Context(), base, dst, 0))
+	assert.FileExists(t, dst)
 }

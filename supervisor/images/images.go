@@ -166,7 +166,9 @@ func Validate(src supervisor.Source) error {
 // single download, and every caller's progress is told about it. When ctx
 // ends the caller returns at once; a download others (or nobody) still wait
 // for runs on into the cache.
-func (c *Cache) Fetch(ctx context.Context, src supervisor.Source, progress Progress) (string, error) {
+// progress may be nil. (Its type is spelled out, not Progress, so that
+// *Cache satisfies supervisor.ImageFetcher.)
+func (c *Cache) Fetch(ctx context.Context, src supervisor.Source, progress func(done, total int64)) (string, error) {
 	if err := Validate(src); err != nil {
 		return "", fmt.Errorf("image %s: %w", src.Location, err)
 	}
