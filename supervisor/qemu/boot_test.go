@@ -217,6 +217,40 @@ func TestBootGuestAdoptStop(t *testing.T) {
 		return nil
 	}))
 
+	// Many connections held open at once (callers of an exposure cap need
+	// a guest that keeps them), each echoing its own bytes.
+	const held = 300
+	require.NoError(t, gn.NS.Do(func() error {
+		conns := make([]net.Conn, 0, held)
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		for i := 0; i < held; i++ {
+			c, err := net.DialTimeout("tcp", net.JoinHostPort(gn.IP, "7000"), 2*time.Second)
+			if err != nil {
+				return fmt.Errorf("connection %d: %w", i, err)
+			}
+			conns = append(conns, c)
+		}
+		for i, c := range conns {
+			_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+			msg := fmt.Sprintf("conn-%03d\n", i)
+			if _, err := io.WriteString(c, msg); err != nil {
+				return err
+			}
+			got := make([]byte, len(msg))
+			if _, err := io.ReadFull(c, got); err != nil {
+				return fmt.Errorf("connection %d: %w", i, err)
+			}
+			if string(got) != msg {
+				return fmt.Errorf("connection %d got %q", i, got)
+			}
+		}
+		return nil
+	}))
+
 	state, err := b.Info(ctx, inst)
 	require.NoError(t, err)
 	assert.Equal(t, supervisor.VMRunning, state)

@@ -36,7 +36,17 @@ func qmpRun(ctx context.Context, sock string, cmds ...string) (json.RawMessage, 
 }
 
 func qmpSession(sock string, cmds []string) (json.RawMessage, error) {
-	mon, err := qmp.NewSocketMonitor("unix", sock, 2*time.Second)
+	// QEMU accepts one QMP client at a time from a short listen backlog; a
+	// connect while the backlog is full fails with EAGAIN. Retry briefly.
+	var mon *qmp.SocketMonitor
+	var err error
+	for end := time.Now().Add(3 * time.Second); ; {
+		mon, err = qmp.NewSocketMonitor("unix", sock, 2*time.Second)
+		if err == nil || !errors.Is(err, unix.EAGAIN) || time.Now().After(end) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("qmp dial %s: %w", sock, err)
 	}
@@ -83,7 +93,15 @@ func qmpStatus(ctx context.Context, sock string) (string, error) {
 // client at a time; the connection is closed at once without a handshake.
 func socketPeerPID(ctx context.Context, sock string) (int, error) {
 	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", sock)
+	var c net.Conn
+	var err error
+	for {
+		c, err = d.DialContext(ctx, "unix", sock)
+		if err == nil || !errors.Is(err, unix.EAGAIN) || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // backlog full, see qmpSession
+	}
 	if err != nil {
 		return 0, err
 	}
