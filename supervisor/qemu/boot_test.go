@@ -71,7 +71,9 @@ type guestNet struct {
 	IP  string
 }
 
-func newGuestNet(t testing.TB) *guestNet {
+func newGuestNet(t testing.TB) *guestNet { return newGuestNetDHCP(t, true) }
+
+func newGuestNetDHCP(t testing.TB, dhcp bool) *guestNet {
 	t.Helper()
 	ns := nstest.New(t, "vm")
 	g := &guestNet{NS: ns, Tap: "tap0", MAC: net.HardwareAddr{0x52, 0x54, 0, 0xbb, 0, 0x0a}, IP: "10.213.77.10"}
@@ -83,6 +85,9 @@ func newGuestNet(t testing.TB) *guestNet {
 		{"ip", "link", "set", g.Tap, "master", "br0", "up"},
 	} {
 		ns.MustRun(t, c[0], c[1:]...)
+	}
+	if !dhcp {
+		return g
 	}
 	dir := t.TempDir()
 	conf := filepath.Join(dir, "udhcpd.conf")
@@ -305,4 +310,45 @@ type testWriter struct{ t testing.TB }
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimRight(string(p), "\n"))
 	return len(p), nil
+}
+
+// Without a DHCP server the guest's init takes the address from the kernel
+// ip= argument (Debian's kernel has no IP autoconfig, so init parses it).
+func TestGuestStaticAddressFromCmdline(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots a real VM (-short)")
+	}
+	nstest.RequireRoot(t)
+	requireQEMU(t)
+	img := findGuestImage(t)
+	gn := newGuestNetDHCP(t, false)
+	gn.IP = "10.213.77.21"
+	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG))
+	dir := t.TempDir()
+	run, err := os.MkdirTemp("", "brkqm")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(run) })
+	cfg := supervisor.LaunchConfig{
+		Name: "static", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 256,
+		Kernel: img.Kernel, Initramfs: img.Initramfs, Tap: gn.Tap, MAC: gn.MAC,
+		Cmdline:    "ip=10.213.77.21::10.213.77.1:255.255.255.0::eth0:off",
+		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
+	}
+	inst, err := b.Start(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+	})
+	var page string
+	require.Eventually(t, func() bool {
+		return gn.dialGuest("tcp", "8080", func(c net.Conn) error {
+			var err error
+			page, err = httpGet(c)
+			return err
+		}) == nil
+	}, 90*time.Second, 50*time.Millisecond, "guest never answered; console:\n%s", readFile(cfg.ConsoleLog))
+	assert.Contains(t, page, "addr=10.213.77.21/24")
+	assert.Contains(t, readFile(cfg.ConsoleLog), "no DHCP lease; using")
+	require.NoError(t, b.Stop(t.Context(), inst, 20*time.Second))
 }
