@@ -86,8 +86,10 @@ install -m 0755 "$here/init" "$root/init"
 install -m 0755 "$here/udhcpc.script" "$root/etc/udhcpc.script"
 # busybox acpid runs ./PWRF/00000080 (relative to -c DIR) on the power button.
 install -m 0755 "$here/poweroff.sh" "$root/etc/acpi/PWRF/00000080"
-(cd "$repo" && CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -trimpath -ldflags='-s -w' -o "$root/bin/echod" ./tests/guest/echod)
-(cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0 | gzip -9n) > "$work/initramfs.cpio.gz"
+(cd "$repo" && CGO_ENABLED=0 GOOS=linux GOARCH=amd64 go build -trimpath -buildvcs=false -ldflags='-s -w' -o "$root/bin/echod" ./tests/guest/echod)
+# Fixed mtimes and order: the same inputs give the same initramfs bytes.
+find "$root" -exec touch -h -d @0 {} +
+(cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet --reproducible -o -H newc -R 0:0 | gzip -9n) > "$work/initramfs.cpio.gz"
 
 cp "$kdir/vmlinuz" "$work/vmlinuz"
 mv -f "$work/vmlinuz" "$out/vmlinuz"
