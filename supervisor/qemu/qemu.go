@@ -43,6 +43,7 @@ type Backend struct {
 
 	mu        sync.Mutex
 	kvmBroken string // why KVM was given up in this process ("" = not given up)
+	tcgWarned bool   // the TCG fallback has been logged once
 }
 
 var _ supervisor.Hypervisor = (*Backend)(nil)
@@ -156,7 +157,13 @@ func (b *Backend) Start(ctx context.Context, cfg supervisor.LaunchConfig) (super
 
 	accel, why := b.pickAccel()
 	if why != "" {
-		b.log.Warn("qemu: using TCG (software emulation): KVM unusable", "vm", cfg.Name, "reason", why)
+		b.mu.Lock()
+		warn := !b.tcgWarned
+		b.tcgWarned = true
+		b.mu.Unlock()
+		if warn {
+			b.log.Warn("qemu: using TCG (software emulation), KVM is unusable", "vm", cfg.Name, "reason", why)
+		}
 	}
 	inst, err := b.launch(ctx, bin, cfg, accel)
 	if err == nil || accel != AccelKVM {
@@ -167,7 +174,7 @@ func (b *Backend) Start(ctx context.Context, cfg supervisor.LaunchConfig) (super
 		return inst, err
 	}
 	b.mu.Lock()
-	b.kvmBroken = kf.reason
+	b.kvmBroken, b.tcgWarned = kf.reason, true
 	b.mu.Unlock()
 	b.log.Warn("qemu: KVM failed for this guest; relaunching under TCG (software emulation) and using TCG from now on",
 		"vm", cfg.Name, "reason", kf.reason)
