@@ -231,3 +231,25 @@ func TestKVMCPUModel(t *testing.T) {
 	p.Accel = AccelTCG
 	assert.NotContains(t, buildArgs(testLaunch(), p), "-cpu", "the KVM CPU model is not used under TCG")
 }
+
+// When the TCG relaunch fails as well, the fault is not KVM's: the error
+// says what happened under both, and KVM is not given up.
+func TestKVMNotGivenUpWhenTCGFailsToo(t *testing.T) {
+	if err := kvmUsable(); err != nil {
+		t.Skipf("no usable /dev/kvm (%v): the KVM attempt is never made", err)
+	}
+	dir := t.TempDir()
+	fake := filepath.Join(dir, "qemu-system-x86_64")
+	require.NoError(t, os.WriteFile(fake, []byte("#!/bin/sh\necho \"qemu-system-x86_64: bad config ($*)\" | grep -o 'bad config.*-accel [a-z]*' >&2\nexit 1\n"), 0o755))
+	cfg := testLaunch()
+	cfg.Dir, cfg.RunDir = filepath.Join(dir, "vm"), filepath.Join(dir, "run")
+	cfg.ConsoleLog = filepath.Join(cfg.Dir, "console.log")
+	b := New(fake, WithAccel(AccelAuto))
+	_, err := b.Start(t.Context(), cfg)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "-accel tcg", "the TCG attempt's own error")
+	assert.Contains(t, err.Error(), "under KVM before", "and what happened under KVM")
+	assert.Empty(t, b.KVMDisabledReason(), "KVM is still to be tried next time")
+	accel, _ := b.pickAccel()
+	assert.Equal(t, AccelKVM, accel)
+}

@@ -173,12 +173,20 @@ func (b *Backend) Start(ctx context.Context, cfg supervisor.LaunchConfig) (super
 	if !errors.As(err, &kf) {
 		return inst, err
 	}
+	b.log.Warn("qemu: KVM failed for this guest; relaunching under TCG (software emulation)",
+		"vm", cfg.Name, "reason", kf.reason)
+	inst, err = b.launch(ctx, bin, cfg, AccelTCG)
+	if err != nil {
+		// TCG failed too: the guest or the config is at fault, not
+		// (necessarily) KVM, so KVM is not given up.
+		return inst, fmt.Errorf("%w (under KVM before: %s)", err, kf.reason)
+	}
+	// Only TCG works: stay on it for the life of this backend.
 	b.mu.Lock()
 	b.kvmBroken, b.tcgWarned = kf.reason, true
 	b.mu.Unlock()
-	b.log.Warn("qemu: KVM failed for this guest; relaunching under TCG (software emulation) and using TCG from now on",
-		"vm", cfg.Name, "reason", kf.reason)
-	return b.launch(ctx, bin, cfg, AccelTCG)
+	b.log.Warn("qemu: using TCG from now on", "reason", kf.reason)
+	return inst, nil
 }
 
 // kvmFailure says a launch under KVM failed in a way TCG may not.
@@ -238,13 +246,18 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		return supervisor.Instance{}, err
 	}
 	st, err := readProcStat(pid)
-	if err != nil {
-		return fail(fmt.Errorf("qemu: vm %s: reading /proc/%d/stat: %w", cfg.Name, pid, err))
+	var exe string
+	if err == nil {
+		exe, err = procExe(pid) // a zombie has no exe link
 	}
-	exe, err := procExe(pid)
 	if err != nil {
-		// A zombie has no exe link: qemu already exited, say why.
-		return fail(fmt.Errorf("qemu: vm %s: qemu exited at start: %s", cfg.Name, logTail(qemuLog(cfg), logStart)))
+		// qemu already exited: say why. Under KVM that may be KVM's doing
+		// (qemu refusing the host CPU); Start retries under TCG.
+		detail := logTail(qemuLog(cfg), logStart)
+		if accel == AccelKVM {
+			return fail(&kvmFailure{reason: "qemu exited at start under KVM: " + detail})
+		}
+		return fail(fmt.Errorf("qemu: vm %s: qemu exited at start: %s", cfg.Name, detail))
 	}
 	inst := supervisor.Instance{PID: pid, StartTime: st.StartTime, Exe: exe, APISocket: plan.QMPSocket}
 
