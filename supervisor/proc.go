@@ -131,6 +131,10 @@ func (p *Pidfd) Wait(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// An earlier Wait cancelled by its ctx left a deadline in the past.
+	if err := p.f.SetReadDeadline(time.Time{}); err != nil {
+		return err
+	}
 	stop := context.AfterFunc(ctx, func() { _ = p.f.SetReadDeadline(time.Unix(1, 0)) })
 	defer stop()
 	var ready bool

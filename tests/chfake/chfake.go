@@ -164,9 +164,14 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	req.URL, req.Host = u, "localhost"
 	req.Body = io.NopCloser(bytes.NewReader(body))
 	rec := &recorder{hdr: http.Header{}, status: http.StatusOK}
-	defer func() {
-		fmt.Fprintf(s.log, "%s %s %d %s\n", r.Method, r.URL.Path, rec.status, bytes.TrimSpace(body))
-	}()
+	logged := false
+	logLine := func() {
+		if !logged {
+			logged = true
+			fmt.Fprintf(s.log, "%s %s %d %s\n", r.Method, r.URL.Path, rec.status, bytes.TrimSpace(body))
+		}
+	}
+	defer logLine()
 
 	route, params, err := s.router.FindRoute(req)
 	if err != nil {
@@ -216,6 +221,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		f.Flush()
 	}
 	if after != nil {
+		logLine() // before an exit that follows the answer
 		after()
 	}
 }
