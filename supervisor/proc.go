@@ -202,7 +202,7 @@ func (s ExitStatus) String() string {
 	case !s.Known:
 		return "exit status unknown (not our child)"
 	case s.Signaled:
-		return "killed by " + s.Signal.String()
+		return fmt.Sprintf("killed by signal %d (%s)", int(s.Signal), s.Signal)
 	default:
 		return fmt.Sprintf("exit status %d", s.Code)
 	}
