@@ -78,6 +78,7 @@ type Engine struct {
 
 	mu      sync.Mutex
 	workers map[string]*worker
+	gen     uint64 // Step counter, see worker.gen
 	stopped bool
 	wg      sync.WaitGroup
 }
@@ -158,40 +159,45 @@ func (e *Engine) Step(ctx context.Context, desired []VMSpec) Report {
 	if e.stopped {
 		return Report{}
 	}
+	// Each worker is stamped with the Step that named it, which tells the
+	// desired from the absent ones without building a set per Step.
+	e.gen++
+	gen := e.gen
 	rows := make([]VMStatus, 0, max(len(desired), len(e.workers)))
-	want := make(map[string]struct{}, len(desired))
+	var unknown map[string]bool // invalid specs naming no worker
 	for i := range desired {
 		spec := &desired[i]
-		if _, dup := want[spec.Name]; dup {
+		w := e.workers[spec.Name]
+		if (w != nil && w.gen == gen) || unknown[spec.Name] {
 			rows = append(rows, VMStatus{Name: spec.Name, Phase: PhaseFailed, Detail: "spec: name: duplicate VM name"})
 			continue
 		}
 		if err := ValidateSpec(spec); err != nil {
 			// Bad input changes nothing: a VM that exists keeps its old
 			// desired state (it is not treated as deleted).
-			if w := e.workers[spec.Name]; w != nil {
-				want[spec.Name] = struct{}{}
-				row := w.row()
-				row.Phase, row.Detail = PhaseFailed, "spec: "+err.Error()
-				rows = append(rows, row)
-			} else if NameRE.MatchString(spec.Name) {
-				want[spec.Name] = struct{}{}
-				rows = append(rows, VMStatus{Name: spec.Name, Phase: PhaseFailed, Detail: "spec: " + err.Error()})
+			row := VMStatus{Name: spec.Name}
+			if w != nil {
+				w.gen = gen
+				row = w.row()
 			} else {
-				rows = append(rows, VMStatus{Name: spec.Name, Phase: PhaseFailed, Detail: "spec: " + err.Error()})
+				if unknown == nil {
+					unknown = map[string]bool{}
+				}
+				unknown[spec.Name] = true
 			}
+			row.Phase, row.Detail = PhaseFailed, "spec: "+err.Error()
+			rows = append(rows, row)
 			continue
 		}
-		want[spec.Name] = struct{}{}
-		w := e.workers[spec.Name]
 		if w == nil {
 			w = e.spawn(spec.Name)
 		}
+		w.gen = gen
 		w.deliver(spec)
 		rows = append(rows, w.row())
 	}
 	for name, w := range e.workers {
-		if _, ok := want[name]; ok {
+		if w.gen == gen {
 			continue
 		}
 		w.deliverAbsent()

@@ -20,6 +20,7 @@ type worker struct {
 	name string
 	wake chan struct{} // cap 1: any number of deliveries coalesce into one wake
 	quit chan struct{} // closed when the engine reaps or stops this worker
+	gen  uint64        // the last Step that named this VM; guarded by Engine.mu
 
 	mu        sync.Mutex
 	desired   *VMSpec // newest desired spec; nil = not desired
