@@ -254,9 +254,9 @@ func (b *Backend) Counters(ctx context.Context, inst supervisor.Instance) (map[s
 }
 
 // Stop presses the power button and gives the guest grace to power off (the
-// VMM exits with it); then asks the VMM to shut down (vmm.shutdown), then
-// SIGTERM, then SIGKILL, each given ForceWait. Signals go through a pidfd so
-// a reused pid is never hit.
+// VMM exits with it); then stops the guest from the VMM side (vm.shutdown)
+// and asks the VMM to exit (vmm.shutdown), then SIGTERM, then SIGKILL, each
+// given ForceWait. Signals go through a pidfd so a reused pid is never hit.
 func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time.Duration) error {
 	pfd, err := supervisor.OpenPidfd(inst)
 	if err != nil {
@@ -285,6 +285,9 @@ func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time
 	} else if wait(grace) {
 		return nil
 	}
+	// vm.shutdown may fail (404/405 when the guest never booted); the VMM
+	// exit below is what matters.
+	_ = call("vm.shutdown", force)
 	if err := call("vmm.shutdown", force); err != nil {
 		steps = append(steps, err)
 	} else if wait(force) {

@@ -215,7 +215,7 @@ func TestStopEscalates(t *testing.T) {
 		defer reap(inst.PID)
 		require.NoError(t, e.backend.Stop(context.Background(), inst, 200*time.Millisecond))
 		c := e.calls()
-		assert.Equal(t, []string{"PUT vm.power-button 204", "PUT vmm.shutdown 204"}, c[len(c)-2:])
+		assert.Equal(t, []string{"PUT vm.power-button 204", "PUT vm.shutdown 204", "PUT vmm.shutdown 204"}, c[len(c)-3:])
 		assert.Error(t, supervisor.CheckIdentity(inst))
 	})
 	t.Run("SIGKILL", func(t *testing.T) {

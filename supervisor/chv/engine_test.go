@@ -164,3 +164,24 @@ func TestEngineCapsConsoleLog(t *testing.T) {
 	require.NoError(t, err)
 	assert.LessOrEqual(t, fi.Size(), int64(1024))
 }
+
+// Two engines over one StateDir (a second daemon started by mistake): the
+// per-VM lock lets one act; the other reports the lock and creates nothing.
+// When the first goes, the second adopts the same VMM.
+func TestTwoEnginesNeverRunTwoVMMs(t *testing.T) {
+	e := newEnv(t)
+	s := e.spec("vm")
+	first := e.engine(nil)
+	up := waitRow(t, first, "vm", running, s)
+	second := e.engine(nil)
+	r := waitRow(t, second, "vm", func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseFailed }, s)
+	assert.Contains(t, r.Detail, "locked by another supervisor")
+	time.Sleep(200 * time.Millisecond)
+	assert.Equal(t, []int{up.PID}, fakePIDs(e.dir), "a second VMM was started")
+
+	first.Stop()
+	again := waitRow(t, second, "vm", running, s)
+	assert.Equal(t, up.PID, again.PID)
+	assert.Equal(t, []int{up.PID}, fakePIDs(e.dir))
+	assert.Equal(t, 1, strings.Count(strings.Join(e.calls(), "\n"), "vm.create"))
+}
