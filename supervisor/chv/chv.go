@@ -280,10 +280,15 @@ func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time
 		force = 3 * time.Second
 	}
 	var steps []error
+	// A cancelled ctx (the daemon is shutting down) ends the escalation:
+	// the VM is left as it is for the next daemon, never killed for it.
 	if err := call("vm.power-button", min(grace, 5*time.Second)); err != nil {
 		steps = append(steps, err)
 	} else if wait(grace) {
 		return nil
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
 	}
 	// vm.shutdown may fail (404/405 when the guest never booted); the VMM
 	// exit below is what matters.
@@ -293,8 +298,14 @@ func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time
 	} else if wait(force) {
 		return nil
 	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 	if err := pfd.Signal(syscall.SIGTERM); err == nil && wait(force) {
 		return nil
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
 	}
 	if err := pfd.Signal(syscall.SIGKILL); err != nil && !pfd.Exited() {
 		return errors.Join(append(steps, fmt.Errorf("SIGKILL pid %d: %w", inst.PID, err))...)

@@ -185,3 +185,22 @@ func TestTwoEnginesNeverRunTwoVMMs(t *testing.T) {
 	assert.Equal(t, []int{up.PID}, fakePIDs(e.dir))
 	assert.Equal(t, 1, strings.Count(strings.Join(e.calls(), "\n"), "vm.create"))
 }
+
+// A daemon that shuts down while a VM's stop is still in its grace period
+// leaves the VMM alone (no escalation to kill); the next engine adopts it
+// and finishes the job.
+func TestEngineStopDuringVMStopLeavesVMM(t *testing.T) {
+	e := newEnv(t, "CHFAKE_IGNORE_POWER_BUTTON=1")
+	eng := e.engine(func(c *supervisor.Config) { c.StopGrace = 10 * time.Second })
+	up := waitRow(t, eng, "vm", running, e.spec("vm"))
+	off := e.spec("vm", func(s *supervisor.VMSpec) { s.Power = supervisor.PowerStopped })
+	waitRow(t, eng, "vm", func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseStopping }, off)
+	require.Eventually(t, func() bool { return strings.Contains(strings.Join(e.calls(), "\n"), "vm.power-button") },
+		5*time.Second, 10*time.Millisecond)
+	eng.Stop()
+	assert.Equal(t, []int{up.PID}, fakePIDs(e.dir), "the engine's shutdown killed a VM it was stopping")
+
+	eng2 := e.engine(func(c *supervisor.Config) { c.StopGrace = 200 * time.Millisecond })
+	waitRow(t, eng2, "vm", func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseStopped }, off)
+	assert.Empty(t, fakePIDs(e.dir))
+}
