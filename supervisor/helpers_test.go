@@ -56,14 +56,15 @@ type procHV struct {
 	// beforeStart, when set, runs inside Start before the process is made.
 	beforeStart func(ctx context.Context, lc LaunchConfig) error
 
-	mu     sync.Mutex
-	starts []LaunchConfig
-	stops  []string
-	pids   []int
+	mu      sync.Mutex
+	starts  []LaunchConfig
+	stops   []string
+	pids    []int
+	pidName map[int]string
 }
 
 func newProcHV(t *testing.T) *procHV {
-	h := &procHV{t: t, command: []string{"sleep", "600"}, gauge: newGauge()}
+	h := &procHV{t: t, command: []string{"sleep", "600"}, gauge: newGauge(), pidName: map[int]string{}}
 	t.Cleanup(h.killAll)
 	return h
 }
@@ -93,6 +94,7 @@ func (h *procHV) Start(ctx context.Context, lc LaunchConfig) (Instance, error) {
 	}
 	h.mu.Lock()
 	h.pids = append(h.pids, inst.PID)
+	h.pidName[inst.PID] = lc.Name
 	h.mu.Unlock()
 	return inst, nil
 }
@@ -112,7 +114,9 @@ func (h *procHV) Info(ctx context.Context, inst Instance) (VMState, error) {
 func (h *procHV) Stop(ctx context.Context, inst Instance, grace time.Duration) error {
 	h.mu.Lock()
 	h.stops = append(h.stops, fmt.Sprint(inst.PID))
+	name := h.pidName[inst.PID]
 	h.mu.Unlock()
+	defer h.gauge.enter(name)()
 	pfd, err := OpenPidfd(inst)
 	if err != nil {
 		return nil
