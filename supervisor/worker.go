@@ -539,8 +539,12 @@ func (w *worker) fetch(ctx context.Context, role string, src Source) (string, er
 	what := "downloading " + role + " image"
 	w.publish(PhaseCreating, what)
 	p, err := w.e.cfg.Images.Fetch(ctx, src, func(done, total int64) {
+		// May run on the fetcher's goroutine (a download shared by several
+		// VMs): touch only the row, under its mutex.
 		if total > 0 {
-			w.publish(PhaseCreating, fmt.Sprintf("%s %d%%", what, done*100/total))
+			w.mu.Lock()
+			w.status.Phase, w.status.Detail = PhaseCreating, fmt.Sprintf("%s %d%%", what, done*100/total)
+			w.mu.Unlock()
 		}
 	})
 	if err != nil {
