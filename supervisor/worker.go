@@ -30,6 +30,7 @@ type worker struct {
 	busy      bool    // a pass is running
 	hasRecord bool    // a record exists on disk (so the VM is still ours)
 	status    VMStatus
+	fetchID   uint64 // names the fetch whose progress may update the row
 
 	// Owned by the worker goroutine.
 	lock      *os.File
@@ -538,13 +539,25 @@ func (w *worker) launchConfig(ctx context.Context, spec *VMSpec) (LaunchConfig, 
 func (w *worker) fetch(ctx context.Context, role string, src Source) (string, error) {
 	what := "downloading " + role + " image"
 	w.publish(PhaseCreating, what)
+	w.mu.Lock()
+	w.fetchID++
+	id := w.fetchID
+	w.mu.Unlock()
+	defer func() {
+		w.mu.Lock()
+		w.fetchID++ // a progress call that comes late is dropped
+		w.mu.Unlock()
+	}()
 	p, err := w.e.cfg.Images.Fetch(ctx, src, func(done, total int64) {
 		// May run on the fetcher's goroutine (a download shared by several
 		// VMs): touch only the row, under its mutex.
 		if total > 0 {
 			w.mu.Lock()
+			defer w.mu.Unlock()
+			if w.fetchID != id {
+				return
+			}
 			w.status.Phase, w.status.Detail = PhaseCreating, fmt.Sprintf("%s %d%%", what, done*100/total)
-			w.mu.Unlock()
 		}
 	})
 	if err != nil {
