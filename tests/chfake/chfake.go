@@ -180,6 +180,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			status = http.StatusMethodNotAllowed
 		}
 		rec.status = status
+		logLine()
 		http.Error(w, "chfake: "+err.Error(), status)
 		return
 	}
@@ -187,6 +188,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		Options: &openapi3filter.Options{AuthenticationFunc: openapi3filter.NoopAuthenticationFunc}}
 	if err := openapi3filter.ValidateRequest(r.Context(), in); err != nil {
 		rec.status = http.StatusBadRequest
+		logLine()
 		http.Error(w, "chfake: request violates the OpenAPI schema: "+err.Error(), http.StatusBadRequest)
 		return
 	}
@@ -212,6 +214,9 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			rec.body.WriteString("chfake bug: answer violates the OpenAPI schema: " + err.Error())
 		}
 	}
+	// Logged before answering: the client sends its next request only
+	// after this answer, so the log keeps the order of the calls.
+	logLine()
 	for k, v := range rec.hdr {
 		w.Header()[k] = v
 	}
@@ -221,7 +226,6 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		f.Flush()
 	}
 	if after != nil {
-		logLine() // before an exit that follows the answer
 		after()
 	}
 }
