@@ -60,7 +60,7 @@ func TestCrashLoopBacksOffExponentially(t *testing.T) {
 // The backoff returns to its base after a run longer than StableRun.
 func TestBackoffResetsAfterStableRun(t *testing.T) {
 	f := newFixture(t, func(c *Config) {
-		c.BackoffBase = 40 * time.Millisecond
+		c.BackoffBase = 100 * time.Millisecond
 		c.StableRun = 300 * time.Millisecond
 	})
 	f.hv.command = []string{"sh", "-c", "exit 1"}
@@ -70,18 +70,37 @@ func TestBackoffResetsAfterStableRun(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		stamps = append(stamps, time.Now())
-		if len(stamps) == 4 {
+		if len(stamps) == 5 {
 			f.hv.command = []string{"sh", "-c", "sleep 0.5; exit 1"} // one stable run
 		}
 		return nil
 	}
-	waitRow(t, f.eng, "vm", func(r VMStatus) bool { return r.Restarts >= 4 }, vmSpec("vm"))
+	waitRow(t, f.eng, "vm", func(r VMStatus) bool { return r.Restarts >= 5 }, vmSpec("vm"))
 	f.eng.Stop()
 	mu.Lock()
 	defer mu.Unlock()
-	require.GreaterOrEqual(t, len(stamps), 5)
-	after := stamps[4].Sub(stamps[3]) - 500*time.Millisecond // minus the stable run itself
-	assert.Less(t, after, 160*time.Millisecond, "after a stable run the delay is back to the base")
+	require.GreaterOrEqual(t, len(stamps), 6)
+	// Four quick crashes grew the delay to 1.6 s; after the stable run it is
+	// back to 100 ms (the gap also holds the 0.5 s run itself).
+	after := stamps[5].Sub(stamps[4]) - 500*time.Millisecond
+	assert.Less(t, after, time.Second, "after a stable run the delay is back to the base")
+}
+
+// The delay sequence itself: doubling from the base, capped, reset by a
+// stable run.
+func TestBackoffSequence(t *testing.T) {
+	w := &worker{e: &Engine{cfg: Config{BackoffBase: 100 * time.Millisecond, BackoffMax: time.Minute, StableRun: time.Minute}}}
+	var got []time.Duration
+	for range 12 {
+		w.bumpBackoff(time.Second)
+		got = append(got, w.delay)
+	}
+	want := []time.Duration{100, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 51200, 60000, 60000}
+	for i := range want {
+		assert.Equal(t, want[i]*time.Millisecond, got[i], "delay %d", i)
+	}
+	w.bumpBackoff(2 * time.Minute)
+	assert.Equal(t, 100*time.Millisecond, w.delay, "a stable run resets the delay")
 }
 
 // Restart policies: never leaves a crashed VM down; on-failure leaves a
