@@ -109,7 +109,9 @@ func TestSubnetChangeAndReservationMoveALease(t *testing.T) {
 func TestMACCollisionTakesTheNextAttempt(t *testing.T) {
 	p, err := Open(t.TempDir())
 	require.NoError(t, err)
-	same := func(vm string, attempt int) net.HardwareAddr { return net.HardwareAddr{0x52, 0x54, 0, 0, 0, byte(attempt)} }
+	same := func(vm string, attempt int) net.HardwareAddr {
+		return net.HardwareAddr{0x52, 0x54, 0, 0, 0, byte(attempt)}
+	}
 	l, _, err := p.Reconcile(Request{Bridge: bridge, VMs: []string{"a", "b"}, MAC: same})
 	require.NoError(t, err)
 	assert.NotEqual(t, l["a"].MAC, l["b"].MAC)
