@@ -54,6 +54,7 @@ type Plane struct {
 	madeTaps   map[string]bool // likewise per tap
 	forwarding bool
 	closed     bool
+	ownStats   bool // Stats was made here (in memory) and is closed with the Plane
 
 	macMu sync.Mutex
 	macVM map[string]string // guest MAC → VM, for OnLease
@@ -62,6 +63,7 @@ type Plane struct {
 // New opens the managed namespace and the leases file. It changes nothing
 // in the kernel; the first Converge does.
 func New(opts Options) (*Plane, error) {
+	ownStats := opts.Stats == nil
 	if opts.StateDir == "" {
 		return nil, errors.New("netplane: StateDir is required (leases are persisted there)")
 	}
@@ -81,7 +83,7 @@ func New(opts Options) (*Plane, error) {
 		return nil, fmt.Errorf("netplane: %w", err)
 	}
 	return &Plane{
-		opts: opts, log: log, links: links, pool: pool,
+		opts: opts, log: log, links: links, pool: pool, ownStats: ownStats,
 		feeds: map[string]*slotFeed{}, madeTaps: map[string]bool{}, macVM: map[string]string{},
 	}, nil
 }
@@ -377,6 +379,9 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 			case !ok:
 				status[i].State, status[i].Reason = "failed", fmt.Sprintf("guest %s has no address: %s", e.VM, guestErr[e.VM])
 				continue
+			case guestErr[e.VM] != "":
+				status[i].State, status[i].Reason = "failed", fmt.Sprintf("guest %s: %s", e.VM, guestErr[e.VM])
+				continue
 			case !hasAddr[e.VM]:
 				// The rule is installed anyway: the address is fixed, and
 				// after a daemon restart a guest may hold its lease long
@@ -487,6 +492,9 @@ func (p *Plane) Close() error {
 		err = p.table.Close()
 	}
 	p.links.Close()
+	if p.ownStats {
+		_ = p.opts.Stats.Close()
+	}
 	return err
 }
 

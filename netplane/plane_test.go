@@ -234,4 +234,14 @@ func TestGuestsGetAddressesByDHCPOrAreSeenStatically(t *testing.T) {
 	for _, g := range rep.Guests {
 		assert.True(t, g.Leased, "%s has its address", g.Name)
 	}
+
+	// The bridge is deleted and re-made: the DHCP socket, bound to the old
+	// device, must follow to the new one.
+	ns.MustRun(t, "ip", "link", "del", "brokkr0")
+	rep = p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	ns.MustRun(t, "ip", "link", "set", "vh-dyn", "master", "brokkr0", "up")
+	out, err = dyn.Run("busybox", "udhcpc", "-i", "eth0", "-n", "-q", "-f", "-t", "5", "-T", "1", "-s", "/bin/true")
+	require.NoError(t, err, "DHCP after the bridge was re-made: %s", out)
+	assert.Contains(t, out, "lease of "+st["dyn"].Address.String()+" obtained")
 }
