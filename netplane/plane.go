@@ -92,14 +92,21 @@ func New(opts Options) (*Plane, error) {
 // (foreign links and subnets). Every error names its field. Nothing is
 // applied.
 func (p *Plane) Validate(d Desired) []error {
-	d = withDefaults(d)
+	links, err := p.links.Links()
+	if err != nil {
+		return []error{fmt.Errorf("network: reading links: %w", err)}
+	}
+	return p.validate(withDefaults(d), links)
+}
+
+func (p *Plane) validate(d Desired, links []netlink.Link) []error {
 	assigned := map[string]netip.Addr{}
 	for vm, l := range p.pool.Leases() {
 		assigned[vm] = l.Addr
 	}
 	errs := validateSpec(d, assigned)
 	if len(validateNetwork(d.Network)) == 0 {
-		errs = append(errs, p.validateAgainstKernel(d)...)
+		errs = append(errs, p.validateAgainstKernel(d, links)...)
 	}
 	return errs
 }
@@ -126,7 +133,13 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		return Report{Err: errors.New("netplane: closed")}
 	}
 	d = withDefaults(d)
-	if errs := p.Validate(d); len(errs) > 0 {
+	// One link dump serves validation and the removal of stale links: both
+	// only look at links that existed before this pass.
+	links, err := p.links.Links()
+	if err != nil {
+		return Report{Err: fmt.Errorf("netplane: reading links: %w", err)}
+	}
+	if errs := p.validate(d, links); len(errs) > 0 {
 		return Report{Err: fmt.Errorf("netplane: invalid network spec, nothing applied: %w", errors.Join(errs...))}
 	}
 	var rep Report
@@ -176,26 +189,27 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	for vm, err := range noAddr {
 		guestErr[vm] = err.Error()
 	}
+	var specs []link.TapSpec
 	for _, g := range d.Guests {
-		l, ok := leases[g.Name]
-		if !ok {
-			continue
+		if l, ok := leases[g.Name]; ok {
+			specs = append(specs, link.TapSpec{
+				VM: g.Name, Name: link.TapName(g.Name), GuestMAC: l.MAC, MultiQueue: g.MultiQueue, Bridge: n.Bridge, MTU: n.MTU,
+			})
 		}
-		tap := link.TapName(g.Name)
-		created, repaired, err := p.links.EnsureTap(link.TapSpec{
-			VM: g.Name, Name: tap, GuestMAC: l.MAC, MultiQueue: g.MultiQueue, Bridge: n.Bridge, MTU: n.MTU,
-		})
-		rep.Repaired = append(rep.Repaired, repaired...)
-		if created && p.madeTaps[tap] {
-			rep.Repaired = append(rep.Repaired, fmt.Sprintf("tap %s was missing", tap))
-		}
-		if err != nil {
-			guestErr[g.Name] = err.Error()
-			continue
-		}
-		p.madeTaps[tap] = true
 	}
-	if err := p.removeStaleLinks(d); err != nil {
+	for i, r := range p.links.EnsureTaps(specs) {
+		s := specs[i]
+		rep.Repaired = append(rep.Repaired, r.Repaired...)
+		if r.Created && p.madeTaps[s.Name] {
+			rep.Repaired = append(rep.Repaired, fmt.Sprintf("tap %s was missing", s.Name))
+		}
+		if r.Err != nil {
+			guestErr[s.VM] = r.Err.Error()
+			continue
+		}
+		p.madeTaps[s.Name] = true
+	}
+	if err := p.removeStaleLinks(d, links); err != nil {
 		p.log.Warn("netplane: removing links of departed guests", "err", err)
 	}
 
@@ -221,15 +235,12 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 // removeStaleLinks deletes brokkr's taps whose VM is no longer desired (or
 // whose name no longer matches its VM) and brokkr's bridges other than the
 // configured one (a renamed bridge). Foreign links are never listed here.
-func (p *Plane) removeStaleLinks(d Desired) error {
+func (p *Plane) removeStaleLinks(d Desired, links []netlink.Link) error {
 	want := map[string]bool{}
 	for _, g := range d.Guests {
 		want[link.TapName(g.Name)] = true
 	}
-	taps, err := p.links.OwnedTaps()
-	if err != nil {
-		return err
-	}
+	taps := link.OwnedTapsIn(links)
 	var errs []error
 	for tap, vm := range taps {
 		if want[tap] && link.TapName(vm) == tap {
@@ -241,10 +252,6 @@ func (p *Plane) removeStaleLinks(d Desired) error {
 		}
 		delete(p.madeTaps, tap)
 		p.log.Info("netplane: removed tap of departed guest", "tap", tap, "vm", vm)
-	}
-	links, err := p.links.Links()
-	if err != nil {
-		return errors.Join(append(errs, err)...)
 	}
 	for _, l := range links {
 		if l.Attrs().Alias == link.AliasPrefix+"bridge" && l.Attrs().Name != d.Network.Bridge {

@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"strings"
 
+	"github.com/vishvananda/netlink"
+
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/netplane/link"
 )
@@ -186,12 +188,8 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 // validateAgainstKernel checks the spec against the namespace: the bridge
 // name and tap names must not belong to links brokkr did not make, and the
 // subnet must not overlap one on such a link.
-func (p *Plane) validateAgainstKernel(d Desired) []error {
+func (p *Plane) validateAgainstKernel(d Desired, links []netlink.Link) []error {
 	var errs []error
-	links, err := p.links.Links()
-	if err != nil {
-		return []error{fmt.Errorf("network: reading links: %w", err)}
-	}
 	foreign := map[string]bool{}
 	for _, l := range links {
 		if !link.Owned(l) {
@@ -206,7 +204,7 @@ func (p *Plane) validateAgainstKernel(d Desired) []error {
 			errs = append(errs, ferr(fmt.Sprintf("guests[%d].name", i), "tap name %q of guest %q clashes with an existing link brokkr did not create", tap, g.Name))
 		}
 	}
-	prefixes, err := p.links.ForeignPrefixes()
+	prefixes, err := p.links.ForeignPrefixesIn(links)
 	if err != nil {
 		return append(errs, fmt.Errorf("network: reading addresses: %w", err))
 	}

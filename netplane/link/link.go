@@ -165,6 +165,12 @@ func (m *Manager) ForeignPrefixes() ([]InterfacePrefix, error) {
 	if err != nil {
 		return nil, err
 	}
+	return m.ForeignPrefixesIn(links)
+}
+
+// ForeignPrefixesIn is ForeignPrefixes over an existing link dump: one
+// address dump per foreign link (brokkr's taps are skipped).
+func (m *Manager) ForeignPrefixesIn(links []netlink.Link) ([]InterfacePrefix, error) {
 	var out []InterfacePrefix
 	for _, l := range links {
 		if Owned(l) {

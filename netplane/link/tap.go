@@ -33,85 +33,130 @@ func tapFlags(multiQueue bool) netlink.TuntapFlag {
 	return f
 }
 
-// EnsureTap makes the VM's tap exist: persistent, brokkr's alias, the host
-// MAC, attached to the bridge as a hairpin port, up. An existing tap is
-// repaired in place (never recreated, a running VM may hold it open), and
-// what was repaired is returned. A multi-queue mismatch on an existing tap
-// cannot be fixed in place and is an error.
+// TapResult is the outcome of ensuring one tap.
+type TapResult struct {
+	Created  bool
+	Repaired []string // drift found on an existing tap and repaired
+	Err      error
+}
+
+// EnsureTap is EnsureTaps for one tap.
 func (m *Manager) EnsureTap(s TapSpec) (created bool, repaired []string, err error) {
-	br, err := m.byName(s.Bridge)
-	if err != nil {
-		return false, nil, err
+	r := m.EnsureTaps([]TapSpec{s})[0]
+	return r.Created, r.Repaired, r.Err
+}
+
+// EnsureTaps makes each VM's tap exist: persistent, brokkr's alias, the
+// host MAC, attached to its bridge as a hairpin port, up. An existing tap is
+// repaired in place (never recreated: a running VM may hold it open). A
+// multi-queue mismatch on an existing tap cannot be fixed in place and is an
+// error. The namespace is read with one link dump and one bridge-port dump
+// for all taps, so a pass stays linear in the number of taps.
+func (m *Manager) EnsureTaps(specs []TapSpec) []TapResult {
+	out := make([]TapResult, len(specs))
+	fail := func(err error) []TapResult {
+		for i := range out {
+			out[i].Err = err
+		}
+		return out
 	}
+	links, err := m.Links()
+	if err != nil {
+		return fail(err)
+	}
+	byName := map[string]netlink.Link{}
+	for _, l := range links {
+		byName[l.Attrs().Name] = l
+	}
+	hairpin, err := nlsafe.HairpinPorts(m.ns)
+	if err != nil {
+		return fail(fmt.Errorf("reading bridge ports: %w", err))
+	}
+	for i, s := range specs {
+		out[i] = m.ensureTap(s, byName, hairpin)
+	}
+	return out
+}
+
+func (m *Manager) ensureTap(s TapSpec, byName map[string]netlink.Link, hairpin map[int]bool) (r TapResult) {
+	br := byName[s.Bridge]
 	if br == nil {
-		return false, nil, fmt.Errorf("bridge %s does not exist", s.Bridge)
+		r.Err = fmt.Errorf("bridge %s does not exist", s.Bridge)
+		return r
 	}
-	l, err := m.byName(s.Name)
-	if err != nil {
-		return false, nil, err
-	}
+	l := byName[s.Name]
 	alias := tapAliasPrefix + s.VM
 	if l != nil && (l.Attrs().Alias != alias || l.Type() != "tuntap") {
 		if Owned(l) {
-			return false, nil, fmt.Errorf("link %s belongs to another brokkr object (%s)", s.Name, l.Attrs().Alias)
+			r.Err = fmt.Errorf("link %s belongs to another brokkr object (%s)", s.Name, l.Attrs().Alias)
+		} else {
+			r.Err = fmt.Errorf("link %s %w", s.Name, ErrForeign)
 		}
-		return false, nil, fmt.Errorf("link %s %w", s.Name, ErrForeign)
+		return r
 	}
 	if l == nil {
 		if err := m.createTap(s, alias); err != nil {
-			return false, nil, err
+			r.Err = err
+			return r
 		}
-		created = true
+		r.Created = true
+		var err error
 		if l, err = m.byName(s.Name); err != nil || l == nil {
-			return true, nil, fmt.Errorf("tap %s vanished after creation: %v", s.Name, err)
+			r.Err = fmt.Errorf("tap %s vanished after creation: %v", s.Name, err)
+			return r
 		}
 	}
 	fix := func(what string) {
-		if !created {
-			repaired = append(repaired, fmt.Sprintf("tap %s %s", s.Name, what))
+		if !r.Created {
+			r.Repaired = append(r.Repaired, fmt.Sprintf("tap %s %s", s.Name, what))
 		}
 	}
+	fail := func(format string, args ...any) TapResult {
+		r.Err = fmt.Errorf(format, args...)
+		return r
+	}
 	if tt, ok := l.(*netlink.Tuntap); ok && (tt.Flags&netlink.TUNTAP_MULTI_QUEUE != 0) != s.MultiQueue {
-		return created, repaired, fmt.Errorf("tap %s has multiQueue=%v, want %v: delete the VM's tap (stop the VM) to change it",
+		return fail("tap %s has multiQueue=%v, want %v: delete the VM's tap (stop the VM) to change it",
 			s.Name, !s.MultiQueue, s.MultiQueue)
 	}
 	want := hostMAC(s.GuestMAC)
 	if !bytes.Equal(l.Attrs().HardwareAddr, want) {
 		fix(fmt.Sprintf("had MAC %s", l.Attrs().HardwareAddr))
 		if err := m.h.LinkSetHardwareAddr(l, want); err != nil {
-			return created, repaired, fmt.Errorf("setting MAC of %s: %w", s.Name, err)
+			return fail("setting MAC of %s: %w", s.Name, err)
 		}
 	}
 	if s.MTU > 0 && l.Attrs().MTU != s.MTU {
 		fix(fmt.Sprintf("had MTU %d", l.Attrs().MTU))
 		if err := m.h.LinkSetMTU(l, s.MTU); err != nil {
-			return created, repaired, fmt.Errorf("setting MTU of %s: %w", s.Name, err)
+			return fail("setting MTU of %s: %w", s.Name, err)
 		}
 	}
-	if l.Attrs().MasterIndex != br.Attrs().Index {
+	attached := l.Attrs().MasterIndex == br.Attrs().Index
+	if !attached {
 		fix("was not attached to " + s.Bridge)
 		if err := m.h.LinkSetMaster(l, br); err != nil {
-			return created, repaired, fmt.Errorf("attaching %s to %s: %w", s.Name, s.Bridge, err)
+			return fail("attaching %s to %s: %w", s.Name, s.Bridge, err)
 		}
 	}
 	// Hairpin lets a guest reach its own published port through the host
-	// address: the DNATed frame goes back out the port it came in on.
-	pi, err := nlsafe.LinkGetProtinfo(m.h, l)
-	if err != nil || !pi.Hairpin {
-		if err == nil {
+	// address: the DNATed frame goes back out the port it came in on. A port
+	// just attached starts with hairpin off.
+	if !attached || !hairpin[l.Attrs().Index] {
+		if attached {
 			fix("had hairpin off")
 		}
 		if err := m.h.LinkSetHairpin(l, true); err != nil {
-			return created, repaired, fmt.Errorf("hairpin on %s: %w", s.Name, err)
+			return fail("hairpin on %s: %w", s.Name, err)
 		}
 	}
 	if l.Attrs().Flags&netlinkUp == 0 {
 		fix("was down")
 		if err := m.h.LinkSetUp(l); err != nil {
-			return created, repaired, fmt.Errorf("setting %s up: %w", s.Name, err)
+			return fail("setting %s up: %w", s.Name, err)
 		}
 	}
-	return created, repaired, nil
+	return r
 }
 
 func (m *Manager) createTap(s TapSpec, alias string) error {
@@ -156,13 +201,18 @@ func (m *Manager) OwnedTaps() (map[string]string, error) {
 	if err != nil {
 		return nil, err
 	}
+	return OwnedTapsIn(links), nil
+}
+
+// OwnedTapsIn is OwnedTaps over an existing link dump.
+func OwnedTapsIn(links []netlink.Link) map[string]string {
 	out := map[string]string{}
 	for _, l := range links {
 		if vm, ok := strings.CutPrefix(l.Attrs().Alias, tapAliasPrefix); ok {
 			out[l.Attrs().Name] = vm
 		}
 	}
-	return out, nil
+	return out
 }
 
 // DeleteTap removes a tap brokkr made; a missing one is fine, a foreign one
