@@ -38,7 +38,21 @@ func BenchmarkConverge(b *testing.B) {
 					b.Fatal(r.Err, r.Repaired)
 				}
 			}
+			b.StopTimer()
+			perPass := b.Elapsed() / time.Duration(b.N)
+			// Baseline, same namespace, same run: one plain link dump, the
+			// least any pass that looks at the kernel must spend.
+			const dumps = 20
+			t0 := time.Now()
+			for i := 0; i < dumps; i++ {
+				if _, err := p.links.Links(); err != nil {
+					b.Fatal(err)
+				}
+			}
+			dump := time.Since(t0) / dumps
 			b.ReportMetric(float64(first.Microseconds())/1000, "first-pass-ms")
+			b.ReportMetric(float64(dump.Microseconds())/1000, "linkdump-ms")
+			b.ReportMetric(float64(perPass)/float64(dump), "pass/linkdump")
 		})
 	}
 }

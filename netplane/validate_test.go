@@ -85,3 +85,8 @@ func TestValidateSpecFieldErrors(t *testing.T) {
 	}}
 	assert.Empty(t, validateSpec(withDefaults(ok), assigned))
 }
+
+func TestKernelIPParam(t *testing.T) {
+	n := Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.1/24")}
+	assert.Equal(t, "ip=10.213.0.7::10.213.0.1:255.255.255.0:web::off", KernelIPParam(n, "web", netip.MustParseAddr("10.213.0.7")))
+}
