@@ -1,0 +1,225 @@
+package netplane
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/netplane/link"
+)
+
+// ParseCIDR reads the config's network.cidr: the bridge's own address with
+// the subnet's prefix length, e.g. 10.213.0.1/24.
+func ParseCIDR(s string) (netip.Prefix, error) {
+	p, err := netip.ParsePrefix(s)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("network.cidr: %q is not a CIDR", s)
+	}
+	return p, nil
+}
+
+// fieldError is an error that names the offending field.
+type fieldError struct {
+	Field string
+	Msg   string
+}
+
+func (e *fieldError) Error() string { return e.Field + ": " + e.Msg }
+
+func ferr(field, format string, args ...any) error {
+	return &fieldError{Field: field, Msg: fmt.Sprintf(format, args...)}
+}
+
+// validateNetwork checks the network section alone.
+func validateNetwork(n Network) []error {
+	var errs []error
+	if err := link.ValidName(n.Bridge); err != nil {
+		errs = append(errs, ferr("network.bridge", "%v", err))
+	}
+	c := n.CIDR
+	switch {
+	case !c.IsValid():
+		errs = append(errs, ferr("network.cidr", "%q is not a CIDR", c.String()))
+	case !c.Addr().Is4() || c.Addr().Is4In6():
+		errs = append(errs, ferr("network.cidr", "%s is not IPv4", c))
+	case c.Bits() > 30:
+		errs = append(errs, ferr("network.cidr", "%s leaves no address for a guest (prefix longer than /30)", c))
+	case c.Addr() == c.Masked().Addr():
+		errs = append(errs, ferr("network.cidr", "%s is the network address; give the bridge's address, e.g. %s", c, nextAddr(c)))
+	case c.Addr() == broadcast(c):
+		errs = append(errs, ferr("network.cidr", "%s is the broadcast address", c))
+	case c.Addr().IsLoopback() || c.Addr().IsMulticast() || c.Addr().IsUnspecified():
+		errs = append(errs, ferr("network.cidr", "%s is not a unicast address", c))
+	}
+	if n.MTU != 0 && (n.MTU < 68 || n.MTU > 65535) {
+		errs = append(errs, ferr("network.mtu", "%d is outside 68..65535", n.MTU))
+	}
+	return errs
+}
+
+func nextAddr(p netip.Prefix) netip.Prefix { return netip.PrefixFrom(p.Addr().Next(), p.Bits()) }
+
+func broadcast(p netip.Prefix) netip.Addr {
+	b := p.Masked().Addr().As4()
+	host := uint32(1)<<(32-p.Bits()) - 1
+	for i := 0; i < 4; i++ {
+		b[3-i] |= byte(host >> (8 * i))
+	}
+	return netip.AddrFrom4(b)
+}
+
+// validateSpec checks everything that needs no kernel: network, guests and
+// exposures, and their relations. assigned maps VM → its current address
+// (explicit targets may not take one).
+func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
+	errs := validateNetwork(d.Network)
+	netOK := len(errs) == 0
+	guests := map[string]bool{}
+	taps := map[string]string{d.Network.Bridge: "the bridge"}
+	for i, g := range d.Guests {
+		f := fmt.Sprintf("guests[%d].name", i)
+		switch {
+		case g.Name == "":
+			errs = append(errs, ferr(f, "is empty"))
+			continue
+		case guests[g.Name]:
+			errs = append(errs, ferr(f, "%q appears twice", g.Name))
+			continue
+		case strings.ContainsAny(g.Name, "/:\x00 \t\n"):
+			errs = append(errs, ferr(f, "%q contains '/', ':', NUL or whitespace", g.Name))
+			continue
+		}
+		guests[g.Name] = true
+		tap := link.TapName(g.Name)
+		if other, ok := taps[tap]; ok {
+			errs = append(errs, ferr(f, "tap name %q of guest %q clashes with %s", tap, g.Name, other))
+			continue
+		}
+		taps[tap] = fmt.Sprintf("the tap of guest %q", g.Name)
+	}
+	type portKey struct {
+		proto string
+		port  uint16
+	}
+	type hostKey struct {
+		addr netip.Addr
+		portKey
+	}
+	names := map[string]bool{}
+	byAddr := map[hostKey]string{}   // a specific host address
+	anyAddr := map[portKey]string{}  // 0.0.0.0
+	someAddr := map[portKey]string{} // any specific address on that port
+	for i, e := range d.Exposures {
+		f := func(field string) string { return fmt.Sprintf("exposures[%d].%s", i, field) }
+		if err := bpf.ValidName(e.Name); err != nil {
+			errs = append(errs, ferr(f("name"), "%v", err))
+		} else if names[e.Name] {
+			errs = append(errs, ferr(f("name"), "%q appears twice", e.Name))
+		}
+		names[e.Name] = true
+		if e.Protocol != "tcp" && e.Protocol != "udp" {
+			errs = append(errs, ferr(f("protocol"), "%q is not tcp or udp", e.Protocol))
+		}
+		if e.HostPort == 0 {
+			errs = append(errs, ferr(f("hostPort"), "must be 1..65535"))
+		}
+		if e.GuestPort == 0 {
+			errs = append(errs, ferr(f("guestPort"), "must be 1..65535"))
+		}
+		if e.MaxConns < 0 {
+			errs = append(errs, ferr(f("maxConns"), "%d is negative", e.MaxConns))
+		}
+		ha := e.HostAddress
+		if !ha.IsValid() {
+			ha = netip.IPv4Unspecified()
+		}
+		switch {
+		case !ha.Is4():
+			errs = append(errs, ferr(f("hostAddress"), "%s is not IPv4 (guests are IPv4-only)", ha))
+		case ha.IsLoopback():
+			errs = append(errs, ferr(f("hostAddress"), "%s is loopback: loopback callers are served by the proxy, never by DNAT", ha))
+		}
+		// 0.0.0.0 covers every address, so it clashes with any specific one.
+		pk := portKey{e.Protocol, e.HostPort}
+		var clash string
+		if ha.IsUnspecified() {
+			clash = firstOf(anyAddr[pk], someAddr[pk])
+			anyAddr[pk] = e.Name
+		} else {
+			clash = firstOf(byAddr[hostKey{ha, pk}], anyAddr[pk])
+			byAddr[hostKey{ha, pk}] = e.Name
+			someAddr[pk] = e.Name
+		}
+		if clash != "" {
+			errs = append(errs, ferr(f("hostPort"), "%s %s:%d is already published by exposure %q", e.Protocol, ha, e.HostPort, clash))
+		}
+		switch {
+		case e.VM != "" && e.Target.IsValid():
+			errs = append(errs, ferr(f("target"), "give either vm or target, not both"))
+		case e.VM == "" && !e.Target.IsValid():
+			errs = append(errs, ferr(f("vm"), "give the vm whose port is published, or a target address"))
+		case e.VM != "" && !guests[e.VM]:
+			errs = append(errs, ferr(f("vm"), "%q is not a guest on this network", e.VM))
+		case e.Target.IsValid():
+			t := e.Target
+			switch {
+			case !netOK:
+			case !d.Network.CIDR.Masked().Contains(t):
+				errs = append(errs, ferr(f("target"), "%s is outside the bridge subnet %s", t, d.Network.CIDR.Masked()))
+			case t == d.Network.CIDR.Addr():
+				errs = append(errs, ferr(f("target"), "%s is the bridge's own address", t))
+			case t == d.Network.CIDR.Masked().Addr() || t == broadcast(d.Network.CIDR):
+				errs = append(errs, ferr(f("target"), "%s is the subnet's network or broadcast address", t))
+			default:
+				for vm, a := range assigned {
+					if a == t && guests[vm] {
+						errs = append(errs, ferr(f("target"), "%s is assigned to guest %q", t, vm))
+					}
+				}
+			}
+		}
+	}
+	return errs
+}
+
+// validateAgainstKernel checks the spec against the namespace: the bridge
+// name and tap names must not belong to links brokkr did not make, and the
+// subnet must not overlap one on such a link.
+func (p *Plane) validateAgainstKernel(d Desired, links []netlink.Link) []error {
+	var errs []error
+	foreign := map[string]bool{}
+	for _, l := range links {
+		if !link.Owned(l) {
+			foreign[l.Attrs().Name] = true
+		}
+	}
+	if foreign[d.Network.Bridge] {
+		errs = append(errs, ferr("network.bridge", "link %q exists and was not created by brokkr", d.Network.Bridge))
+	}
+	for i, g := range d.Guests {
+		if tap := link.TapName(g.Name); foreign[tap] {
+			errs = append(errs, ferr(fmt.Sprintf("guests[%d].name", i), "tap name %q of guest %q clashes with an existing link brokkr did not create", tap, g.Name))
+		}
+	}
+	prefixes, err := p.links.ForeignPrefixesIn(links)
+	if err != nil {
+		return append(errs, fmt.Errorf("network: reading addresses: %w", err))
+	}
+	subnet := d.Network.CIDR.Masked()
+	for _, fp := range prefixes {
+		if fp.Prefix.Masked().Overlaps(subnet) {
+			errs = append(errs, ferr("network.cidr", "%s overlaps %s on %s", subnet, fp.Prefix, fp.Link))
+		}
+	}
+	return errs
+}
+
+func firstOf(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}

@@ -1,0 +1,92 @@
+package netplane
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestParseCIDRNamesTheField(t *testing.T) {
+	_, err := ParseCIDR("10.0.0.1/33")
+	assert.EqualError(t, err, `network.cidr: "10.0.0.1/33" is not a CIDR`)
+	p, err := ParseCIDR("10.213.0.1/24")
+	require.NoError(t, err)
+	assert.Equal(t, "10.213.0.1", p.Addr().String())
+}
+
+func errText(errs []error) string {
+	var b strings.Builder
+	for _, e := range errs {
+		b.WriteString(e.Error() + "\n")
+	}
+	return b.String()
+}
+
+func TestValidateSpecFieldErrors(t *testing.T) {
+	n := Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.1/24")}
+	exp := func(e Exposure) Desired {
+		if e.Protocol == "" {
+			e.Protocol = "tcp"
+		}
+		if e.HostPort == 0 {
+			e.HostPort = 8080
+		}
+		if e.GuestPort == 0 {
+			e.GuestPort = 80
+		}
+		return Desired{Network: n, Guests: guestsOf("web"), Exposures: []Exposure{e}}
+	}
+	addr := netip.MustParseAddr
+	cases := []struct {
+		d    Desired
+		want string
+	}{
+		{Desired{Network: Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.0/24")}}, "network.cidr: 10.213.0.0/24 is the network address"},
+		{Desired{Network: Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.255/24")}}, "network.cidr: 10.213.0.255/24 is the broadcast address"},
+		{Desired{Network: Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.1/31")}}, "network.cidr: 10.213.0.1/31 leaves no address"},
+		{Desired{Network: Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("fd00::1/64")}}, "network.cidr: fd00::1/64 is not IPv4"},
+		{Desired{Network: Network{Bridge: "brokkr0", CIDR: n.CIDR, MTU: 20}}, "network.mtu"},
+		{Desired{Network: Network{Bridge: "", CIDR: n.CIDR}}, "network.bridge: is empty"},
+		{Desired{Network: n, Guests: guestsOf("web", "web")}, `guests[1].name: "web" appears twice`},
+		{exp(Exposure{Name: "x", VM: "nope"}), `exposures[0].vm: "nope" is not a guest`},
+		{exp(Exposure{Name: "x"}), "exposures[0].vm: give the vm"},
+		{exp(Exposure{Name: "x", VM: "web", Target: addr("10.213.0.9")}), "exposures[0].target: give either"},
+		{exp(Exposure{Name: "x", Target: addr("10.9.0.9")}), "exposures[0].target: 10.9.0.9 is outside"},
+		{exp(Exposure{Name: "x", Target: addr("10.213.0.1")}), "exposures[0].target: 10.213.0.1 is the bridge's own address"},
+		{exp(Exposure{Name: "x", Target: addr("10.213.0.7")}), `exposures[0].target: 10.213.0.7 is assigned to guest "web"`},
+		{exp(Exposure{Name: "x", VM: "web", Protocol: "sctp"}), "exposures[0].protocol"},
+		{exp(Exposure{Name: "x", VM: "web", HostAddress: addr("127.0.0.1")}), "exposures[0].hostAddress: 127.0.0.1 is loopback"},
+		{exp(Exposure{Name: "x", VM: "web", HostAddress: addr("::1")}), "exposures[0].hostAddress"},
+		{exp(Exposure{Name: "x", VM: "web", MaxConns: -1}), "exposures[0].maxConns"},
+		{exp(Exposure{Name: "", VM: "web"}), "exposures[0].name"},
+	}
+	assigned := map[string]netip.Addr{"web": addr("10.213.0.7")}
+	for _, c := range cases {
+		assert.Contains(t, errText(validateSpec(withDefaults(c.d), assigned)), c.want)
+	}
+
+	dup := Desired{Network: n, Guests: guestsOf("web"), Exposures: []Exposure{
+		{Name: "a", VM: "web", Protocol: "udp", HostAddress: addr("192.0.2.1"), HostPort: 53, GuestPort: 53},
+		{Name: "b", VM: "web", Protocol: "udp", HostPort: 53, GuestPort: 5353},
+		{Name: "c", VM: "web", Protocol: "tcp", HostPort: 53, GuestPort: 53},
+		{Name: "d", VM: "web", Protocol: "udp", HostAddress: addr("192.0.2.2"), HostPort: 53, GuestPort: 53},
+	}}
+	got := errText(validateSpec(withDefaults(dup), nil))
+	assert.Contains(t, got, `exposures[1].hostPort: udp 0.0.0.0:53 is already published by exposure "a"`)
+	assert.Contains(t, got, `exposures[3].hostPort: udp 192.0.2.2:53 is already published by exposure "b"`)
+	assert.NotContains(t, got, "exposures[2]", "tcp and udp do not clash")
+
+	ok := Desired{Network: n, Guests: guestsOf("web", "db"), Exposures: []Exposure{
+		{Name: "a", VM: "web", Protocol: "tcp", HostPort: 80, GuestPort: 80},
+		{Name: "b", Target: addr("10.213.0.200"), Protocol: "tcp", HostPort: 81, GuestPort: 80, MaxConns: 4},
+	}}
+	assert.Empty(t, validateSpec(withDefaults(ok), assigned))
+}
+
+func TestKernelIPParam(t *testing.T) {
+	n := Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.1/24")}
+	assert.Equal(t, "ip=10.213.0.7::10.213.0.1:255.255.255.0:web::off", KernelIPParam(n, "web", netip.MustParseAddr("10.213.0.7")))
+}
