@@ -147,10 +147,8 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 	g0, gerr := genID(t.raw)
 	commits := 0
 	send := func(set string, ids []uint32) error {
-		conn, err := t.newConn()
-		if err != nil {
-			return err
-		}
+		// The lasting socket: SetDeleteElements only fails before queuing.
+		conn := t.conn
 		els := make([]nftables.SetElement, len(ids))
 		for i, id := range ids {
 			els[i] = nftables.SetElement{Key: binaryutil.BigEndian.PutUint32(id)}
@@ -158,7 +156,7 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 		if err := conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
 			return err
 		}
-		err = conn.Flush()
+		err := conn.Flush()
 		if err == nil {
 			commits++
 		}
