@@ -17,7 +17,7 @@ import (
 // original and in the reply direction (a RST sets both). A connection whose
 // two bits are set is closed as far as the cap is concerned.
 const (
-	MarkIDMask uint32 = 0x3fffffff
+	MarkIDMask  uint32 = 0x3fffffff
 	MarkFINOrig uint32 = 0x40000000
 	MarkFINRepl uint32 = 0x80000000
 	MarkClosed         = MarkFINOrig | MarkFINRepl
@@ -25,24 +25,24 @@ const (
 
 // Names of the fixed objects of table inet brokkr.
 const (
-	chainPrerouting  = "prerouting"   // nat prerouting: DNAT dispatch
-	chainOutput      = "output"       // nat output: DNAT dispatch for host-local callers
-	chainPostrouting = "postrouting"  // nat postrouting: hairpin + egress masquerade
-	chainDispatch    = "dispatch"     // the two verdict-map lookups
-	chainGuard       = "guard"        // raw prerouting: drop remote packets to 127/8
-	chainInput       = "input"        // filter input: host isolation
-	chainFromGuests  = "from-guests"  // what a guest may send to the host itself
-	chainClosePre    = "close-pre"    // FIN/RST bookkeeping for the cap (prerouting)
-	chainCloseOut    = "close-out"    // the same for host-local callers (output)
-	mapExpAddr       = "exp-addr"     // ip daddr . l4proto . dport : goto exp-NAME
-	mapExpAny        = "exp-any"      // l4proto . dport : goto exp-NAME
-	mapClosers       = "closers"      // mark id : goto close-NAME
-	setGuestPorts    = "guest-ports"  // bridge table: ports under anti-spoof
-	setGuestAddrs    = "guest-addrs"  // bridge table: port . mac . ipv4
-	setGuestMACs     = "guest-macs"   // bridge table: port . mac
-	chainBrPre       = "prerouting"   // bridge table: anti-spoof dispatch
-	chainAntiSpoof   = "anti-spoof"   // bridge table: what a guest port may send
-	chainBrForward   = "forward"      // bridge table: guest isolation
+	chainPrerouting  = "prerouting"  // nat prerouting: DNAT dispatch
+	chainOutput      = "output"      // nat output: DNAT dispatch for host-local callers
+	chainPostrouting = "postrouting" // nat postrouting: hairpin + egress masquerade
+	chainDispatch    = "dispatch"    // the two verdict-map lookups
+	chainGuard       = "guard"       // raw prerouting: drop remote packets to 127/8
+	chainInput       = "input"       // filter input: host isolation
+	chainFromGuests  = "from-guests" // what a guest may send to the host itself
+	chainClosePre    = "close-pre"   // FIN/RST bookkeeping for the cap (prerouting)
+	chainCloseOut    = "close-out"   // the same for host-local callers (output)
+	mapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : goto exp-NAME
+	mapExpAny        = "exp-any"     // l4proto . dport : goto exp-NAME
+	mapClosers       = "closers"     // mark id : goto close-NAME
+	setGuestPorts    = "guest-ports" // bridge table: ports under anti-spoof
+	setGuestAddrs    = "guest-addrs" // bridge table: port . mac . ipv4
+	setGuestMACs     = "guest-macs"  // bridge table: port . mac
+	chainBrPre       = "prerouting"  // bridge table: anti-spoof dispatch
+	chainAntiSpoof   = "anti-spoof"  // bridge table: what a guest port may send
+	chainBrForward   = "forward"     // bridge table: guest isolation
 )
 
 // Per-exposure object names.
@@ -279,7 +279,7 @@ func desiredBridge(r Rules) *tableSpec {
 // --- expression helpers (each in the form `nft` prints back) ---
 
 const (
-	ctKeyID           expr.CtKey = 23 // NFT_CT_ID
+	ctKeyID expr.CtKey = 23 // NFT_CT_ID
 )
 
 func protoNum(p string) byte {

@@ -167,9 +167,9 @@ func (t *Table) Close() error {
 
 // Result is what one Converge did.
 type Result struct {
-	Changed  []string // differences that a change of Rules asked for
-	Repaired []string // drift: the kernel differed from what brokkr had applied
-	Replaced error    // non-nil: the incremental batch failed (this error) and both tables were replaced whole
+	Changed  []string       // differences that a change of Rules asked for
+	Repaired []string       // drift: the kernel differed from what brokkr had applied
+	Replaced error          // non-nil: the incremental batch failed (this error) and both tables were replaced whole
 	Flushed  map[string]int // conntrack entries deleted per exposure (created, changed or deleted)
 }
 
