@@ -16,24 +16,26 @@ import (
 // holding the conntrack ids of its open connections:
 //   - admission (nat prerouting/output, first packet only): `add @conns-NAME
 //     { ct id }` fails once the set is full, and the next rule counts the
-//     caller as refused and rejects it. The add is an atomic
-//     compare-and-increment in the kernel, so parallel SYNs on several CPUs
-//     cannot overshoot.
-//   - release, in the kernel, in packet order: a FIN in each direction (or
-//     one RST) sets both close bits of the ct mark and deletes the id. So a
-//     caller that closed a connection and opens the next one is never
-//     refused because the first is still being counted (what nf_conncount's
-//     once-per-jiffy pruning does).
-//   - release, by this watcher: a connection that ends without FIN/RST
-//     (UDP, timeouts, a SYN never answered) is deleted from its set when
-//     conntrack destroys it. A sweep removes ids that are in the set but not
-//     in conntrack (a SYN dropped before its entry was confirmed), only after
-//     seeing them stale twice, because a just-admitted connection is briefly
-//     in the set before its entry is confirmed.
-//   - across converges: the sets are never flushed by an incremental
-//     update; a set that is (re)created (whole-table replace, repaired drift,
-//     a new size) is seeded in the same batch from conntrack's open entries
-//     carrying the exposure's mark.
+//     caller as refused and rejects it. The kernel's size check is an atomic
+//     compare-and-increment, so parallel SYNs on several CPUs cannot
+//     overshoot: the upper bound is exact.
+//   - closing, in the kernel, in packet order: a FIN in each direction (or
+//     one RST) sets both close bits of the ct mark. (Deleting the id from the
+//     set in the datapath does not work: the kernel only marks the element
+//     dead and gives the slot back at the set's next GC, ~1 s later.)
+//   - release, by this watcher: on the conntrack update event that shows a
+//     connection closed (both bits, TIME_WAIT/CLOSE) or its destroy event
+//     (UDP, timeouts), the id is deleted from the set by a netlink batch,
+//     which frees the slot at once. So a closed connection stops counting
+//     after the watcher's latency (measured: see BENCHMARKS.md).
+//   - a sweep removes ids that stay in a set without a conntrack entry (a
+//     SYN dropped before its entry was confirmed), only after seeing them
+//     stale twice, because a just-admitted connection is briefly in the set
+//     before its entry is confirmed.
+//   - across converges: an incremental update never touches a set's
+//     elements; a set that is (re)created (whole-table replace, repaired
+//     drift, a new size) is seeded in the same batch from conntrack's open
+//     entries carrying the exposure's mark.
 
 type capWatcher struct {
 	t     *Table

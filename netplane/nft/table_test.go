@@ -321,3 +321,46 @@ func shortConn(addr string) error {
 	}
 	return nil
 }
+
+// A UDP flow (same source port throughout) moves to the new guest right
+// after the exposure changes: its conntrack entry, keyed by the host side
+// (hostPort != guestPort), is deleted.
+func TestUDPFlowMovesAfterChange(t *testing.T) {
+	tp := newTopo(t, 2)
+	serveUDP(t, tp.guests[0], ":53", "g1")
+	serveUDP(t, tp.guests[1], ":53", "g2")
+	e := Exposure{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: guestAddr(0), GuestPort: 53}
+	tp.converge(t, tp.rules(e))
+	reply, err := udpAsk(tp.client, "10.99.0.2:40001", "10.99.0.1:5353")
+	require.NoError(t, err)
+	require.Equal(t, "g1", reply)
+	e.GuestAddr = guestAddr(1)
+	res := tp.converge(t, tp.rules(e))
+	assert.Positive(t, res.Flushed["dns"], "the old flow's entry was deleted")
+	reply, err = udpAsk(tp.client, "10.99.0.2:40001", "10.99.0.1:5353")
+	require.NoError(t, err)
+	assert.Equal(t, "g2", reply, "the same flow goes to the new guest at once")
+}
+
+// A packet from outside addressed to 127.0.0.1 is dropped by the guard
+// (counted there), and a guest reaches no host service but DHCP.
+func TestGuards(t *testing.T) {
+	tp := newTopo(t, 1)
+	tp.converge(t, tp.rules(web(0)))
+	serveTCP(t, tp.host, "127.0.0.1:9999", "host-lo")
+	serveTCP(t, tp.host, "10.213.0.1:2222", "host-svc")
+	// The client routes 127.0.0.0/8 at the host on purpose.
+	tp.client.MustRun(t, "ip", "route", "add", "127.0.0.0/8", "via", "10.99.0.1", "dev", "eth0", "table", "100")
+	tp.client.MustRun(t, "ip", "rule", "add", "to", "127.0.0.0/8", "lookup", "100", "pref", "100")
+	_, err := dialTag(tp.client, "127.0.0.1:9999")
+	assert.Error(t, err)
+	// A guest cannot reach a host service...
+	_, err = dialTag(tp.guests[0], "10.213.0.1:2222")
+	assert.Error(t, err, "guest reached a host service")
+	_, err = dialTag(tp.guests[0], "10.99.0.1:2222")
+	assert.Error(t, err, "guest reached a host service on another address")
+	// ...but the client (not a guest) can.
+	tag, err := dialTag(tp.client, "10.213.0.1:2222")
+	require.NoError(t, err)
+	assert.Equal(t, "host-svc", tag)
+}
