@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# make bench: runs every area's benchmark script (tests/bench/*.sh) and the Go
+# benchmarks, each comparing against a baseline measured in the same run.
+# Output goes to tests/bench/out/<timestamp>/; BENCHMARKS.md records results.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=tests/bench/out/$(date -u +%Y%m%dT%H%M%SZ)
+mkdir -p "$out"
+rc=0
+for s in tests/bench/*.sh; do
+  [ "$(basename "$s")" = run.sh ] && continue
+  echo "== $s"
+  bash "$s" 2>&1 | tee "$out/$(basename "$s" .sh).txt" || rc=1
+  scripts/clean-ns.sh
+done
+echo "== go test -bench"
+go test -run '^$' -bench . -benchtime 1x ./... 2>&1 | tee "$out/go-bench.txt" || rc=1
+echo "results in $out"
+exit $rc
