@@ -27,6 +27,9 @@ func isTerminal(w io.Writer) bool {
 	return err == nil
 }
 
+// failGrace is how long --wait tolerates a failed VM or exposure.
+const failGrace = 15 * time.Second
+
 var percentRE = regexp.MustCompile(`(\d{1,3})%`)
 
 // bar draws a progress bar for a detail that carries a percentage
@@ -83,6 +86,7 @@ func waitConverged(ctx context.Context, w io.Writer, c *api.Client, timeout time
 	drawn := 0
 	last := map[string]string{}
 	good := 0
+	var failingSince time.Time
 	// The first pass after an apply may not have run yet; a status from
 	// before it would look converged.
 	time.Sleep(1200 * time.Millisecond)
@@ -124,7 +128,13 @@ func waitConverged(ctx context.Context, w io.Writer, c *api.Client, timeout time
 			}
 		}
 		done, failed := converged(st)
-		if len(failed) > 0 {
+		// A failure can heal (a port freed, a VM restarted by its policy):
+		// give up only when it has lasted failGrace.
+		if len(failed) == 0 {
+			failingSince = time.Time{}
+		} else if failingSince.IsZero() {
+			failingSince = time.Now()
+		} else if time.Since(failingSince) > failGrace {
 			for _, f := range failed {
 				fmt.Fprintln(os.Stderr, "brokkr:", f)
 			}

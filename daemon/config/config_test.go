@@ -2,6 +2,7 @@ package config
 
 import (
 	"encoding/json"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -326,4 +327,13 @@ func FuzzParse(f *testing.F) {
 			t.Fatalf("JSON round trip changed the config:\n%s\n%s", b, b2)
 		}
 	})
+}
+
+func TestShippedExampleIsValid(t *testing.T) {
+	b, err := os.ReadFile("../../dist/brokkr.example.yaml")
+	require.NoError(t, err)
+	c, err := Parse(b)
+	require.NoError(t, err)
+	assert.Equal(t, Defaults().Network, c.Network, "the example documents the defaults")
+	assert.Equal(t, Defaults().Hypervisor, c.Hypervisor)
 }
