@@ -126,4 +126,3 @@ func TestEngineWithRealGuest(t *testing.T) {
 	assert.Contains(t, readFile(filepath.Join(state, "vms", "web", "console.log")), "power button, powering off",
 		"stopped by the guest itself through the power button")
 }
-
