@@ -30,6 +30,9 @@ type launchPlan struct {
 	TSCKHz    int64  // microvm: host TSC for tsc_early_khz= (0: leave it to the guest)
 	QMPSocket string
 	PIDFile   string
+	// ConsoleSocket, when set, carries the serial port (the engine copies
+	// it into the size-capped console.log); else qemu writes ConsoleLog.
+	ConsoleSocket string
 }
 
 // validateLaunch names the first LaunchConfig field the backend cannot use.
@@ -130,9 +133,12 @@ func buildArgs(cfg supervisor.LaunchConfig, p launchPlan) []string {
 		args = append(args, "-initrd", cfg.Initramfs)
 	}
 	args = append(args, "-append", kernelCmdline(cfg, p))
-	if cfg.ConsoleLog != "" {
+	switch {
+	case p.ConsoleSocket != "":
+		args = append(args, "-chardev", "socket,id=console0,path="+p.ConsoleSocket+",server=on,wait=off", "-serial", "chardev:console0")
+	case cfg.ConsoleLog != "":
 		args = append(args, "-chardev", "file,id=console0,path="+cfg.ConsoleLog, "-serial", "chardev:console0")
-	} else {
+	default:
 		args = append(args, "-serial", "null")
 	}
 	if cfg.Tap != "" {

@@ -253,3 +253,11 @@ func TestKVMNotGivenUpWhenTCGFailsToo(t *testing.T) {
 	accel, _ := b.pickAccel()
 	assert.Equal(t, AccelKVM, accel)
 }
+
+func TestBuildArgsConsoleSocket(t *testing.T) {
+	p := launchPlan{Machine: MachineQ35, Accel: AccelTCG, QMPSocket: "/run/vm/qmp.sock", PIDFile: "/p", ConsoleSocket: "/run/vm/console.sock"}
+	args := buildArgs(testLaunch(), p)
+	assert.Equal(t, "socket,id=console0,path=/run/vm/console.sock,server=on,wait=off", argAfter(args, "-chardev", 0),
+		"the socket wins over ConsoleLog: the engine copies it into the capped log")
+	assert.Equal(t, "chardev:console0", argAfter(args, "-serial", 0))
+}

@@ -49,7 +49,7 @@ func BenchmarkGuestBoot(b *testing.B) {
 	notes := make([]string, len(configs))
 	for i := 0; i < runs; i++ {
 		for j, c := range configs {
-			be := New("", WithNetNS(gn.NS.Path), WithMachine(c.machine), WithAccel(c.accel),
+			be := New("", WithNetNS(gn.NS.Path), WithMachine(c.machine), WithAccel(c.accel), WithConsoleFile(),
 				WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
 			s, r := bootOnce(b, be, gn, img, c.name+strconv.Itoa(i))
 			started[j], ready[j] = append(started[j], s.Seconds()), append(ready[j], r.Seconds())

@@ -139,7 +139,7 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	logger := slog.New(slog.NewTextHandler(testWriter{t}, nil))
 	// Auto: where /dev/kvm is PVM (this machine) the KVM launch fails and
 	// the backend relaunches under TCG; on a real KVM host it boots on KVM.
-	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelAuto), WithKVMProbeWindow(5*time.Second), WithLogger(logger))
+	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelAuto), WithKVMProbeWindow(5*time.Second), WithConsoleFile(), WithLogger(logger))
 	dir := t.TempDir()
 	run, err := os.MkdirTemp("", "brkqm")
 	require.NoError(t, err)
@@ -163,6 +163,7 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	})
 	t.Logf("Start returned after %s: pid %d, accel note %q", time.Since(t0).Round(time.Millisecond), inst.PID, b.KVMDisabledReason())
 	require.Equal(t, filepath.Join(run, "qmp.sock"), inst.APISocket)
+	assert.Empty(t, inst.ConsoleSocket, "with WithConsoleFile qemu writes the log itself")
 	exe, _ := filepath.EvalSymlinks("/usr/bin/qemu-system-x86_64")
 	assert.Equal(t, exe, inst.Exe)
 	pidText, err := os.ReadFile(filepath.Join(run, "qemu.pid"))
@@ -323,7 +324,7 @@ func TestGuestStaticAddressFromCmdline(t *testing.T) {
 	img := findGuestImage(t)
 	gn := newGuestNetDHCP(t, false)
 	gn.IP = "10.213.77.21"
-	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG))
+	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithConsoleFile())
 	dir := t.TempDir()
 	run, err := os.MkdirTemp("", "brkqm")
 	require.NoError(t, err)

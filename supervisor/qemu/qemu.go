@@ -37,6 +37,7 @@ type Backend struct {
 	tscKHz      int64
 	kvmCPU      string
 	kvmWindow   time.Duration
+	consoleFile bool
 	qmpTimeout  time.Duration
 	stopStepMax time.Duration
 	log         *slog.Logger
@@ -79,6 +80,13 @@ func WithKVMProbeWindow(d time.Duration) Option { return func(b *Backend) { b.kv
 // WithKVMCPU sets the -cpu model for KVM launches (default "host"; TCG
 // launches use qemu's default model).
 func WithKVMCPU(model string) Option { return func(b *Backend) { b.kvmCPU = model } }
+
+// WithConsoleFile has qemu write the serial console straight into
+// LaunchConfig.ConsoleLog (the previous boot's kept as console.log.1): the
+// log then also covers the time the daemon is down, but is not size-capped
+// within a boot. By default the console is served on RunDir/console.sock
+// (Instance.ConsoleSocket) and the engine copies it into a capped log.
+func WithConsoleFile() Option { return func(b *Backend) { b.consoleFile = true } }
 
 // WithLogger sets the logger (default slog.Default()).
 func WithLogger(l *slog.Logger) Option { return func(b *Backend) { b.log = l } }
@@ -123,7 +131,10 @@ func (b *Backend) binary() (string, error) {
 // Paths inside a VM's directories.
 func qmpSocket(cfg supervisor.LaunchConfig) string { return filepath.Join(cfg.RunDir, "qmp.sock") }
 func pidFile(cfg supervisor.LaunchConfig) string   { return filepath.Join(cfg.RunDir, "qemu.pid") }
-func qemuLog(cfg supervisor.LaunchConfig) string   { return filepath.Join(cfg.Dir, "qemu.log") }
+func consoleSocket(cfg supervisor.LaunchConfig) string {
+	return filepath.Join(cfg.RunDir, "console.sock")
+}
+func qemuLog(cfg supervisor.LaunchConfig) string { return filepath.Join(cfg.Dir, "qemu.log") }
 
 // Start implements supervisor.Hypervisor: it launches qemu, waits until QMP
 // says the guest runs, and returns the instance. The process is not reaped
@@ -152,8 +163,9 @@ func (b *Backend) Start(ctx context.Context, cfg supervisor.LaunchConfig) (super
 	if socketInUse(sock) {
 		return supervisor.Instance{}, fmt.Errorf("qemu: vm %s: %s is served by a running process; refusing to start a second qemu", cfg.Name, sock)
 	}
-	// Nobody serves it: a leftover of a dead qemu.
+	// Nobody serves it: a leftover of a dead qemu, like its console socket.
 	_ = os.Remove(sock)
+	_ = os.Remove(consoleSocket(cfg))
 
 	accel, why := b.pickAccel()
 	if why != "" {
@@ -214,7 +226,10 @@ func (b *Backend) pickAccel() (accel, why string) {
 // launch runs qemu once with the given accelerator.
 func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchConfig, accel string) (supervisor.Instance, error) {
 	plan := launchPlan{Machine: b.machine, Accel: accel, CPU: b.kvmCPU, TSCKHz: b.tscKHz, QMPSocket: qmpSocket(cfg), PIDFile: pidFile(cfg)}
-	if cfg.ConsoleLog != "" {
+	if !b.consoleFile {
+		plan.ConsoleSocket = consoleSocket(cfg)
+	}
+	if b.consoleFile && cfg.ConsoleLog != "" {
 		// One previous boot's console is kept for post-mortems.
 		if fi, err := os.Stat(cfg.ConsoleLog); err == nil && fi.Size() > 0 {
 			_ = os.Rename(cfg.ConsoleLog, cfg.ConsoleLog+".1")
@@ -243,6 +258,9 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 		_ = os.Remove(plan.QMPSocket)
+		if plan.ConsoleSocket != "" {
+			_ = os.Remove(plan.ConsoleSocket)
+		}
 		return supervisor.Instance{}, err
 	}
 	st, err := readProcStat(pid)
@@ -259,7 +277,7 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		}
 		return fail(fmt.Errorf("qemu: vm %s: qemu exited at start: %s", cfg.Name, detail))
 	}
-	inst := supervisor.Instance{PID: pid, StartTime: st.StartTime, Exe: exe, APISocket: plan.QMPSocket}
+	inst := supervisor.Instance{PID: pid, StartTime: st.StartTime, Exe: exe, APISocket: plan.QMPSocket, ConsoleSocket: plan.ConsoleSocket}
 
 	// QMP comes up once qemu has set the machine up; an exit before that is
 	// a bad command line, a missing tap, or (under KVM) a CPU qemu refused.
@@ -324,13 +342,30 @@ func (b *Backend) waitQMP(ctx context.Context, inst supervisor.Instance) error {
 // "KVM" crawling through the kernel's decompressor); with the console
 // elsewhere, silence proves nothing and KVM is trusted after the window.
 func (b *Backend) probeKVM(ctx context.Context, cfg supervisor.LaunchConfig, plan launchPlan, inst supervisor.Instance, logStart int64) error {
-	onSerial := cfg.ConsoleLog != "" && consoleOnSerial(kernelCmdline(cfg, plan))
+	onSerial := consoleOnSerial(kernelCmdline(cfg, plan))
+	var printed func() bool
+	switch {
+	case !onSerial:
+		printed = func() bool { return false }
+	case plan.ConsoleSocket != "":
+		w, err := watchConsole(ctx, plan.ConsoleSocket, cfg.ConsoleLog)
+		if err != nil {
+			return &kvmFailure{reason: "console socket: " + err.Error()}
+		}
+		defer w.close()
+		printed = w.printed
+	case cfg.ConsoleLog != "":
+		printed = func() bool {
+			fi, err := os.Stat(cfg.ConsoleLog)
+			return err == nil && fi.Size() > 0
+		}
+	default:
+		onSerial, printed = false, func() bool { return false }
+	}
 	end := time.Now().Add(b.kvmWindow)
 	for {
-		if onSerial {
-			if fi, err := os.Stat(cfg.ConsoleLog); err == nil && fi.Size() > 0 {
-				return nil
-			}
+		if printed() {
+			return nil
 		}
 		if !running(inst.PID, inst.StartTime) {
 			return &kvmFailure{reason: "qemu exited during boot: " + logTail(qemuLog(cfg), logStart)}

@@ -32,7 +32,7 @@ func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
 		Kernel: img.Kernel, Initramfs: img.Initramfs,
 		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
 	}
-	b := New("", WithAccel(AccelTCG))
+	b := New("", WithAccel(AccelTCG), WithConsoleFile())
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(func() {
