@@ -18,6 +18,7 @@ import (
 	"github.com/brokkr/brokkr/netplane/dhcp"
 	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/netplane/link"
+	"github.com/brokkr/brokkr/netplane/nft"
 	"github.com/brokkr/brokkr/netplane/nlsafe"
 )
 
@@ -46,7 +47,7 @@ type Plane struct {
 	pool  *ipam.Pool
 
 	mu         sync.Mutex // one Converge/Teardown/Close at a time
-	table      kernelTable
+	table      *nft.Table // opened by the first pass that reaches it
 	dhcp       *dhcp.Server
 	dhcpIfIdx  int
 	feeds      map[string]*slotFeed
@@ -367,13 +368,17 @@ func (p *Plane) guestsWithAddress(bridge string, leases map[string]ipam.Lease) m
 func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAddr map[string]bool,
 	guestErr map[string]string, repaired []string) ([]ExposureStatus, []string) {
 	n := d.Network
-	rules := tableRules{
+	rules := nft.Rules{
 		Bridge: n.Bridge, Subnet: n.CIDR.Masked(), Gateway: n.CIDR.Addr(),
 		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP,
 	}
+	// Anti-spoof admits each tap's assigned address from the start, not
+	// only after the DHCP ACK: a guest configured with ip= must be able to
+	// ARP and talk before anyone has seen it, and the assigned address is
+	// the only one it could ever lease.
 	for _, g := range d.Guests {
 		if l, ok := leases[g.Name]; ok && guestErr[g.Name] == "" {
-			rules.Guests = append(rules.Guests, tableGuest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
+			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
 		}
 	}
 	status := make([]ExposureStatus, len(d.Exposures))
@@ -397,13 +402,13 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 			}
 			target = l.Addr
 		}
-		rules.Exposures = append(rules.Exposures, tableExposure{
+		rules.Exposures = append(rules.Exposures, nft.Exposure{
 			Name: e.Name, Protocol: e.Protocol, HostAddr: e.HostAddress, HostPort: e.HostPort,
 			GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
 		})
 	}
 
-	var counters map[string]tableCounters
+	var counters map[string]nft.ExposureCounters
 	tableErr := p.applyTable(rules, &repaired)
 	if tableErr == nil {
 		var err error
@@ -425,19 +430,21 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 	return status, repaired
 }
 
-func (p *Plane) applyTable(r tableRules, repaired *[]string) error {
+func (p *Plane) applyTable(r nft.Rules, repaired *[]string) error {
 	if p.table == nil {
-		if openTable == nil {
-			return errors.New("nftables table not available (netplane/nft is not wired in)")
-		}
-		t, err := openTable(p.opts.NetNS)
+		t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log))
 		if err != nil {
 			return fmt.Errorf("opening nftables table: %w", err)
 		}
 		p.table = t
 	}
-	rep, err := p.table.Converge(r)
-	*repaired = append(*repaired, rep...)
+	res, err := p.table.Converge(r)
+	for _, d := range res.Repaired {
+		*repaired = append(*repaired, "nft "+d)
+	}
+	if res.Replaced != nil {
+		p.log.Warn("netplane: nft incremental update failed; tables replaced whole", "err", res.Replaced)
+	}
 	if err != nil {
 		return fmt.Errorf("nftables: %w", err)
 	}
@@ -448,7 +455,7 @@ func (p *Plane) applyTable(r tableRules, repaired *[]string) error {
 // protocol or host port changed, so bpftool shows the current shape), adds
 // the kernel counters, and releases the slots of exposures that left the
 // desired state as deleted (zeroed once the proxy lets go too).
-func (p *Plane) feedSlots(exps []Exposure, counters map[string]tableCounters) {
+func (p *Plane) feedSlots(exps []Exposure, counters map[string]nft.ExposureCounters) {
 	want := map[string]bool{}
 	for _, e := range exps {
 		want[e.Name] = true
@@ -516,8 +523,8 @@ func (p *Plane) Teardown() error {
 	}
 	p.stopDHCP()
 	var errs []error
-	if p.table == nil && openTable != nil {
-		if t, err := openTable(p.opts.NetNS); err == nil {
+	if p.table == nil {
+		if t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log)); err == nil {
 			p.table = t
 		} else {
 			errs = append(errs, err)

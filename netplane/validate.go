@@ -3,12 +3,13 @@ package netplane
 import (
 	"fmt"
 	"net/netip"
-	"strings"
+	"regexp"
 
 	"github.com/vishvananda/netlink"
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/netplane/link"
+	"github.com/brokkr/brokkr/netplane/nft"
 )
 
 // ParseCIDR reads the config's network.cidr: the bridge's own address with
@@ -20,6 +21,11 @@ func ParseCIDR(s string) (netip.Prefix, error) {
 	}
 	return p, nil
 }
+
+// nameRE is what a guest or exposure name may be: it becomes part of nft
+// object names, which `nft` must print back and parse again (netplane/nft
+// checks the same).
+var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$`)
 
 // fieldError is an error that names the offending field.
 type fieldError struct {
@@ -88,8 +94,8 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 		case guests[g.Name]:
 			errs = append(errs, ferr(f, "%q appears twice", g.Name))
 			continue
-		case strings.ContainsAny(g.Name, "/:\x00 \t\n"):
-			errs = append(errs, ferr(f, "%q contains '/', ':', NUL or whitespace", g.Name))
+		case !nameRE.MatchString(g.Name):
+			errs = append(errs, ferr(f, "%q must match %s", g.Name, nameRE))
 			continue
 		}
 		guests[g.Name] = true
@@ -100,22 +106,19 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 		}
 		taps[tap] = fmt.Sprintf("the tap of guest %q", g.Name)
 	}
-	type portKey struct {
+	type hostKey struct {
+		addr  netip.Addr
 		proto string
 		port  uint16
 	}
-	type hostKey struct {
-		addr netip.Addr
-		portKey
-	}
 	names := map[string]bool{}
-	byAddr := map[hostKey]string{}   // a specific host address
-	anyAddr := map[portKey]string{}  // 0.0.0.0
-	someAddr := map[portKey]string{} // any specific address on that port
+	hosts := map[hostKey]string{}
 	for i, e := range d.Exposures {
 		f := func(field string) string { return fmt.Sprintf("exposures[%d].%s", i, field) }
 		if err := bpf.ValidName(e.Name); err != nil {
 			errs = append(errs, ferr(f("name"), "%v", err))
+		} else if !nameRE.MatchString(e.Name) {
+			errs = append(errs, ferr(f("name"), "%q must match %s", e.Name, nameRE))
 		} else if names[e.Name] {
 			errs = append(errs, ferr(f("name"), "%q appears twice", e.Name))
 		}
@@ -129,8 +132,8 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 		if e.GuestPort == 0 {
 			errs = append(errs, ferr(f("guestPort"), "must be 1..65535"))
 		}
-		if e.MaxConns < 0 {
-			errs = append(errs, ferr(f("maxConns"), "%d is negative", e.MaxConns))
+		if e.MaxConns < 0 || e.MaxConns > nft.MaxConnsLimit {
+			errs = append(errs, ferr(f("maxConns"), "%d is outside 0 (unlimited)..%d", e.MaxConns, nft.MaxConnsLimit))
 		}
 		ha := e.HostAddress
 		if !ha.IsValid() {
@@ -142,19 +145,14 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 		case ha.IsLoopback():
 			errs = append(errs, ferr(f("hostAddress"), "%s is loopback: loopback callers are served by the proxy, never by DNAT", ha))
 		}
-		// 0.0.0.0 covers every address, so it clashes with any specific one.
-		pk := portKey{e.Protocol, e.HostPort}
-		var clash string
-		if ha.IsUnspecified() {
-			clash = firstOf(anyAddr[pk], someAddr[pk])
-			anyAddr[pk] = e.Name
+		// Unique per (host address, protocol, port). 0.0.0.0 and a specific
+		// address on the same port may coexist: the specific one wins, as
+		// with socket binds (the nft table looks it up first).
+		k := hostKey{ha, e.Protocol, e.HostPort}
+		if other, ok := hosts[k]; ok {
+			errs = append(errs, ferr(f("hostPort"), "%s %s:%d is already published by exposure %q", e.Protocol, ha, e.HostPort, other))
 		} else {
-			clash = firstOf(byAddr[hostKey{ha, pk}], anyAddr[pk])
-			byAddr[hostKey{ha, pk}] = e.Name
-			someAddr[pk] = e.Name
-		}
-		if clash != "" {
-			errs = append(errs, ferr(f("hostPort"), "%s %s:%d is already published by exposure %q", e.Protocol, ha, e.HostPort, clash))
+			hosts[k] = e.Name
 		}
 		switch {
 		case e.VM != "" && e.Target.IsValid():
@@ -215,11 +213,4 @@ func (p *Plane) validateAgainstKernel(d Desired, links []netlink.Link) []error {
 		}
 	}
 	return errs
-}
-
-func firstOf(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }

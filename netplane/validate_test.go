@@ -62,6 +62,8 @@ func TestValidateSpecFieldErrors(t *testing.T) {
 		{exp(Exposure{Name: "x", VM: "web", HostAddress: addr("::1")}), "exposures[0].hostAddress"},
 		{exp(Exposure{Name: "x", VM: "web", MaxConns: -1}), "exposures[0].maxConns"},
 		{exp(Exposure{Name: "", VM: "web"}), "exposures[0].name"},
+		{exp(Exposure{Name: "a b", VM: "web"}), "exposures[0].name"},
+		{Desired{Network: n, Guests: guestsOf("we/b")}, "guests[0].name"},
 	}
 	assigned := map[string]netip.Addr{"web": addr("10.213.0.7")}
 	for _, c := range cases {
@@ -74,10 +76,15 @@ func TestValidateSpecFieldErrors(t *testing.T) {
 		{Name: "c", VM: "web", Protocol: "tcp", HostPort: 53, GuestPort: 53},
 		{Name: "d", VM: "web", Protocol: "udp", HostAddress: addr("192.0.2.2"), HostPort: 53, GuestPort: 53},
 	}}
+	dup.Exposures = append(dup.Exposures,
+		Exposure{Name: "e", VM: "web", Protocol: "udp", HostPort: 53, GuestPort: 53},
+		Exposure{Name: "f", VM: "web", Protocol: "udp", HostAddress: addr("192.0.2.1"), HostPort: 53, GuestPort: 53})
 	got := errText(validateSpec(withDefaults(dup), nil))
-	assert.Contains(t, got, `exposures[1].hostPort: udp 0.0.0.0:53 is already published by exposure "a"`)
-	assert.Contains(t, got, `exposures[3].hostPort: udp 192.0.2.2:53 is already published by exposure "b"`)
+	assert.Contains(t, got, `exposures[4].hostPort: udp 0.0.0.0:53 is already published by exposure "b"`)
+	assert.Contains(t, got, `exposures[5].hostPort: udp 192.0.2.1:53 is already published by exposure "a"`)
+	assert.NotContains(t, got, "exposures[1]", "0.0.0.0 and a specific address may share a port (the specific one wins)")
 	assert.NotContains(t, got, "exposures[2]", "tcp and udp do not clash")
+	assert.NotContains(t, got, "exposures[3]")
 
 	ok := Desired{Network: n, Guests: guestsOf("web", "db"), Exposures: []Exposure{
 		{Name: "a", VM: "web", Protocol: "tcp", HostPort: 80, GuestPort: 80},
