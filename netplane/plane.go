@@ -410,7 +410,9 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 
 	var counters map[string]nft.ExposureCounters
 	tableErr := p.applyTable(rules, &repaired)
-	if tableErr == nil {
+	// A counter read dumps conntrack (a walk of the whole hash table, about
+	// 10 ms here), so it is skipped when nothing is published.
+	if tableErr == nil && len(rules.Exposures) > 0 {
 		var err error
 		if counters, err = p.table.Counters(); err != nil {
 			p.log.Warn("netplane: reading nft counters", "err", err)
