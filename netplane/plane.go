@@ -185,7 +185,11 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		return rep
 	}
 
-	// Taps, then the taps of VMs no longer desired.
+	// The taps of VMs no longer desired go first, so a new VM whose tap
+	// name a departed one held gets it in the same pass; then the taps.
+	if err := p.removeStaleLinks(d, links); err != nil {
+		p.log.Warn("netplane: removing links of departed guests", "err", err)
+	}
 	guestErr := map[string]string{}
 	for vm, err := range noAddr {
 		guestErr[vm] = err.Error()
@@ -209,9 +213,6 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 			continue
 		}
 		p.madeTaps[s.Name] = true
-	}
-	if err := p.removeStaleLinks(d, links); err != nil {
-		p.log.Warn("netplane: removing links of departed guests", "err", err)
 	}
 
 	// DHCP, and which guests hold an address.
