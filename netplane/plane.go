@@ -106,6 +106,11 @@ func (p *Plane) validate(d Desired, links []netlink.Link) []error {
 		assigned[vm] = l.Addr
 	}
 	errs := validateSpec(d, assigned)
+	if len(errs) == 0 {
+		// Only a spec clean on its own is worth checking against the nft
+		// table's rules (the same mistakes would be reported twice).
+		errs = nftPreflight(d)
+	}
 	if len(validateNetwork(d.Network)) == 0 {
 		errs = append(errs, p.validateAgainstKernel(d, links)...)
 	}

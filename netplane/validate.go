@@ -27,6 +27,10 @@ func ParseCIDR(s string) (netip.Prefix, error) {
 // checks the same).
 var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$`)
 
+// ifnameRE is the bridge names the nft table accepts (a subset of what the
+// kernel allows).
+var ifnameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,15}$`)
+
 // fieldError is an error that names the offending field.
 type fieldError struct {
 	Field string
@@ -44,6 +48,8 @@ func validateNetwork(n Network) []error {
 	var errs []error
 	if err := link.ValidName(n.Bridge); err != nil {
 		errs = append(errs, ferr("network.bridge", "%v", err))
+	} else if !ifnameRE.MatchString(n.Bridge) {
+		errs = append(errs, ferr("network.bridge", "%q must match %s", n.Bridge, ifnameRE))
 	}
 	c := n.CIDR
 	switch {
@@ -51,6 +57,8 @@ func validateNetwork(n Network) []error {
 		errs = append(errs, ferr("network.cidr", "%q is not a CIDR", c.String()))
 	case !c.Addr().Is4() || c.Addr().Is4In6():
 		errs = append(errs, ferr("network.cidr", "%s is not IPv4", c))
+	case c.Bits() < 1:
+		errs = append(errs, ferr("network.cidr", "%s is not a subnet (/0)", c))
 	case c.Bits() > 30:
 		errs = append(errs, ferr("network.cidr", "%s leaves no address for a guest (prefix longer than /30)", c))
 	case c.Addr() == c.Masked().Addr():
@@ -211,6 +219,33 @@ func (p *Plane) validateAgainstKernel(d Desired, links []netlink.Link) []error {
 		if fp.Prefix.Masked().Overlaps(subnet) {
 			errs = append(errs, ferr("network.cidr", "%s overlaps %s on %s", subnet, fp.Prefix, fp.Link))
 		}
+	}
+	return errs
+}
+
+// nftPreflight runs the nft package's own validation on the rules this
+// spec will become, before anything is applied, so a rule the table would
+// refuse can never leave the links half-built. Guest addresses are not
+// known yet; a VM's exposure uses the bridge address as a stand-in target
+// (the checks on it are only "a routable IPv4 address").
+func nftPreflight(d Desired) []error {
+	n := d.Network
+	r := nft.Rules{Bridge: n.Bridge, Subnet: n.CIDR.Masked(), Gateway: n.CIDR.Addr(),
+		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP}
+	for _, g := range d.Guests {
+		r.Guests = append(r.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: link.GuestMAC(g.Name, 0)})
+	}
+	for _, e := range d.Exposures {
+		target := e.Target
+		if e.VM != "" {
+			target = n.CIDR.Addr()
+		}
+		r.Exposures = append(r.Exposures, nft.Exposure{Name: e.Name, Protocol: e.Protocol, HostAddr: e.HostAddress,
+			HostPort: e.HostPort, GuestAddr: target, GuestPort: e.GuestPort, MaxConns: e.MaxConns})
+	}
+	var errs []error
+	for _, err := range r.Validate() {
+		errs = append(errs, fmt.Errorf("nft rules: %w", err))
 	}
 	return errs
 }
