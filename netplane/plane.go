@@ -22,6 +22,22 @@ import (
 	"github.com/brokkr/brokkr/netplane/nlsafe"
 )
 
+// How a Plane decides (the reasons are next to the code):
+//   - Ownership: links carry an ifalias "brokkr:bridge" / "brokkr:tap:<vm>"
+//     (package link); only those are ever changed or deleted.
+//   - Addresses: ipam leases are per VM and persisted; a VM's MAC is
+//     persisted with its address. Exposure targets are reserved.
+//   - "Leased" means the guest took its DHCP lease, or the bridge's
+//     neighbour table shows its MAC at its address (a guest booted with
+//     ip=, see KernelIPParam, or one whose lease predates this process).
+//   - An exposure's DNAT is installed as soon as its guest has an assigned
+//     address; State stays "pending" until the guest is seen with it, so a
+//     daemon restart never interrupts traffic while it waits to hear back.
+//   - DNS is not served: replies carry no DNS option.
+//   - Counters: the nft table's absolute values are added to the
+//     exposure_stats slot as differences since the last read (see
+//     counters.go); the first read after start is a baseline.
+
 // DefaultMTU is the bridge MTU when Network.MTU is 0.
 const DefaultMTU = 1500
 

@@ -77,7 +77,7 @@ func TestDriftIsRepairedAndReported(t *testing.T) {
 	ns.MustRun(t, "ip", "link", "del", "brk-web")
 	ns.MustRun(t, "ip", "link", "set", "brokkr0", "down")
 	ns.MustRun(t, "ip", "addr", "flush", "dev", "brokkr0")
-	ns.MustRun(t, "sysctl", "-qw", "net.ipv4.ip_forward=0")
+	ns.MustRun(t, "sh", "-c", "echo 0 > /proc/sys/net/ipv4/ip_forward")
 	rep := p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
 	all := strings.Join(rep.Repaired, "; ")
