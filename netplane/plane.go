@@ -49,7 +49,9 @@ type Options struct {
 	Logger   *slog.Logger
 	// OnLease, if set, is called when a guest takes its DHCP lease, so the
 	// daemon can converge at once instead of at the next tick. It runs on
-	// the DHCP server's goroutine and must not block.
+	// the DHCP server's goroutine: it must return at once (a non-blocking
+	// send on a channel) and must never call Converge, Close or Teardown
+	// itself, which wait for that goroutine.
 	OnLease func(vm string, addr netip.Addr)
 }
 
