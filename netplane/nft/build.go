@@ -108,12 +108,7 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 		rule(fam, "exposures bound to one address", append(loadAddrProtoPort(), lookupVmap(mapExpAddr))...),
 		rule(fam, "exposures bound to every local address", append(loadProtoPort(), lookupVmap(mapExpAny))...),
 	}})
-	inet.addSet(&setSpec{name: mapExpAddr, key: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService),
-		data: nftables.TypeVerdict, isMap: true, comment: "exposures by address, protocol, port", elems: map[string]elemSpec{}})
-	inet.addSet(&setSpec{name: mapExpAny, key: nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService),
-		data: nftables.TypeVerdict, isMap: true, comment: "exposures by protocol, port", elems: map[string]elemSpec{}})
-	inet.addSet(&setSpec{name: mapClosers, key: nftables.TypeMark, data: nftables.TypeVerdict, isMap: true,
-		comment: "capped tcp exposures by mark", elems: map[string]elemSpec{}})
+	addSharedMaps(inet)
 
 	// Cap bookkeeping: FIN/RST of a marked connection updates its mark bits
 	// and, once closed, frees its slot. Only FIN/RST packets get past the
@@ -155,6 +150,55 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 	}
 
 	return inet, desiredBridge(r)
+}
+
+// addSharedMaps adds the verdict maps every exposure has an element in.
+func addSharedMaps(inet *tableSpec) {
+	inet.addSet(&setSpec{name: mapExpAddr, key: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService),
+		data: nftables.TypeVerdict, isMap: true, comment: "exposures by address, protocol, port", elems: map[string]elemSpec{}})
+	inet.addSet(&setSpec{name: mapExpAny, key: nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService),
+		data: nftables.TypeVerdict, isMap: true, comment: "exposures by protocol, port", elems: map[string]elemSpec{}})
+	inet.addSet(&setSpec{name: mapClosers, key: nftables.TypeMark, data: nftables.TypeVerdict, isMap: true,
+		comment: "capped tcp exposures by mark", elems: map[string]elemSpec{}})
+
+}
+
+// unitKey is everything one exposure's objects are built from.
+type unitKey struct {
+	e  Exposure
+	id uint32
+}
+
+// unitOf is one exposure's objects alone: its chains, counters and cap set,
+// and its elements in otherwise empty shared maps. Planning two units
+// against each other yields exactly the batch for that exposure.
+func unitOf(k *unitKey) *tableSpec {
+	t := newTableSpec(nftables.TableFamilyINet)
+	addSharedMaps(t)
+	if k != nil {
+		addExposure(t, k.e, k.id)
+	}
+	return t
+}
+
+// mergeUnit adds a unit's objects into a whole table.
+func mergeUnit(dst, u *tableSpec) {
+	for n, c := range u.counters {
+		dst.counters[n] = c
+	}
+	for n, c := range u.chains {
+		dst.chains[n] = c
+	}
+	for n, s := range u.sets {
+		ds, ok := dst.sets[n]
+		if !ok {
+			dst.sets[n] = s
+			continue
+		}
+		for k, e := range s.elems {
+			ds.elems[k] = e
+		}
+	}
 }
 
 // addExposure adds everything one exposure needs: its chain, counters, map

@@ -142,7 +142,7 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 	t := c.t
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.conn == nil || t.prevInet == nil {
+	if t.conn == nil || !t.applied {
 		return
 	}
 	inet, _ := t.tables()
@@ -165,7 +165,7 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 		return err
 	}
 	for name, ids := range pending {
-		if _, ok := t.prevInet.sets[connsSet(name)]; !ok {
+		if u, ok := t.units[name]; !ok || u.key.e.MaxConns <= 0 {
 			continue
 		}
 		if err := send(connsSet(name), ids); err != nil && len(ids) > 1 {
@@ -187,7 +187,7 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 func (c *capWatcher) sweep(all bool) {
 	t := c.t
 	t.mu.Lock()
-	if t.prevInet == nil {
+	if !t.applied {
 		t.mu.Unlock()
 		return
 	}
@@ -281,7 +281,7 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	out := make(map[string]ExposureCounters, len(t.byID))
-	if t.prevInet == nil {
+	if !t.applied {
 		return out, nil
 	}
 	cv, err := t.readCounters()
@@ -363,13 +363,19 @@ func (t *Table) flushChanged(p *plan, changed []string, exps []Exposure) map[str
 	if len(sides) == 0 {
 		return nil
 	}
-	out := map[string]int{}
+	list := make([]conntrack.HostSide, 0, len(sides))
+	names := make([]string, 0, len(sides))
 	for s, name := range sides {
-		n, err := t.ct.DeleteHostSide(s.proto, s.addr, s.port)
-		if err != nil {
-			t.log.Warn("nft: conntrack flush failed", "exposure", name, "err", err)
-		}
-		out[name] += n
+		list = append(list, conntrack.HostSide{Proto: s.proto, Addr: s.addr, Port: s.port})
+		names = append(names, name)
+	}
+	counts, err := t.ct.DeleteHostSides(list)
+	if err != nil {
+		t.log.Warn("nft: conntrack flush failed", "err", err)
+	}
+	out := map[string]int{}
+	for i, n := range counts {
+		out[names[i]] += n
 	}
 	return out
 }
