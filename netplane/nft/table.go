@@ -38,13 +38,13 @@ type Table struct {
 	prevGlobalFP           string
 	units                  map[string]unitEntry // per exposure, as applied
 	applied                bool
-	gen                  uint32
-	genValid             bool
-	ids                  map[string]uint32 // exposure -> mark id
-	pendingIDs           map[string]uint32 // ids of the Converge in progress
-	nopts                []nftables.ConnOption
-	byID                 map[uint32]Exposure
-	acctOn               bool
+	gen                    uint32
+	genValid               bool
+	ids                    map[string]uint32 // exposure -> mark id
+	pendingIDs             map[string]uint32 // ids of the Converge in progress
+	nopts                  []nftables.ConnOption
+	byID                   map[uint32]Exposure
+	acctOn                 bool
 
 	caps *capWatcher
 }
