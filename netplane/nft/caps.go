@@ -146,8 +146,6 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 		return
 	}
 	inet, _ := t.tables()
-	g0, gerr := genID(t.raw)
-	commits := 0
 	send := func(set string, ids []uint32) error {
 		// The lasting socket: SetDeleteElements only fails before queuing.
 		conn := t.conn
@@ -160,7 +158,9 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 		}
 		err := conn.Flush()
 		if err == nil {
-			commits++
+			// Each successful batch moves the ruleset generation by one;
+			// Converge discounts these so its fast path stays valid.
+			t.ownCommits++
 		}
 		return err
 	}
@@ -173,11 +173,6 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 				_ = send(connsSet(name), []uint32{id})
 			}
 		}
-	}
-	// Our own commits move the generation; keep the "nobody else touched
-	// it" shortcut valid when nothing else committed meanwhile.
-	if g1, err := genID(t.raw); err == nil && gerr == nil && t.genValid && g0 == t.gen && g1 == g0+uint32(commits) {
-		t.gen = g1
 	}
 }
 

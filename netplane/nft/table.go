@@ -39,6 +39,7 @@ type Table struct {
 	units                  map[string]unitEntry // per exposure, as applied
 	applied                bool
 	gen                    uint32
+	ownCommits             uint32 // cap-slot batches committed since gen was read
 	genValid               bool
 	ids                    map[string]uint32 // exposure -> mark id
 	pendingIDs             map[string]uint32 // ids of the Converge in progress
@@ -217,7 +218,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	// Fast path: nobody committed anything since our last batch, so the
 	// kernel holds exactly what we applied; only exposures whose inputs
 	// changed are planned, in O(changes).
-	fast := gerr == nil && t.genValid && g == t.gen && t.applied && globalFP == t.prevGlobalFP
+	fast := gerr == nil && t.genValid && g == t.gen+t.ownCommits && t.applied && globalFP == t.prevGlobalFP
 	var pInet, pBridge *plan
 	var res Result
 	if fast {
@@ -279,6 +280,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		}
 	}
 	tm.mark("apply")
+	t.ownCommits = 0
 	if g, err := genID(t.raw); err == nil {
 		t.gen, t.genValid = g, true
 	} else {
