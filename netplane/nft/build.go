@@ -93,7 +93,7 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 	// Remote loopback guard: never let a packet from outside reach 127/8.
 	inet.addChain(&chainSpec{name: chainGuard, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -300},
 		rules: []ruleSpec{rule(fam, "drop remote packets to loopback",
-			append(append(ipDaddrIn(netip.MustParsePrefix("127.0.0.0/8")), ifname(unix.NFT_META_IIFNAME, "lo", expr.CmpOpNeq)...), drop())...)}})
+			append(append(ipDaddrIn(netip.MustParsePrefix("127.0.0.0/8")), ifname(unix.NFT_META_IIFNAME, "lo", expr.CmpOpNeq)...), &expr.Counter{}, drop())...)}})
 
 	// DNAT dispatch: only for local destinations, never for 127/8.
 	entry := func(comment string) ruleSpec {
