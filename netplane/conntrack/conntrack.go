@@ -128,6 +128,27 @@ func (c *Conn) DeleteHostSides(sides []HostSide) ([]int, error) {
 	return counts, nil
 }
 
+// Get looks one IPv4 entry up by its original tuple; ok is false when
+// there is none. One round trip, unlike a dump.
+func (c *Conn) Get(proto uint8, src, dst netip.AddrPort) (e Entry, ok bool, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var f ct.Flow
+	f.TupleOrig.IP.SourceAddress = src.Addr()
+	f.TupleOrig.IP.DestinationAddress = dst.Addr()
+	f.TupleOrig.Proto.Protocol = proto
+	f.TupleOrig.Proto.SourcePort = src.Port()
+	f.TupleOrig.Proto.DestinationPort = dst.Port()
+	got, err := c.c.Get(f)
+	if err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return Entry{}, false, nil
+		}
+		return Entry{}, false, fmt.Errorf("conntrack: get: %w", err)
+	}
+	return entry(&got), true, nil
+}
+
 // ByMark lists the entries whose mark & mask == mark.
 func (c *Conn) ByMark(mark, mask uint32) ([]Entry, error) {
 	c.mu.Lock()

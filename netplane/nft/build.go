@@ -212,10 +212,14 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 
 	admit := l4proto(proto)
 	if e.MaxConns > 0 {
-		t.addSet(&setSpec{name: connsSet(e.Name), key: nftables.TypeMark, dynamic: true, size: uint32(e.MaxConns),
+		t.addSet(&setSpec{name: connsSet(e.Name), key: connKeyType, dynamic: true, size: uint32(e.MaxConns),
 			comment: "open connections of " + e.Name, stateful: true, owner: e.Name})
-		// The add fails (and the rule stops) once the set holds MaxConns ids.
-		admit = append(admit, &expr.Ct{Register: 1, Key: ctKeyID},
+		// The add fails (and the rule stops) once the set holds MaxConns
+		// connections.
+		admit = append(append(nfprotoIPv4(), admit...),
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+			&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4},
+			&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 2},
 			&expr.Dynset{SrcRegKey: 1, SetName: connsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
 	}
 	admit = append(admit,
@@ -231,8 +235,11 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 		if proto != unix.IPPROTO_TCP {
 			rej = &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_PORT_UNREACH}
 		}
-		rules = append(rules, rule(fam, e.Name+": over the cap", append(l4proto(proto),
-			&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: refusedCounter(e.Name)}, rej)...))
+		refuse := func(comment string, pre ...expr.Any) ruleSpec {
+			return rule(fam, e.Name+": "+comment, append(append(l4proto(proto), pre...),
+				&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: refusedCounter(e.Name)}, rej)...)
+		}
+		rules = append(rules, refuse("over the cap"))
 		if proto == unix.IPPROTO_TCP {
 			setBits := func(bits uint32) []expr.Any {
 				return inet(&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
@@ -318,6 +325,20 @@ func desiredBridge(r Rules) *tableSpec {
 				ifnameInSet(unix.NFT_META_OIFNAME, setGuestPorts)...), drop())...)}})
 	}
 	return t
+}
+
+// connKeyType: original source address, destination address, source port.
+var connKeyType = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeIPAddr, nftables.TypeInetService)
+
+// connKey is a cap-set element: the connection's original source address,
+// destination address and source port.
+func connKey(src, dst netip.AddrPort) []byte {
+	k := make([]byte, 12)
+	a, b := src.Addr().As4(), dst.Addr().As4()
+	copy(k, a[:])
+	copy(k[4:], b[:])
+	binary.BigEndian.PutUint16(k[8:], src.Port())
+	return k
 }
 
 // --- expression helpers (each in the form `nft` prints back) ---

@@ -540,9 +540,6 @@ func chunks(elems []nftables.SetElement) [][]nftables.SetElement {
 func toSet(tab *nftables.Table, s *setSpec) *nftables.Set {
 	var order binaryutil.ByteOrder
 	switch {
-	case s.stateful:
-		// conntrack ids: the kernel loads `ct id` in network byte order.
-		order = binaryutil.BigEndian
 	case s.key.Name == nftables.TypeIFName.Name || s.key.Name == nftables.TypeMark.Name:
 		// Host-endian types: without this nft prints them byte-reversed.
 		order = binaryutil.NativeEndian
@@ -711,7 +708,7 @@ func (t *Table) seedElems(s *setSpec) ([]nftables.SetElement, error) {
 		if uint32(len(out)) >= s.size {
 			break // the cap was lowered below what is open: the rest are not tracked
 		}
-		out = append(out, nftables.SetElement{Key: binaryutil.BigEndian.PutUint32(e.ID)})
+		out = append(out, nftables.SetElement{Key: connKey(e.Orig, e.OrigDst)})
 	}
 	return out, nil
 }

@@ -141,14 +141,18 @@ func TestCapSequentialShortConnections(t *testing.T) {
 		}))
 		return failed, first
 	}
+	t0 := time.Now()
 	failed, first := run(capGap)
+	t.Logf("1000 with a %v gap: %v", capGap, time.Since(t0))
 	assert.Zero(t, failed, "refused %d of 1000 (first: %v)", failed, first)
 	c, err := tp.table.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1000), c["web"].Accepted)
 	assert.Zero(t, c["web"].Refused)
 	time.Sleep(100 * time.Millisecond)
+	t0 = time.Now()
 	failed, _ = run(0)
+	t.Logf("%v; ", time.Since(t0))
 	t.Logf("back to back, no gap: %d of 1000 refused (the watcher's latency)", failed)
 }
 
