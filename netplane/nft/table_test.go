@@ -410,3 +410,68 @@ func TestAntiSpoofAndIsolation(t *testing.T) {
 	_, err = dialTag(tp.guests[0], "10.213.0.12:80")
 	assert.Error(t, err, "guest reached another guest while isolated")
 }
+
+// When the incremental batch fails, both tables are replaced in one batch:
+// here a foreign chain inside brokkr's table jumps to an exposure chain that
+// is being removed, so deleting that chain fails (EBUSY) in the incremental
+// batch; the replace removes both. Counter values survive the replace.
+func TestFallbackWholeTableReplace(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	keep := Exposure{Name: "keep", Protocol: "tcp", HostPort: 9000, GuestAddr: guestAddr(0), GuestPort: 80}
+	tp.converge(t, tp.rules(web(0), keep))
+	_, err := dialTag(tp.client, "10.99.0.1:9000")
+	require.NoError(t, err)
+	tp.host.MustRun(t, "nft", "add", "chain", "inet", "brokkr", "zz-foreign")
+	tp.host.MustRun(t, "nft", "add", "rule", "inet", "brokkr", "zz-foreign", "jump", "exp-web")
+	res := tp.converge(t, tp.rules(keep))
+	require.Error(t, res.Replaced, "the incremental batch must have failed")
+	assert.Contains(t, res.Changed, "chain exp-web unexpected")
+	assert.Contains(t, res.Repaired, "chain zz-foreign unexpected")
+	out := tp.host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
+	assert.NotContains(t, out, "zz-foreign")
+	assert.NotContains(t, out, "exp-web")
+	tag, err := dialTag(tp.client, "10.99.0.1:9000")
+	require.NoError(t, err)
+	assert.Equal(t, "g1", tag)
+	c, err := tp.table.Counters()
+	require.NoError(t, err)
+	assert.Equal(t, uint64(2), c["keep"].Accepted, "kept across the replace")
+	res = tp.converge(t, tp.rules(keep))
+	assert.Empty(t, res.Changed)
+	assert.Empty(t, res.Repaired)
+	assert.NoError(t, res.Replaced)
+}
+
+// Counters: active connections carrying the exposure's mark, bytes per
+// direction from conntrack accounting (live and ended connections).
+func TestCountersActiveAndBytes(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	tp.converge(t, tp.rules(web(0)))
+	var conns []net.Conn
+	require.NoError(t, tp.client.Do(func() error {
+		for i := 0; i < 3; i++ {
+			c, err := dialTCP("10.99.0.1:8080")
+			if err != nil {
+				return err
+			}
+			conns = append(conns, c)
+			if _, err := c.Write(make([]byte, 10000)); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	require.Eventually(t, func() bool {
+		c, err := tp.table.Counters()
+		return err == nil && c["web"].Active == 3 && c["web"].BytesIn >= 30000 && c["web"].BytesOut >= 30000
+	}, 3*time.Second, 50*time.Millisecond)
+	for _, c := range conns {
+		c.Close()
+	}
+	require.Eventually(t, func() bool {
+		c, err := tp.table.Counters()
+		return err == nil && c["web"].Active == 0 && c["web"].BytesIn >= 30000 && c["web"].Accepted == 3
+	}, 3*time.Second, 50*time.Millisecond)
+}
