@@ -53,6 +53,10 @@ type Daemon struct {
 	m     *metrics
 
 	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
+	// netMu keeps netplane's Validate (which reads the kernel) from running
+	// in the middle of its Converge (which changes it): a tap created but
+	// not yet labelled as brokkr's would look foreign to the validation.
+	netMu sync.Mutex
 
 	mu      sync.Mutex
 	desired *config.Config
@@ -175,6 +179,8 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	t0 := time.Now()
 	nrep, err := d.netRun.run(ctx, d.opts.Timeout, func(ctx context.Context) netplane.Report {
+		d.netMu.Lock()
+		defer d.netMu.Unlock()
 		return d.net.Converge(ctx, netDesired(want))
 	})
 	d.m.observe("netplane", time.Since(t0), err == nil && nrep.Err == nil)
@@ -313,7 +319,12 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	d.applyMu.Lock()
 	defer d.applyMu.Unlock()
 	next := withHost(cfg, d.host)
-	if errs := d.net.Validate(netDesired(next)); len(errs) > 0 {
+	if !d.lockNet(d.opts.Timeout) {
+		return api.Plan{}, ErrBusy
+	}
+	errs := d.net.Validate(netDesired(next))
+	d.netMu.Unlock()
+	if len(errs) > 0 {
 		var ce config.Errors
 		for _, e := range errs {
 			var fe config.FieldError
@@ -344,6 +355,22 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 		"exposuresChanged", plan.Exposures.Changed, "exposuresRemoved", plan.Exposures.Removed)
 	d.Wake()
 	return plan, nil
+}
+
+// ErrBusy is returned when the network plane stays busy past the deadline.
+var ErrBusy = errors.New("the network plane is busy with a pass that overran; nothing was changed, try again")
+
+// lockNet takes netMu, giving up after timeout so a stalled netplane pass
+// cannot hang the API.
+func (d *Daemon) lockNet(timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for !d.netMu.TryLock() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
 }
 
 func hostWarnings(cfg, host *config.Config) []string {

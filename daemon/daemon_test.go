@@ -416,6 +416,29 @@ func TestARejectedApplyChangesNothing(t *testing.T) {
 	assert.Len(t, r.d.Desired().VMs, 2)
 }
 
+func TestApplyWaitsForAPassAndGivesUpOnAStalledOne(t *testing.T) {
+	r := newRig(t, rigConfig)
+	block := make(chan struct{})
+	r.net.mu.Lock()
+	r.net.block = block
+	r.net.mu.Unlock()
+	go r.d.Pass(context.Background())
+	for len(r.calls.get()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	next, err := config.Parse([]byte("vms: [{name: solo, kernel: /k}]\n"))
+	require.NoError(t, err)
+	start := time.Now()
+	_, err = r.d.Apply(next, false)
+	assert.ErrorIs(t, err, ErrBusy, "validation never reads the kernel in the middle of a pass")
+	assert.GreaterOrEqual(t, time.Since(start), 200*time.Millisecond)
+	assert.Len(t, r.d.Desired().VMs, 2, "nothing applied")
+	close(block)
+	r.d.netRun.wait(context.Background())
+	_, err = r.d.Apply(next, false)
+	assert.NoError(t, err, "once the pass is over, apply goes through")
+}
+
 func TestDryRunPlansWithoutApplying(t *testing.T) {
 	r := newRig(t, rigConfig)
 	next, err := config.Parse([]byte(strings.Replace(rigConfig, "memory: 512M", "memory: 1G", 1) +

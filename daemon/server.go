@@ -89,6 +89,10 @@ func (d *Daemon) handleApply(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusUnprocessableEntity, "config rejected; nothing was changed", fields)
 		return
 	}
+	if errors.Is(err, ErrBusy) {
+		writeError(w, http.StatusServiceUnavailable, err.Error(), nil)
+		return
+	}
 	writeError(w, http.StatusInternalServerError, err.Error(), nil)
 }
 

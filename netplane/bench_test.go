@@ -11,10 +11,15 @@ import (
 
 // BenchmarkConverge measures the pass the daemon runs every tick with
 // nothing to change (steady state), for N guests, and reports the time of
-// the first pass that builds the N taps. The nft table is not part of it.
+// the first pass that builds the N taps (and the nft table's exposures).
 func BenchmarkConverge(b *testing.B) {
-	for _, n := range []int{1, 10, 100, 250} {
-		b.Run(fmt.Sprintf("guests=%d", n), func(b *testing.B) {
+	for _, c := range []struct{ n, exps int }{{1, 0}, {10, 0}, {100, 0}, {250, 0}, {10, 100}, {100, 1000}} {
+		n := c.n
+		name := fmt.Sprintf("guests=%d", n)
+		if c.exps > 0 {
+			name += fmt.Sprintf(",exposures=%d", c.exps)
+		}
+		b.Run(name, func(b *testing.B) {
 			ns := nstest.New(b, "host")
 			p, err := New(Options{NetNS: ns.Path, StateDir: b.TempDir()})
 			if err != nil {
@@ -26,6 +31,10 @@ func BenchmarkConverge(b *testing.B) {
 			d := Desired{Network: net}
 			for i := 0; i < n; i++ {
 				d.Guests = append(d.Guests, Guest{Name: fmt.Sprintf("vm-%04d", i)})
+			}
+			for i := 0; i < c.exps; i++ {
+				d.Exposures = append(d.Exposures, Exposure{Name: fmt.Sprintf("exp-%05d", i), VM: d.Guests[i%n].Name,
+					Protocol: "tcp", HostPort: uint16(10000 + i), GuestPort: 80, MaxConns: 16})
 			}
 			start := time.Now()
 			if r := p.Converge(context.Background(), d); r.Err != nil {

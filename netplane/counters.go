@@ -1,6 +1,9 @@
 package netplane
 
-import "github.com/brokkr/brokkr/bpf"
+import (
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/netplane/nft"
+)
 
 // slotFeed moves one exposure's kernel counters into its exposure_stats
 // slot. The kernel counters are absolute and restart from zero whenever the
@@ -12,7 +15,7 @@ type slotFeed struct {
 	slot     *bpf.Slot
 	proto    uint32
 	hostPort uint16
-	last     tableCounters
+	last     nft.ExposureCounters
 	seen     bool
 }
 
@@ -21,7 +24,7 @@ type slotFeed struct {
 // slot already holds them from the previous daemon. Active is different:
 // the daemon zeroes every active gauge at start (bpf.Store.ResetActive), so
 // the kernel path adds back all the connections conntrack still holds.
-func (f *slotFeed) feed(cur tableCounters) {
+func (f *slotFeed) feed(cur nft.ExposureCounters) {
 	if !f.seen {
 		f.seen = true
 		f.slot.AddActive(int64(cur.Active))

@@ -18,8 +18,25 @@ import (
 	"github.com/brokkr/brokkr/netplane/dhcp"
 	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/netplane/link"
+	"github.com/brokkr/brokkr/netplane/nft"
 	"github.com/brokkr/brokkr/netplane/nlsafe"
 )
+
+// How a Plane decides (the reasons are next to the code):
+//   - Ownership: links carry an ifalias "brokkr:bridge" / "brokkr:tap:<vm>"
+//     (package link); only those are ever changed or deleted.
+//   - Addresses: ipam leases are per VM and persisted; a VM's MAC is
+//     persisted with its address. Exposure targets are reserved.
+//   - "Leased" means the guest took its DHCP lease, or the bridge's
+//     neighbour table shows its MAC at its address (a guest booted with
+//     ip=, see KernelIPParam, or one whose lease predates this process).
+//   - An exposure's DNAT is installed as soon as its guest has an assigned
+//     address; State stays "pending" until the guest is seen with it, so a
+//     daemon restart never interrupts traffic while it waits to hear back.
+//   - DNS is not served: replies carry no DNS option.
+//   - Counters: the nft table's absolute values are added to the
+//     exposure_stats slot as differences since the last read (see
+//     counters.go); the first read after start is a baseline.
 
 // DefaultMTU is the bridge MTU when Network.MTU is 0.
 const DefaultMTU = 1500
@@ -32,7 +49,9 @@ type Options struct {
 	Logger   *slog.Logger
 	// OnLease, if set, is called when a guest takes its DHCP lease, so the
 	// daemon can converge at once instead of at the next tick. It runs on
-	// the DHCP server's goroutine and must not block.
+	// the DHCP server's goroutine: it must return at once (a non-blocking
+	// send on a channel) and must never call Converge, Close or Teardown
+	// itself, which wait for that goroutine.
 	OnLease func(vm string, addr netip.Addr)
 }
 
@@ -46,7 +65,7 @@ type Plane struct {
 	pool  *ipam.Pool
 
 	mu         sync.Mutex // one Converge/Teardown/Close at a time
-	table      kernelTable
+	table      *nft.Table // opened by the first pass that reaches it
 	dhcp       *dhcp.Server
 	dhcpIfIdx  int
 	feeds      map[string]*slotFeed
@@ -105,6 +124,11 @@ func (p *Plane) validate(d Desired, links []netlink.Link) []error {
 		assigned[vm] = l.Addr
 	}
 	errs := validateSpec(d, assigned)
+	if len(errs) == 0 {
+		// Only a spec clean on its own is worth checking against the nft
+		// table's rules (the same mistakes would be reported twice).
+		errs = nftPreflight(d)
+	}
 	if len(validateNetwork(d.Network)) == 0 {
 		errs = append(errs, p.validateAgainstKernel(d, links)...)
 	}
@@ -184,7 +208,11 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		return rep
 	}
 
-	// Taps, then the taps of VMs no longer desired.
+	// The taps of VMs no longer desired go first, so a new VM whose tap
+	// name a departed one held gets it in the same pass; then the taps.
+	if err := p.removeStaleLinks(d, links); err != nil {
+		p.log.Warn("netplane: removing links of departed guests", "err", err)
+	}
 	guestErr := map[string]string{}
 	for vm, err := range noAddr {
 		guestErr[vm] = err.Error()
@@ -208,9 +236,6 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 			continue
 		}
 		p.madeTaps[s.Name] = true
-	}
-	if err := p.removeStaleLinks(d, links); err != nil {
-		p.log.Warn("netplane: removing links of departed guests", "err", err)
 	}
 
 	// DHCP, and which guests hold an address.
@@ -367,13 +392,17 @@ func (p *Plane) guestsWithAddress(bridge string, leases map[string]ipam.Lease) m
 func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAddr map[string]bool,
 	guestErr map[string]string, repaired []string) ([]ExposureStatus, []string) {
 	n := d.Network
-	rules := tableRules{
+	rules := nft.Rules{
 		Bridge: n.Bridge, Subnet: n.CIDR.Masked(), Gateway: n.CIDR.Addr(),
 		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP,
 	}
+	// Anti-spoof admits each tap's assigned address from the start, not
+	// only after the DHCP ACK: a guest configured with ip= must be able to
+	// ARP and talk before anyone has seen it, and the assigned address is
+	// the only one it could ever lease.
 	for _, g := range d.Guests {
 		if l, ok := leases[g.Name]; ok && guestErr[g.Name] == "" {
-			rules.Guests = append(rules.Guests, tableGuest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
+			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
 		}
 	}
 	status := make([]ExposureStatus, len(d.Exposures))
@@ -397,15 +426,17 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 			}
 			target = l.Addr
 		}
-		rules.Exposures = append(rules.Exposures, tableExposure{
+		rules.Exposures = append(rules.Exposures, nft.Exposure{
 			Name: e.Name, Protocol: e.Protocol, HostAddr: e.HostAddress, HostPort: e.HostPort,
 			GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
 		})
 	}
 
-	var counters map[string]tableCounters
+	var counters map[string]nft.ExposureCounters
 	tableErr := p.applyTable(rules, &repaired)
-	if tableErr == nil {
+	// A counter read dumps conntrack (a walk of the whole hash table, about
+	// 10 ms here), so it is skipped when nothing is published.
+	if tableErr == nil && len(rules.Exposures) > 0 {
 		var err error
 		if counters, err = p.table.Counters(); err != nil {
 			p.log.Warn("netplane: reading nft counters", "err", err)
@@ -425,19 +456,21 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 	return status, repaired
 }
 
-func (p *Plane) applyTable(r tableRules, repaired *[]string) error {
+func (p *Plane) applyTable(r nft.Rules, repaired *[]string) error {
 	if p.table == nil {
-		if openTable == nil {
-			return errors.New("nftables table not available (netplane/nft is not wired in)")
-		}
-		t, err := openTable(p.opts.NetNS)
+		t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log))
 		if err != nil {
 			return fmt.Errorf("opening nftables table: %w", err)
 		}
 		p.table = t
 	}
-	rep, err := p.table.Converge(r)
-	*repaired = append(*repaired, rep...)
+	res, err := p.table.Converge(r)
+	for _, d := range res.Repaired {
+		*repaired = append(*repaired, "nft "+d)
+	}
+	if res.Replaced != nil {
+		p.log.Warn("netplane: nft incremental update failed; tables replaced whole", "err", res.Replaced)
+	}
 	if err != nil {
 		return fmt.Errorf("nftables: %w", err)
 	}
@@ -448,7 +481,7 @@ func (p *Plane) applyTable(r tableRules, repaired *[]string) error {
 // protocol or host port changed, so bpftool shows the current shape), adds
 // the kernel counters, and releases the slots of exposures that left the
 // desired state as deleted (zeroed once the proxy lets go too).
-func (p *Plane) feedSlots(exps []Exposure, counters map[string]tableCounters) {
+func (p *Plane) feedSlots(exps []Exposure, counters map[string]nft.ExposureCounters) {
 	want := map[string]bool{}
 	for _, e := range exps {
 		want[e.Name] = true
@@ -516,8 +549,8 @@ func (p *Plane) Teardown() error {
 	}
 	p.stopDHCP()
 	var errs []error
-	if p.table == nil && openTable != nil {
-		if t, err := openTable(p.opts.NetNS); err == nil {
+	if p.table == nil {
+		if t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log)); err == nil {
 			p.table = t
 		} else {
 			errs = append(errs, err)

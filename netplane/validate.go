@@ -3,12 +3,13 @@ package netplane
 import (
 	"fmt"
 	"net/netip"
-	"strings"
+	"regexp"
 
 	"github.com/vishvananda/netlink"
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/netplane/link"
+	"github.com/brokkr/brokkr/netplane/nft"
 )
 
 // ParseCIDR reads the config's network.cidr: the bridge's own address with
@@ -20,6 +21,15 @@ func ParseCIDR(s string) (netip.Prefix, error) {
 	}
 	return p, nil
 }
+
+// nameRE is what a guest or exposure name may be: it becomes part of nft
+// object names, which `nft` must print back and parse again (netplane/nft
+// checks the same).
+var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$`)
+
+// ifnameRE is the bridge names the nft table accepts (a subset of what the
+// kernel allows).
+var ifnameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,15}$`)
 
 // fieldError is an error that names the offending field.
 type fieldError struct {
@@ -38,6 +48,8 @@ func validateNetwork(n Network) []error {
 	var errs []error
 	if err := link.ValidName(n.Bridge); err != nil {
 		errs = append(errs, ferr("network.bridge", "%v", err))
+	} else if !ifnameRE.MatchString(n.Bridge) {
+		errs = append(errs, ferr("network.bridge", "%q must match %s", n.Bridge, ifnameRE))
 	}
 	c := n.CIDR
 	switch {
@@ -45,6 +57,8 @@ func validateNetwork(n Network) []error {
 		errs = append(errs, ferr("network.cidr", "%q is not a CIDR", c.String()))
 	case !c.Addr().Is4() || c.Addr().Is4In6():
 		errs = append(errs, ferr("network.cidr", "%s is not IPv4", c))
+	case c.Bits() < 1:
+		errs = append(errs, ferr("network.cidr", "%s is not a subnet (/0)", c))
 	case c.Bits() > 30:
 		errs = append(errs, ferr("network.cidr", "%s leaves no address for a guest (prefix longer than /30)", c))
 	case c.Addr() == c.Masked().Addr():
@@ -88,8 +102,8 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 		case guests[g.Name]:
 			errs = append(errs, ferr(f, "%q appears twice", g.Name))
 			continue
-		case strings.ContainsAny(g.Name, "/:\x00 \t\n"):
-			errs = append(errs, ferr(f, "%q contains '/', ':', NUL or whitespace", g.Name))
+		case !nameRE.MatchString(g.Name):
+			errs = append(errs, ferr(f, "%q must match %s", g.Name, nameRE))
 			continue
 		}
 		guests[g.Name] = true
@@ -100,22 +114,19 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 		}
 		taps[tap] = fmt.Sprintf("the tap of guest %q", g.Name)
 	}
-	type portKey struct {
+	type hostKey struct {
+		addr  netip.Addr
 		proto string
 		port  uint16
 	}
-	type hostKey struct {
-		addr netip.Addr
-		portKey
-	}
 	names := map[string]bool{}
-	byAddr := map[hostKey]string{}   // a specific host address
-	anyAddr := map[portKey]string{}  // 0.0.0.0
-	someAddr := map[portKey]string{} // any specific address on that port
+	hosts := map[hostKey]string{}
 	for i, e := range d.Exposures {
 		f := func(field string) string { return fmt.Sprintf("exposures[%d].%s", i, field) }
 		if err := bpf.ValidName(e.Name); err != nil {
 			errs = append(errs, ferr(f("name"), "%v", err))
+		} else if !nameRE.MatchString(e.Name) {
+			errs = append(errs, ferr(f("name"), "%q must match %s", e.Name, nameRE))
 		} else if names[e.Name] {
 			errs = append(errs, ferr(f("name"), "%q appears twice", e.Name))
 		}
@@ -129,8 +140,8 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 		if e.GuestPort == 0 {
 			errs = append(errs, ferr(f("guestPort"), "must be 1..65535"))
 		}
-		if e.MaxConns < 0 {
-			errs = append(errs, ferr(f("maxConns"), "%d is negative", e.MaxConns))
+		if e.MaxConns < 0 || e.MaxConns > nft.MaxConnsLimit {
+			errs = append(errs, ferr(f("maxConns"), "%d is outside 0 (unlimited)..%d", e.MaxConns, nft.MaxConnsLimit))
 		}
 		ha := e.HostAddress
 		if !ha.IsValid() {
@@ -142,19 +153,14 @@ func validateSpec(d Desired, assigned map[string]netip.Addr) []error {
 		case ha.IsLoopback():
 			errs = append(errs, ferr(f("hostAddress"), "%s is loopback: loopback callers are served by the proxy, never by DNAT", ha))
 		}
-		// 0.0.0.0 covers every address, so it clashes with any specific one.
-		pk := portKey{e.Protocol, e.HostPort}
-		var clash string
-		if ha.IsUnspecified() {
-			clash = firstOf(anyAddr[pk], someAddr[pk])
-			anyAddr[pk] = e.Name
+		// Unique per (host address, protocol, port). 0.0.0.0 and a specific
+		// address on the same port may coexist: the specific one wins, as
+		// with socket binds (the nft table looks it up first).
+		k := hostKey{ha, e.Protocol, e.HostPort}
+		if other, ok := hosts[k]; ok {
+			errs = append(errs, ferr(f("hostPort"), "%s %s:%d is already published by exposure %q", e.Protocol, ha, e.HostPort, other))
 		} else {
-			clash = firstOf(byAddr[hostKey{ha, pk}], anyAddr[pk])
-			byAddr[hostKey{ha, pk}] = e.Name
-			someAddr[pk] = e.Name
-		}
-		if clash != "" {
-			errs = append(errs, ferr(f("hostPort"), "%s %s:%d is already published by exposure %q", e.Protocol, ha, e.HostPort, clash))
+			hosts[k] = e.Name
 		}
 		switch {
 		case e.VM != "" && e.Target.IsValid():
@@ -217,9 +223,29 @@ func (p *Plane) validateAgainstKernel(d Desired, links []netlink.Link) []error {
 	return errs
 }
 
-func firstOf(a, b string) string {
-	if a != "" {
-		return a
+// nftPreflight runs the nft package's own validation on the rules this
+// spec will become, before anything is applied, so a rule the table would
+// refuse can never leave the links half-built. Guest addresses are not
+// known yet; a VM's exposure uses the bridge address as a stand-in target
+// (the checks on it are only "a routable IPv4 address").
+func nftPreflight(d Desired) []error {
+	n := d.Network
+	r := nft.Rules{Bridge: n.Bridge, Subnet: n.CIDR.Masked(), Gateway: n.CIDR.Addr(),
+		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP}
+	for _, g := range d.Guests {
+		r.Guests = append(r.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: link.GuestMAC(g.Name, 0)})
 	}
-	return b
+	for _, e := range d.Exposures {
+		target := e.Target
+		if e.VM != "" {
+			target = n.CIDR.Addr()
+		}
+		r.Exposures = append(r.Exposures, nft.Exposure{Name: e.Name, Protocol: e.Protocol, HostAddr: e.HostAddress,
+			HostPort: e.HostPort, GuestAddr: target, GuestPort: e.GuestPort, MaxConns: e.MaxConns})
+	}
+	var errs []error
+	for _, err := range r.Validate() {
+		errs = append(errs, fmt.Errorf("nft rules: %w", err))
+	}
+	return errs
 }

@@ -19,9 +19,9 @@ const DefaultDialTimeout = 2 * time.Second
 // guests. Converge is its only input; it is safe to call from one goroutine
 // at a time, and from many (they serialise on the lock).
 type Manager struct {
-	resolve     Resolver
-	stats       *bpf.Store
-	dialTimeout time.Duration
+	resolve Resolver
+	stats   *bpf.Store
+	dialer  net.Dialer
 	// listenTCP opens a TCP exposure's listener. It is a field so a test can
 	// hand the accept loop a listener whose Accept fails on cue, the way a
 	// real one only does under load a test cannot stage.
@@ -42,12 +42,21 @@ type Manager struct {
 // NewManager returns a Manager that finds guests through resolve and counts
 // into stats. With stats nil it counts into an in-memory store of its own.
 func NewManager(resolve Resolver, stats *bpf.Store) *Manager {
-	m := &Manager{resolve: resolve, stats: stats, dialTimeout: DefaultDialTimeout,
+	m := &Manager{resolve: resolve, stats: stats, dialer: guestDialer(),
 		listenTCP: listenTCP, live: map[string]*exposure{}}
 	if stats == nil {
 		m.stats = bpf.NewInMemory("counters in memory only: the proxy was given no BPF store")
 	}
 	return m
+}
+
+// guestDialer dials guests with a short timeout. Keepalive on the guest side
+// is only switched on with an idle time (two setsockopt calls, not Go's four
+// per connection): a guest that vanished is noticed within minutes, and the
+// caller's side, which can vanish more easily, has the full settings.
+func guestDialer() net.Dialer {
+	return net.Dialer{Timeout: DefaultDialTimeout,
+		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: keepIdle, Interval: -1, Count: -1}}
 }
 
 // CountersReason says why counters are not in the pinned BPF map ("" when

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
 )
 
 func TestMain(m *testing.M) {
@@ -525,4 +526,30 @@ func TestIPv6HostAddress(t *testing.T) {
 	st := only(t, m, spec)
 	require.Equal(t, StateActive, st.State, st.Reason)
 	assert.Equal(t, "g:six", roundTrip(t, dial(t, st.BoundAddr), "g:", "six"))
+}
+
+// The proxy sets keepalive once, on the listener, and relies on accepted
+// sockets inheriting it; this checks that they do.
+func TestAcceptedCallersInheritKeepaliveFromTheListener(t *testing.T) {
+	c, err := validate(tcpSpec("web", 80))
+	require.NoError(t, err)
+	ln, err := listenTCP(c)
+	require.NoError(t, err)
+	defer ln.Close()
+	caller := dial(t, ln.Addr().String())
+	defer caller.Close()
+	accepted, err := ln.Accept()
+	require.NoError(t, err)
+	defer accepted.Close()
+	rc, err := accepted.(*net.TCPConn).SyscallConn()
+	require.NoError(t, err)
+	var on, idle, cnt int
+	require.NoError(t, rc.Control(func(fd uintptr) {
+		on, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE)
+		idle, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
+		cnt, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPCNT)
+	}))
+	assert.Equal(t, 1, on)
+	assert.Equal(t, int(keepIdle/time.Second), idle)
+	assert.Equal(t, keepCount, cnt)
 }

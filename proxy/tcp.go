@@ -117,7 +117,7 @@ func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string) {
 		reset(c)
 		return
 	}
-	g, err := net.DialTimeout("tcp", net.JoinHostPort(addr, guestPort), m.dialTimeout)
+	g, err := m.dialer.Dial("tcp", net.JoinHostPort(addr, guestPort))
 	if err != nil {
 		slot.AddDropped(1)
 		reset(c)

@@ -121,9 +121,14 @@ fi
 
 step "the guest answers through the published port, from $client_ns"
 echo "\$ curl http://$host_ip:8080/"
-in_client curl -sS --max-time 5 "http://$host_ip:8080/"
+# (the guest leases its address a moment before its services listen)
+in_client curl -sS --max-time 5 --retry 30 --retry-delay 1 --retry-all-errors "http://$host_ip:8080/"
 echo "\$ echo hello | socat - TCP:$host_ip:7000"
 echo hello | in_client socat -t 2 - "TCP:$host_ip:7000,connect-timeout=5"
+
+step "auto mode: a caller on the host's loopback is served by the proxy"
+echo "\$ curl http://127.0.0.1:8080/   (inside $host_ns)"
+in_host curl -sS --max-time 5 "http://127.0.0.1:8080/"
 
 step "the cap: demo-echo takes 2 connections; a third caller is refused"
 # Two callers hold their connections open (they stay until clean-up).

@@ -122,6 +122,7 @@ func NewEngine(cfg Config) (*Engine, error) {
 	for _, ent := range ents {
 		name := ent.Name()
 		if !ent.IsDir() || !NameRE.MatchString(name) {
+			cfg.Logger.Warn("ignoring entry in the VM state directory: not a VM name", "path", filepath.Join(cfg.StateDir, "vms", name))
 			continue
 		}
 		if _, err := os.Lstat(recordPath(e.vmDir(name))); errors.Is(err, os.ErrNotExist) {

@@ -83,35 +83,70 @@ func dial(nsPath string) (*ct.Conn, error) {
 // Close closes the socket.
 func (c *Conn) Close() error { return c.c.Close() }
 
-// DeleteHostSide deletes every IPv4 entry whose original destination is
-// (proto, hostAddr, hostPort); an invalid or unspecified hostAddr matches
-// every destination address. It returns how many entries it deleted.
-func (c *Conn) DeleteHostSide(proto uint8, hostAddr netip.Addr, hostPort uint16) (int, error) {
+// HostSide is what a published port is on the host: protocol, host
+// address (invalid or unspecified = every address) and host port.
+type HostSide struct {
+	Proto uint8
+	Addr  netip.Addr
+	Port  uint16
+}
+
+func (h HostSide) matches(o ct.Tuple) bool {
+	if o.Proto.Protocol != h.Proto || o.Proto.DestinationPort != h.Port || !o.IP.DestinationAddress.Is4() {
+		return false
+	}
+	return !h.Addr.IsValid() || h.Addr.IsUnspecified() || o.IP.DestinationAddress == h.Addr
+}
+
+// DeleteHostSides deletes every IPv4 entry whose original destination is one
+// of sides, in one dump (a dump walks the whole, host-wide conntrack hash:
+// ~13 ms here even when this namespace has no entries). It returns how many
+// entries it deleted per side.
+func (c *Conn) DeleteHostSides(sides []HostSide) ([]int, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	counts := make([]int, len(sides))
+	if len(sides) == 0 {
+		return counts, nil
+	}
 	flows, err := c.c.Dump(nil)
 	if err != nil {
-		return 0, fmt.Errorf("conntrack: dump: %w", err)
+		return counts, fmt.Errorf("conntrack: dump: %w", err)
 	}
-	any := !hostAddr.IsValid() || hostAddr.IsUnspecified()
-	n := 0
 	for _, f := range flows {
-		o := f.TupleOrig
-		if o.Proto.Protocol != proto || o.Proto.DestinationPort != hostPort || !o.IP.DestinationAddress.Is4() {
-			continue
-		}
-		if !any && o.IP.DestinationAddress != hostAddr {
-			continue
-		}
-		if err := c.c.Delete(f); err != nil {
-			if errors.Is(err, unix.ENOENT) {
-				continue // ended meanwhile
+		for i, h := range sides {
+			if !h.matches(f.TupleOrig) {
+				continue
 			}
-			return n, fmt.Errorf("conntrack: delete: %w", err)
+			if err := c.c.Delete(f); err != nil && !errors.Is(err, unix.ENOENT) { // ENOENT: ended meanwhile
+				return counts, fmt.Errorf("conntrack: delete: %w", err)
+			}
+			counts[i]++
+			break
 		}
-		n++
 	}
-	return n, nil
+	return counts, nil
+}
+
+// Get looks one IPv4 entry up by its original tuple; ok is false when
+// there is none. One round trip, unlike a dump.
+func (c *Conn) Get(proto uint8, src, dst netip.AddrPort) (e Entry, ok bool, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var f ct.Flow
+	f.TupleOrig.IP.SourceAddress = src.Addr()
+	f.TupleOrig.IP.DestinationAddress = dst.Addr()
+	f.TupleOrig.Proto.Protocol = proto
+	f.TupleOrig.Proto.SourcePort = src.Port()
+	f.TupleOrig.Proto.DestinationPort = dst.Port()
+	got, err := c.c.Get(f)
+	if err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return Entry{}, false, nil
+		}
+		return Entry{}, false, fmt.Errorf("conntrack: get: %w", err)
+	}
+	return entry(&got), true, nil
 }
 
 // ByMark lists the entries whose mark & mask == mark.

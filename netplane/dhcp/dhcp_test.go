@@ -174,3 +174,43 @@ func TestRealClientGetsItsAddressAndUnknownGetsNothing(t *testing.T) {
 	assert.NotContains(t, string(b), "bound")
 	assert.Len(t, s.Leased(), 1)
 }
+
+// Whatever arrives on the bridge, the server never panics and never hands
+// out an address other than the sender's binding.
+func FuzzHandle(f *testing.F) {
+	for _, mt := range []dhcpv4.MessageType{dhcpv4.MessageTypeDiscover, dhcpv4.MessageTypeRequest, dhcpv4.MessageTypeRelease, dhcpv4.MessageTypeInform} {
+		for _, mac := range []net.HardwareAddr{known, unknown} {
+			p, err := dhcpv4.New(dhcpv4.WithHwAddr(mac), dhcpv4.WithMessageType(mt),
+				dhcpv4.WithOption(dhcpv4.OptRequestedIPAddress(guestIP.AsSlice())))
+			if err != nil {
+				f.Fatal(err)
+			}
+			f.Add(p.ToBytes())
+		}
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		req, err := dhcpv4.FromBytes(b)
+		if err != nil {
+			return
+		}
+		now := time.Unix(1000, 0)
+		s := offline(&now)
+		resp, acked := s.Handle(req)
+		if resp == nil {
+			return
+		}
+		if req.ClientHWAddr.String() != known.String() {
+			t.Fatalf("answered unknown MAC %s", req.ClientHWAddr)
+		}
+		y := resp.YourIPAddr
+		if y != nil && !y.IsUnspecified() && !y.Equal(guestIP.AsSlice()) {
+			t.Fatalf("offered %s, binding is %s", y, guestIP)
+		}
+		if acked && !y.Equal(guestIP.AsSlice()) {
+			t.Fatalf("acked without the bound address: %s", y)
+		}
+		if _, err := dhcpv4.FromBytes(resp.ToBytes()); err != nil {
+			t.Fatalf("reply does not parse: %v", err)
+		}
+	})
+}

@@ -93,7 +93,7 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 	// Remote loopback guard: never let a packet from outside reach 127/8.
 	inet.addChain(&chainSpec{name: chainGuard, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -300},
 		rules: []ruleSpec{rule(fam, "drop remote packets to loopback",
-			append(append(ipDaddrIn(netip.MustParsePrefix("127.0.0.0/8")), ifname(unix.NFT_META_IIFNAME, "lo", expr.CmpOpNeq)...), drop())...)}})
+			append(append(ipDaddrIn(netip.MustParsePrefix("127.0.0.0/8")), ifname(unix.NFT_META_IIFNAME, "lo", expr.CmpOpNeq)...), &expr.Counter{}, drop())...)}})
 
 	// DNAT dispatch: only for local destinations, never for 127/8.
 	entry := func(comment string) ruleSpec {
@@ -108,12 +108,7 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 		rule(fam, "exposures bound to one address", append(loadAddrProtoPort(), lookupVmap(mapExpAddr))...),
 		rule(fam, "exposures bound to every local address", append(loadProtoPort(), lookupVmap(mapExpAny))...),
 	}})
-	inet.addSet(&setSpec{name: mapExpAddr, key: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService),
-		data: nftables.TypeVerdict, isMap: true, comment: "exposures by address, protocol, port", elems: map[string]elemSpec{}})
-	inet.addSet(&setSpec{name: mapExpAny, key: nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService),
-		data: nftables.TypeVerdict, isMap: true, comment: "exposures by protocol, port", elems: map[string]elemSpec{}})
-	inet.addSet(&setSpec{name: mapClosers, key: nftables.TypeMark, data: nftables.TypeVerdict, isMap: true,
-		comment: "capped tcp exposures by mark", elems: map[string]elemSpec{}})
+	addSharedMaps(inet)
 
 	// Cap bookkeeping: FIN/RST of a marked connection updates its mark bits
 	// and, once closed, frees its slot. Only FIN/RST packets get past the
@@ -157,6 +152,55 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 	return inet, desiredBridge(r)
 }
 
+// addSharedMaps adds the verdict maps every exposure has an element in.
+func addSharedMaps(inet *tableSpec) {
+	inet.addSet(&setSpec{name: mapExpAddr, key: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService),
+		data: nftables.TypeVerdict, isMap: true, comment: "exposures by address, protocol, port", elems: map[string]elemSpec{}})
+	inet.addSet(&setSpec{name: mapExpAny, key: nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService),
+		data: nftables.TypeVerdict, isMap: true, comment: "exposures by protocol, port", elems: map[string]elemSpec{}})
+	inet.addSet(&setSpec{name: mapClosers, key: nftables.TypeMark, data: nftables.TypeVerdict, isMap: true,
+		comment: "capped tcp exposures by mark", elems: map[string]elemSpec{}})
+
+}
+
+// unitKey is everything one exposure's objects are built from.
+type unitKey struct {
+	e  Exposure
+	id uint32
+}
+
+// unitOf is one exposure's objects alone: its chains, counters and cap set,
+// and its elements in otherwise empty shared maps. Planning two units
+// against each other yields exactly the batch for that exposure.
+func unitOf(k *unitKey) *tableSpec {
+	t := newTableSpec(nftables.TableFamilyINet)
+	addSharedMaps(t)
+	if k != nil {
+		addExposure(t, k.e, k.id)
+	}
+	return t
+}
+
+// mergeUnit adds a unit's objects into a whole table.
+func mergeUnit(dst, u *tableSpec) {
+	for n, c := range u.counters {
+		dst.counters[n] = c
+	}
+	for n, c := range u.chains {
+		dst.chains[n] = c
+	}
+	for n, s := range u.sets {
+		ds, ok := dst.sets[n]
+		if !ok {
+			dst.sets[n] = s
+			continue
+		}
+		for k, e := range s.elems {
+			ds.elems[k] = e
+		}
+	}
+}
+
 // addExposure adds everything one exposure needs: its chain, counters, map
 // element, and for a cap its slot set (and close chain for TCP).
 func addExposure(t *tableSpec, e Exposure, id uint32) {
@@ -168,10 +212,14 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 
 	admit := l4proto(proto)
 	if e.MaxConns > 0 {
-		t.addSet(&setSpec{name: connsSet(e.Name), key: nftables.TypeMark, dynamic: true, size: uint32(e.MaxConns),
+		t.addSet(&setSpec{name: connsSet(e.Name), key: connKeyType, dynamic: true, size: uint32(e.MaxConns),
 			comment: "open connections of " + e.Name, stateful: true, owner: e.Name})
-		// The add fails (and the rule stops) once the set holds MaxConns ids.
-		admit = append(admit, &expr.Ct{Register: 1, Key: ctKeyID},
+		// The add fails (and the rule stops) once the set holds MaxConns
+		// connections.
+		admit = append(append(nfprotoIPv4(), admit...),
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+			&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4},
+			&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 2},
 			&expr.Dynset{SrcRegKey: 1, SetName: connsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
 	}
 	admit = append(admit,
@@ -187,8 +235,11 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 		if proto != unix.IPPROTO_TCP {
 			rej = &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_PORT_UNREACH}
 		}
-		rules = append(rules, rule(fam, e.Name+": over the cap", append(l4proto(proto),
-			&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: refusedCounter(e.Name)}, rej)...))
+		refuse := func(comment string, pre ...expr.Any) ruleSpec {
+			return rule(fam, e.Name+": "+comment, append(append(l4proto(proto), pre...),
+				&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: refusedCounter(e.Name)}, rej)...)
+		}
+		rules = append(rules, refuse("over the cap"))
 		if proto == unix.IPPROTO_TCP {
 			setBits := func(bits uint32) []expr.Any {
 				return inet(&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
@@ -274,6 +325,20 @@ func desiredBridge(r Rules) *tableSpec {
 				ifnameInSet(unix.NFT_META_OIFNAME, setGuestPorts)...), drop())...)}})
 	}
 	return t
+}
+
+// connKeyType: original source address, destination address, source port.
+var connKeyType = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeIPAddr, nftables.TypeInetService)
+
+// connKey is a cap-set element: the connection's original source address,
+// destination address and source port.
+func connKey(src, dst netip.AddrPort) []byte {
+	k := make([]byte, 12)
+	a, b := src.Addr().As4(), dst.Addr().As4()
+	copy(k, a[:])
+	copy(k[4:], b[:])
+	binary.BigEndian.PutUint16(k[8:], src.Port())
+	return k
 }
 
 // --- expression helpers (each in the form `nft` prints back) ---

@@ -2,6 +2,7 @@ package nft
 
 import (
 	"encoding/binary"
+	"errors"
 	"net/netip"
 	"strings"
 	"sync"
@@ -9,7 +10,6 @@ import (
 
 	"github.com/brokkr/brokkr/netplane/conntrack"
 	"github.com/google/nftables"
-	"github.com/google/nftables/binaryutil"
 )
 
 // The cap. Each capped exposure has a set `conns-NAME` of size MaxConns
@@ -44,8 +44,8 @@ type capWatcher struct {
 	wg    sync.WaitGroup
 	ended map[string][2]uint64 // bytes in/out of ended connections, per exposure
 
-	released map[uint32]bool            // ids freed before their entry was destroyed
-	suspects map[string]map[uint32]bool // ids found stale once, per exposure
+	released map[string]bool            // connections freed before their entry was destroyed
+	suspects map[string]map[string]bool // ids found stale once, per exposure
 	refused  map[string]uint64          // refused count at the last sweep
 }
 
@@ -57,7 +57,7 @@ func startCapWatcher(t *Table) (*capWatcher, error) {
 		return nil, err
 	}
 	c := &capWatcher{t: t, w: w, done: make(chan struct{}), ended: map[string][2]uint64{},
-		suspects: map[string]map[uint32]bool{}, released: map[uint32]bool{}, refused: map[string]uint64{}}
+		suspects: map[string]map[string]bool{}, released: map[string]bool{}, refused: map[string]uint64{}}
 	c.wg.Add(1)
 	go c.run()
 	return c, nil
@@ -76,7 +76,7 @@ func (c *capWatcher) run() {
 	for {
 		select {
 		case e := <-c.w.C():
-			pending := map[string][]uint32{}
+			pending := map[string][][]byte{}
 			c.ended1(e, pending)
 			// Take what else is queued, then commit once.
 		more:
@@ -99,7 +99,7 @@ func (c *capWatcher) run() {
 	}
 }
 
-func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][]uint32) {
+func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
 	id := e.Mark & MarkIDMask
 	if id == 0 {
 		return
@@ -121,63 +121,63 @@ func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][]uint32) {
 	if !closed {
 		return
 	}
-	if c.released[e.ID] {
+	k := connKey(e.Orig, e.OrigDst)
+	if c.released[string(k)] {
 		if e.Destroyed {
-			delete(c.released, e.ID)
+			delete(c.released, string(k))
 		}
 		return
 	}
 	if !e.Destroyed {
-		c.released[e.ID] = true
+		c.released[string(k)] = true
 	}
-	pending[exp.Name] = append(pending[exp.Name], e.ID)
+	pending[exp.Name] = append(pending[exp.Name], k)
 }
 
 // release deletes ids from cap sets. A batch fails as a whole when one id
 // is already gone, so it is retried id by id.
-func (c *capWatcher) release(pending map[string][]uint32) {
+func (c *capWatcher) release(pending map[string][][]byte) {
+	c.t.mu.Lock()
+	defer c.t.mu.Unlock()
+	c.t.releaseLocked(pending)
+}
+
+// releaseLocked deletes connections from cap sets (t.mu held).
+func (t *Table) releaseLocked(pending map[string][][]byte) {
 	if len(pending) == 0 {
 		return
 	}
-	t := c.t
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.conn == nil || t.prevInet == nil {
+	if t.conn == nil || !t.applied {
 		return
 	}
 	inet, _ := t.tables()
-	g0, gerr := genID(t.raw)
-	commits := 0
-	send := func(set string, ids []uint32) error {
+	send := func(set string, keys [][]byte) error {
 		// The lasting socket: SetDeleteElements only fails before queuing.
 		conn := t.conn
-		els := make([]nftables.SetElement, len(ids))
-		for i, id := range ids {
-			els[i] = nftables.SetElement{Key: binaryutil.BigEndian.PutUint32(id)}
+		els := make([]nftables.SetElement, len(keys))
+		for i, k := range keys {
+			els[i] = nftables.SetElement{Key: k}
 		}
 		if err := conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
 			return err
 		}
 		err := conn.Flush()
 		if err == nil {
-			commits++
+			// Each successful batch moves the ruleset generation by one;
+			// Converge discounts these so its fast path stays valid.
+			t.ownCommits++
 		}
 		return err
 	}
-	for name, ids := range pending {
-		if _, ok := t.prevInet.sets[connsSet(name)]; !ok {
+	for name, keys := range pending {
+		if u, ok := t.units[name]; !ok || u.key.e.MaxConns <= 0 {
 			continue
 		}
-		if err := send(connsSet(name), ids); err != nil && len(ids) > 1 {
-			for _, id := range ids {
-				_ = send(connsSet(name), []uint32{id})
+		if err := send(connsSet(name), keys); err != nil && len(keys) > 1 {
+			for _, k := range keys {
+				_ = send(connsSet(name), [][]byte{k})
 			}
 		}
-	}
-	// Our own commits move the generation; keep the "nobody else touched
-	// it" shortcut valid when nothing else committed meanwhile.
-	if g1, err := genID(t.raw); err == nil && gerr == nil && t.genValid && g0 == t.gen && g1 == g0+uint32(commits) {
-		t.gen = g1
 	}
 }
 
@@ -187,7 +187,7 @@ func (c *capWatcher) release(pending map[string][]uint32) {
 func (c *capWatcher) sweep(all bool) {
 	t := c.t
 	t.mu.Lock()
-	if t.prevInet == nil {
+	if !t.applied {
 		t.mu.Unlock()
 		return
 	}
@@ -212,8 +212,7 @@ func (c *capWatcher) sweep(all bool) {
 	if err != nil || counters == nil {
 		return
 	}
-	inet, _ := t.tables()
-	pending := map[string][]uint32{}
+	pending := map[string][][]byte{}
 	for _, e := range capped {
 		r := counters[refusedCounter(e.Name)].packets
 		if !all && r == c.refused[e.Name] && len(c.suspects[e.Name]) == 0 {
@@ -221,44 +220,75 @@ func (c *capWatcher) sweep(all bool) {
 		}
 		c.refused[e.Name] = r
 		t.mu.Lock()
-		id, ok := t.ids[e.Name]
-		var els []nftables.SetElement
-		var entries []conntrack.Entry
-		if ok && t.conn != nil {
-			els, err = t.conn.GetSetElements(&nftables.Set{Table: inet, Name: connsSet(e.Name), KeyType: nftables.TypeMark})
-			if err == nil {
-				entries, err = t.ct.ByMark(id, MarkIDMask)
-			}
-		}
+		stale, err := t.staleLocked(e)
 		t.mu.Unlock()
-		if !ok || err != nil {
+		if err != nil {
 			continue
 		}
-		open := map[uint32]bool{}
-		for _, en := range entries {
-			if en.Open() && en.Mark&MarkClosed != MarkClosed {
-				open[en.ID] = true
-			}
-		}
+		// Seen stale twice: a connection admitted a moment ago is in the
+		// set before conntrack confirms its entry.
 		prev := c.suspects[e.Name]
-		now := map[uint32]bool{}
-		for _, el := range els {
-			if len(el.Key) != 4 {
-				continue
-			}
-			cid := binaryutil.BigEndian.Uint32(el.Key)
-			if open[cid] {
-				continue
-			}
-			if prev[cid] {
-				pending[e.Name] = append(pending[e.Name], cid)
+		now := map[string]bool{}
+		for _, k := range stale {
+			if prev[string(k)] {
+				pending[e.Name] = append(pending[e.Name], k)
 			} else {
-				now[cid] = true
+				now[string(k)] = true
 			}
 		}
 		c.suspects[e.Name] = now
 	}
 	c.release(pending)
+}
+
+// staleLocked lists the members of e's cap set whose connection has no
+// conntrack entry or has closed: one GET per member, no dump (t.mu held).
+func (t *Table) staleLocked(e Exposure) ([][]byte, error) {
+	if t.conn == nil {
+		return nil, errors.New("closed")
+	}
+	inet, _ := t.tables()
+	els, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: connsSet(e.Name), KeyType: connKeyType})
+	if err != nil {
+		return nil, err
+	}
+	var stale, missing [][]byte
+	check := func(k []byte) (gone, closed bool, err error) {
+		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
+		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
+		en, ok, err := t.ct.Get(protoNum(e.Protocol), src, dst)
+		if err != nil {
+			return false, false, err
+		}
+		return !ok, ok && (!en.Open() || en.Mark&MarkClosed == MarkClosed), nil
+	}
+	for _, el := range els {
+		if len(el.Key) != 12 {
+			continue
+		}
+		gone, closed, err := check(el.Key)
+		if err != nil {
+			return nil, err
+		}
+		switch {
+		case closed:
+			stale = append(stale, el.Key)
+		case gone:
+			missing = append(missing, el.Key)
+		}
+	}
+	if len(missing) > 0 {
+		// A connection admitted a moment ago is in the set before its
+		// conntrack entry is confirmed (end of the same packet's path):
+		// look again after a short pause before calling it gone.
+		time.Sleep(2 * time.Millisecond)
+		for _, k := range missing {
+			if gone, closed, err := check(k); err == nil && (gone || closed) {
+				stale = append(stale, k)
+			}
+		}
+	}
+	return stale, nil
 }
 
 // endedBytes returns (and keeps) the bytes of ended connections.
@@ -281,7 +311,7 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	out := make(map[string]ExposureCounters, len(t.byID))
-	if t.prevInet == nil {
+	if !t.applied {
 		return out, nil
 	}
 	cv, err := t.readCounters()
@@ -363,13 +393,19 @@ func (t *Table) flushChanged(p *plan, changed []string, exps []Exposure) map[str
 	if len(sides) == 0 {
 		return nil
 	}
-	out := map[string]int{}
+	list := make([]conntrack.HostSide, 0, len(sides))
+	names := make([]string, 0, len(sides))
 	for s, name := range sides {
-		n, err := t.ct.DeleteHostSide(s.proto, s.addr, s.port)
-		if err != nil {
-			t.log.Warn("nft: conntrack flush failed", "exposure", name, "err", err)
-		}
-		out[name] += n
+		list = append(list, conntrack.HostSide{Proto: s.proto, Addr: s.addr, Port: s.port})
+		names = append(names, name)
+	}
+	counts, err := t.ct.DeleteHostSides(list)
+	if err != nil {
+		t.log.Warn("nft: conntrack flush failed", "err", err)
+	}
+	out := map[string]int{}
+	for i, n := range counts {
+		out[names[i]] += n
 	}
 	return out
 }

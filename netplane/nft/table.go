@@ -6,7 +6,10 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
+	"sort"
+	"strings"
 	"sync"
+	"time"
 
 	"github.com/brokkr/brokkr/netplane/conntrack"
 	"github.com/google/nftables"
@@ -31,15 +34,18 @@ type Table struct {
 	// What the last successful Converge applied, and the ruleset generation
 	// right after it. While the generation is unchanged nobody else has
 	// committed anything, so the kernel still holds exactly prev*.
-	prevInet, prevBridge *tableSpec
-	prevFP               map[string]string
-	gen                  uint32
-	genValid             bool
-	ids                  map[string]uint32 // exposure -> mark id
-	pendingIDs           map[string]uint32 // ids of the Converge in progress
-	nopts                []nftables.ConnOption
-	byID                 map[uint32]Exposure
-	acctOn               bool
+	prevGlobal, prevBridge *tableSpec
+	prevGlobalFP           string
+	units                  map[string]unitEntry // per exposure, as applied
+	applied                bool
+	gen                    uint32
+	ownCommits             uint32 // cap-slot batches committed since gen was read
+	genValid               bool
+	ids                    map[string]uint32 // exposure -> mark id
+	pendingIDs             map[string]uint32 // ids of the Converge in progress
+	nopts                  []nftables.ConnOption
+	byID                   map[uint32]Exposure
+	acctOn                 bool
 
 	caps *capWatcher
 }
@@ -71,7 +77,7 @@ func Open(netnsPath string, opts ...Option) (*Table, error) {
 	for _, f := range opts {
 		f(&o)
 	}
-	t := &Table{nsPath: netnsPath, log: o.log, ids: map[string]uint32{}, byID: map[uint32]Exposure{}}
+	t := &Table{nsPath: netnsPath, log: o.log, ids: map[string]uint32{}, byID: map[uint32]Exposure{}, units: map[string]unitEntry{}}
 	ncfg := &netlink.Config{}
 	nopts := []nftables.ConnOption{nftables.AsLasting(), nftables.WithSockOptions(forceBuffers)}
 	if netnsPath != "" {
@@ -187,55 +193,94 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	tm := newTimer()
+	defer tm.print()
 
 	ids := assignIDs(r.Exposures, t.ids)
 	t.pendingIDs = ids
 	defer func() { t.pendingIDs = nil }()
-	dInet, dBridge := desired(r, ids)
+	keys := make(map[string]unitKey, len(r.Exposures))
+	for _, e := range r.Exposures {
+		keys[e.Name] = unitKey{e, ids[e.Name]}
+	}
+	dGlobal, dBridge := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: r.Masquerade,
+		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests}, nil)
+	globalFP := fpString(fingerprints(dGlobal))
+	var dInet *tableSpec // the whole inet table, assembled only when needed
+	whole := func() *tableSpec {
+		if dInet == nil {
+			dInet = desiredFrom(dGlobal, keys, t.units)
+		}
+		return dInet
+	}
 
-	var oInet, oBridge *observed
 	g, gerr := genID(t.raw)
-	if gerr == nil && t.genValid && g == t.gen && t.prevInet != nil {
-		oInet, oBridge = observedFrom(t.prevInet), observedFrom(t.prevBridge)
-	} else {
-		var err error
-		if oInet, err = t.observe(dInet); err != nil {
-			return Result{}, err
-		}
-		if oBridge, err = t.observe(dBridge); err != nil {
-			return Result{}, err
-		}
-	}
-	pInet, pBridge := makePlan(dInet, oInet), makePlan(dBridge, oBridge)
-	curFP := fingerprints(dInet)
-	for k, v := range fingerprints(dBridge) {
-		curFP[k] = v
-	}
+	// Fast path: nobody committed anything since our last batch, so the
+	// kernel holds exactly what we applied; only exposures whose inputs
+	// changed are planned, in O(changes).
+	fast := gerr == nil && t.genValid && g == t.gen+t.ownCommits && t.applied && globalFP == t.prevGlobalFP
+	var pInet, pBridge *plan
 	var res Result
-	res.Repaired, res.Changed = split(pInet, t.prevFP, curFP)
-	rb, cb := split(pBridge, t.prevFP, curFP)
-	res.Repaired, res.Changed = append(res.Repaired, rb...), append(res.Changed, cb...)
+	if fast {
+		pInet = t.planUnits(keys)
+		pBridge = makePlan(dBridge, observedFrom(t.prevBridge))
+		for _, p := range []*plan{pInet, pBridge} {
+			for _, d := range p.diffs {
+				res.Changed = append(res.Changed, d.String())
+			}
+		}
+		sort.Strings(res.Changed)
+		tm.mark("plan(fast)")
+	} else {
+		oInet, err := t.observe(whole())
+		if err != nil {
+			return Result{}, err
+		}
+		oBridge, err := t.observe(dBridge)
+		if err != nil {
+			return Result{}, err
+		}
+		tm.mark("observe")
+		pInet, pBridge = makePlan(whole(), oInet), makePlan(dBridge, oBridge)
+		curFP := fingerprints(whole())
+		for k, v := range fingerprints(dBridge) {
+			curFP[k] = v
+		}
+		var prevFP map[string]string
+		if t.applied {
+			prevFP = fingerprints(desiredFrom(t.prevGlobal, nil, t.units))
+			for k, v := range fingerprints(t.prevBridge) {
+				prevFP[k] = v
+			}
+		}
+		res.Repaired, res.Changed = split(pInet, prevFP, curFP)
+		rb, cb := split(pBridge, prevFP, curFP)
+		res.Repaired, res.Changed = append(res.Repaired, rb...), append(res.Changed, cb...)
+		tm.mark("plan")
+	}
 
 	if !pInet.empty() || !pBridge.empty() {
 		err := t.applyPlans(pInet, pBridge, nil)
 		if err == nil {
-			err = t.verify(pInet, dInet)
+			err = t.verify(pInet, whole)
 		}
 		if err != nil {
 			t.log.Warn("nft: incremental update failed, replacing the tables", "err", err)
 			res.Replaced = err
 			counters, _ := t.readCounters()
-			full := []*plan{makePlan(dInet, emptyObserved()), makePlan(dBridge, emptyObserved())}
+			full := []*plan{makePlan(whole(), emptyObserved()), makePlan(dBridge, emptyObserved())}
 			if err := t.applyPlans(full[0], full[1], counters); err != nil {
 				t.genValid = false
 				return res, fmt.Errorf("nft: replacing the tables: %w", err)
 			}
-			if err := t.verify(full[0], dInet); err != nil {
+			if err := t.verify(full[0], whole); err != nil {
 				t.genValid = false
 				return res, err
 			}
 		}
 	}
+	tm.mark("apply")
+	t.ownCommits = 0
 	if g, err := genID(t.raw); err == nil {
 		t.gen, t.genValid = g, true
 	} else {
@@ -245,8 +290,21 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	// Conntrack: flows of a created, changed or deleted exposure must not
 	// keep going where they went before.
 	res.Flushed = t.flushChanged(pInet, res.Changed, r.Exposures)
+	tm.mark("conntrack")
 
-	t.prevInet, t.prevBridge, t.prevFP, t.ids = dInet, dBridge, curFP, ids
+	// Remember what is applied: units are rebuilt only when their inputs
+	// change.
+	for n := range t.units {
+		if _, ok := keys[n]; !ok {
+			delete(t.units, n)
+		}
+	}
+	for n, k := range keys {
+		if u, ok := t.units[n]; !ok || u.key != k {
+			t.units[n] = unitEntry{key: k, spec: unitOf(&k)}
+		}
+	}
+	t.prevGlobal, t.prevGlobalFP, t.prevBridge, t.ids, t.applied = dGlobal, globalFP, dBridge, ids, true
 	t.byID = make(map[uint32]Exposure, len(r.Exposures))
 	for _, e := range r.Exposures {
 		t.byID[ids[e.Name]] = e
@@ -260,6 +318,91 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		}
 	}
 	return res, nil
+}
+
+type unitEntry struct {
+	key  unitKey
+	spec *tableSpec
+}
+
+// desiredFrom assembles the whole inet table from the global part and one
+// unit per exposure (built now unless units already holds it).
+func desiredFrom(global *tableSpec, keys map[string]unitKey, units map[string]unitEntry) *tableSpec {
+	whole := newTableSpec(global.family)
+	mergeUnit(whole, global)
+	// The shared maps must not be the global's own (they get elements).
+	for _, n := range []string{mapExpAddr, mapExpAny, mapClosers} {
+		s := *global.sets[n]
+		s.elems = map[string]elemSpec{}
+		whole.sets[n] = &s
+	}
+	if keys == nil { // the units themselves
+		for _, u := range units {
+			mergeUnit(whole, u.spec)
+		}
+		return whole
+	}
+	for n, k := range keys {
+		if u, ok := units[n]; ok && u.key == k {
+			mergeUnit(whole, u.spec)
+			continue
+		}
+		mergeUnit(whole, unitOf(&k))
+	}
+	return whole
+}
+
+// planUnits plans the exposures whose inputs changed since the last batch,
+// each unit against its previous self.
+func (t *Table) planUnits(keys map[string]unitKey) *plan {
+	p := &plan{family: nftables.TableFamilyINet, delElems: map[string][]elemSpec{}, addElems: map[string][]elemSpec{}}
+	merge := func(q *plan) {
+		p.flushChains = append(p.flushChains, q.flushChains...)
+		p.delChains = append(p.delChains, q.delChains...)
+		p.delSets = append(p.delSets, q.delSets...)
+		p.delCounters = append(p.delCounters, q.delCounters...)
+		p.addCounters = append(p.addCounters, q.addCounters...)
+		p.addSets = append(p.addSets, q.addSets...)
+		p.addChains = append(p.addChains, q.addChains...)
+		p.addRules = append(p.addRules, q.addRules...)
+		p.seed = append(p.seed, q.seed...)
+		p.diffs = append(p.diffs, q.diffs...)
+		for k, v := range q.delElems {
+			p.delElems[k] = append(p.delElems[k], v...)
+		}
+		for k, v := range q.addElems {
+			p.addElems[k] = append(p.addElems[k], v...)
+		}
+	}
+	for n, k := range keys {
+		old, ok := t.units[n]
+		if ok && old.key == k {
+			continue
+		}
+		prev := unitOf(nil)
+		if ok {
+			prev = old.spec
+		}
+		merge(makePlan(unitOf(&k), observedFrom(prev)))
+	}
+	for n, old := range t.units {
+		if _, ok := keys[n]; !ok {
+			merge(makePlan(unitOf(nil), observedFrom(old.spec)))
+		}
+	}
+	return p
+}
+
+func fpString(m map[string]string) string {
+	ks := sortedKeys(m)
+	var b strings.Builder
+	for _, k := range ks {
+		b.WriteString(k)
+		b.WriteString("=")
+		b.WriteString(m[k])
+		b.WriteString(";")
+	}
+	return b.String()
 }
 
 // observe reads one of brokkr's tables from the kernel.
@@ -397,9 +540,6 @@ func chunks(elems []nftables.SetElement) [][]nftables.SetElement {
 func toSet(tab *nftables.Table, s *setSpec) *nftables.Set {
 	var order binaryutil.ByteOrder
 	switch {
-	case s.stateful:
-		// conntrack ids: the kernel loads `ct id` in network byte order.
-		order = binaryutil.BigEndian
 	case s.key.Name == nftables.TypeIFName.Name || s.key.Name == nftables.TypeMark.Name:
 		// Host-endian types: without this nft prints them byte-reversed.
 		order = binaryutil.NativeEndian
@@ -568,7 +708,7 @@ func (t *Table) seedElems(s *setSpec) ([]nftables.SetElement, error) {
 		if uint32(len(out)) >= s.size {
 			break // the cap was lowered below what is open: the rest are not tracked
 		}
-		out = append(out, nftables.SetElement{Key: binaryutil.BigEndian.PutUint32(e.ID)})
+		out = append(out, nftables.SetElement{Key: connKey(e.Orig, e.OrigDst)})
 	}
 	return out, nil
 }
@@ -586,13 +726,13 @@ func (t *Table) idOf(name string) (uint32, bool) {
 
 // verify checks that every element batch landed in full (google/nftables
 // reports no error when the kernel stores part of an oversized list).
-func (t *Table) verify(p *plan, d *tableSpec) error {
+func (t *Table) verify(p *plan, whole func() *tableSpec) error {
 	inet, _ := t.tables()
 	for n, es := range p.addElems {
 		if len(es) < 64 {
 			continue
 		}
-		s := d.sets[n]
+		s := whole().sets[n]
 		got, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: n, IsMap: s.isMap, KeyType: s.key, DataType: s.data})
 		if err != nil {
 			return fmt.Errorf("nft: verify %s: %w", n, err)
@@ -620,7 +760,8 @@ func (t *Table) Delete() error {
 	if err := conn.Flush(); err != nil {
 		return fmt.Errorf("nft: delete tables: %w", err)
 	}
-	t.prevInet, t.prevBridge, t.prevFP, t.genValid = nil, nil, nil, false
+	t.prevGlobal, t.prevBridge, t.prevGlobalFP, t.genValid, t.applied = nil, nil, "", false, false
+	t.units = map[string]unitEntry{}
 	return nil
 }
 
@@ -658,4 +799,21 @@ func (t *Table) setSysctl(path, value string) error {
 		errc <- werr
 	}()
 	return <-errc
+}
+
+// timer prints where a Converge spends its time when NFT_TIMING is set
+// (used by tests/bench/nat.sh investigations).
+type timer struct {
+	t0    time.Time
+	marks []string
+}
+
+func newTimer() *timer { return &timer{t0: time.Now()} }
+func (t *timer) mark(s string) {
+	t.marks = append(t.marks, fmt.Sprintf("%s=%v", s, time.Since(t.t0).Round(time.Microsecond)))
+}
+func (t *timer) print() {
+	if os.Getenv("NFT_TIMING") != "" {
+		fmt.Fprintln(os.Stderr, t.marks)
+	}
 }

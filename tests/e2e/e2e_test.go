@@ -489,6 +489,28 @@ func TestEndToEnd(t *testing.T) {
 		assert.Contains(t, out, "echo-nat")
 	})
 
+	t.Run("metrics carry the exposures, the VM and the loop", func(t *testing.T) {
+		text, err := api.NewClient(e.sock).Metrics(context.Background())
+		require.NoError(t, err)
+		for _, want := range []string{
+			`brokkr_vm_phase{phase="running",vm="e2e"} 1`,
+			`brokkr_exposure_state{exposure="web-nat",state="active"} 1`,
+			`brokkr_exposure_max_connections{exposure="echo-proxy",mode="proxy",protocol="tcp"} 2`,
+			`brokkr_converge_duration_seconds_count{engine="netplane"}`,
+		} {
+			assert.Contains(t, text, want)
+		}
+		for _, line := range strings.Split(text, "\n") {
+			if strings.HasPrefix(line, `brokkr_exposure_refused_total{exposure="echo-proxy"`) {
+				v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+				require.NoError(t, err)
+				assert.GreaterOrEqual(t, v, 1.0)
+				return
+			}
+		}
+		t.Fatal("no brokkr_exposure_refused_total for echo-proxy")
+	})
+
 	t.Run("SIGKILLed daemon restarts, adopts the VM and keeps the counters", func(t *testing.T) {
 		before := e.status()
 		pid := vm(before, vmName).PID
