@@ -353,3 +353,47 @@ func TestGuestStaticAddressFromCmdline(t *testing.T) {
 	assert.Contains(t, readFile(cfg.ConsoleLog), "no DHCP lease; using")
 	require.NoError(t, b.Stop(t.Context(), inst, 20*time.Second))
 }
+
+// The microvm machine (virtio-mmio devices found through ACPI, the host TSC
+// rate on the cmdline) boots the same guest, which serves and powers off on
+// the ACPI power button (microvm's GED).
+func TestMicroVMBootAndPowerButton(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots a real VM (-short)")
+	}
+	nstest.RequireRoot(t)
+	requireQEMU(t)
+	img := findGuestImage(t)
+	gn := newGuestNet(t)
+	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithMachine(MachineMicroVM), WithConsoleFile())
+	if b.tscKHz == 0 {
+		t.Skip("no host TSC rate in /proc/cpuinfo: microvm under TCG may hang calibrating")
+	}
+	dir := t.TempDir()
+	run, err := os.MkdirTemp("", "brkqm")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(run) })
+	cfg := supervisor.LaunchConfig{
+		Name: "micro", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 256,
+		Kernel: img.Kernel, Initramfs: img.Initramfs, Tap: gn.Tap, MAC: gn.MAC,
+		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
+	}
+	inst, err := b.Start(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+	})
+	require.Eventually(t, func() bool {
+		return gn.dialGuest("tcp", "8080", func(c net.Conn) error { _, err := httpGet(c); return err }) == nil
+	}, 90*time.Second, 50*time.Millisecond, "guest never answered; console:\n%s", readFile(cfg.ConsoleLog))
+	assert.Contains(t, readFile(cfg.ConsoleLog), "tsc_early_khz=", "the TSC hint reached the kernel")
+	t0 := time.Now()
+	require.NoError(t, b.Stop(t.Context(), inst, 20*time.Second))
+	assert.Less(t, time.Since(t0), 10*time.Second, "the power button, not the escalation, stopped it")
+	var ws syscall.WaitStatus
+	_, err = syscall.Wait4(inst.PID, &ws, 0, nil)
+	require.NoError(t, err)
+	assert.True(t, ws.Exited() && ws.ExitStatus() == 0, "qemu exits 0 after a guest power-off, got %v", ws)
+	assert.Contains(t, readFile(cfg.ConsoleLog), "power button, powering off")
+}
