@@ -20,6 +20,7 @@ import (
 
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/supervisor"
+	"github.com/brokkr/brokkr/supervisor/images"
 )
 
 // guestImage is the kernel and initramfs from tests/guest/build.sh.
@@ -144,11 +145,18 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	run, err := os.MkdirTemp("", "brkqm")
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(run) })
+	// A root disk made the way the engine makes one: a sparse copy of a
+	// base image, grown.
+	base := filepath.Join(dir, "base.raw")
+	require.NoError(t, os.WriteFile(base, []byte("brokkr disk\n"), 0o644))
+	disk := filepath.Join(dir, "disk.raw")
+	_, err = images.CloneDisk(t.Context(), base, disk, 64<<20)
+	require.NoError(t, err)
 	cfg := supervisor.LaunchConfig{
 		Name: "boot1", Dir: filepath.Join(dir, "vm"), RunDir: run,
 		CPUs: 1, MemoryMiB: 256,
 		Kernel: img.Kernel, Initramfs: img.Initramfs,
-		Tap: gn.Tap, MAC: gn.MAC,
+		Tap: gn.Tap, MAC: gn.MAC, DiskPath: disk,
 		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
@@ -190,6 +198,7 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	t.Logf("guest answered HTTP %s after Start was called", time.Since(t0).Round(time.Millisecond))
 	assert.Contains(t, page, "name=boot1", "the VM name reaches the guest")
 	assert.Contains(t, page, "addr=10.213.77.10/24")
+	assert.Contains(t, page, "disks=vda", "the disk is attached as virtio-blk")
 	assert.Contains(t, readFile(cfg.ConsoleLog), "BROKKR-GUEST-READY", "the serial console goes to ConsoleLog")
 
 	// Echo services: TCP holds the connection, UDP answers datagrams.
