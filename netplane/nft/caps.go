@@ -1,0 +1,427 @@
+package nft
+
+import (
+	"encoding/binary"
+	"errors"
+	"net/netip"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/brokkr/brokkr/netplane/conntrack"
+	"github.com/google/nftables"
+)
+
+// The cap. Each capped exposure has a set `conns-NAME` of size MaxConns
+// holding the conntrack ids of its open connections:
+//   - admission (nat prerouting/output, first packet only): `add @conns-NAME
+//     { ct id }` fails once the set is full, and the next rule counts the
+//     caller as refused and rejects it. The kernel's size check is an atomic
+//     compare-and-increment, so parallel SYNs on several CPUs cannot
+//     overshoot: the upper bound is exact.
+//   - closing, in the kernel, in packet order: a FIN in each direction (or
+//     one RST) sets both close bits of the ct mark. (Deleting the id from the
+//     set in the datapath does not work: the kernel only marks the element
+//     dead and gives the slot back at the set's next GC, ~1 s later.)
+//   - release, by this watcher: on the conntrack update event that shows a
+//     connection closed (both bits, TIME_WAIT/CLOSE) or its destroy event
+//     (UDP, timeouts), the id is deleted from the set by a netlink batch,
+//     which frees the slot at once. So a closed connection stops counting
+//     after the watcher's latency (measured: see BENCHMARKS.md).
+//   - a sweep removes ids that stay in a set without a conntrack entry (a
+//     SYN dropped before its entry was confirmed), only after seeing them
+//     stale twice, because a just-admitted connection is briefly in the set
+//     before its entry is confirmed.
+//   - across converges: an incremental update never touches a set's
+//     elements; a set that is (re)created (whole-table replace, repaired
+//     drift, a new size) is seeded in the same batch from conntrack's open
+//     entries carrying the exposure's mark.
+
+type capWatcher struct {
+	t     *Table
+	w     *conntrack.Watcher
+	done  chan struct{}
+	wg    sync.WaitGroup
+	ended map[string][2]uint64 // bytes in/out of ended connections, per exposure
+
+	released map[string]bool            // connections freed before their entry was destroyed
+	suspects map[string]map[string]bool // ids found stale once, per exposure
+	refused  map[string]uint64          // refused count at the last sweep
+}
+
+const sweepEvery = 5 * time.Second
+
+func startCapWatcher(t *Table) (*capWatcher, error) {
+	w, err := conntrack.Watch(t.nsPath)
+	if err != nil {
+		return nil, err
+	}
+	c := &capWatcher{t: t, w: w, done: make(chan struct{}), ended: map[string][2]uint64{},
+		suspects: map[string]map[string]bool{}, released: map[string]bool{}, refused: map[string]uint64{}}
+	c.wg.Add(1)
+	go c.run()
+	return c, nil
+}
+
+func (c *capWatcher) stop() {
+	close(c.done)
+	c.wg.Wait()
+	_ = c.w.Close()
+}
+
+func (c *capWatcher) run() {
+	defer c.wg.Done()
+	tick := time.NewTicker(sweepEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case e := <-c.w.C():
+			pending := map[string][][]byte{}
+			c.ended1(e, pending)
+			// Take what else is queued, then commit once.
+		more:
+			for i := 0; i < 4096; i++ {
+				select {
+				case e := <-c.w.C():
+					c.ended1(e, pending)
+				default:
+					break more
+				}
+			}
+			c.release(pending)
+		case <-c.w.Lost():
+			c.sweep(true)
+		case <-tick.C:
+			c.sweep(false)
+		case <-c.done:
+			return
+		}
+	}
+}
+
+func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
+	id := e.Mark & MarkIDMask
+	if id == 0 {
+		return
+	}
+	t := c.t
+	t.mu.Lock()
+	exp, ok := t.byID[id]
+	if ok && e.Destroyed {
+		b := c.ended[exp.Name]
+		b[0] += e.BytesOrig
+		b[1] += e.BytesRepl
+		c.ended[exp.Name] = b
+	}
+	t.mu.Unlock()
+	if !ok || exp.MaxConns <= 0 {
+		return
+	}
+	closed := e.Destroyed || !e.Open() || e.Mark&MarkClosed == MarkClosed
+	if !closed {
+		return
+	}
+	k := connKey(e.Orig, e.OrigDst)
+	if c.released[string(k)] {
+		if e.Destroyed {
+			delete(c.released, string(k))
+		}
+		return
+	}
+	if !e.Destroyed {
+		c.released[string(k)] = true
+	}
+	pending[exp.Name] = append(pending[exp.Name], k)
+}
+
+// release deletes ids from cap sets. A batch fails as a whole when one id
+// is already gone, so it is retried id by id.
+func (c *capWatcher) release(pending map[string][][]byte) {
+	c.t.mu.Lock()
+	defer c.t.mu.Unlock()
+	c.t.releaseLocked(pending)
+}
+
+// releaseLocked deletes connections from cap sets (t.mu held).
+func (t *Table) releaseLocked(pending map[string][][]byte) {
+	if len(pending) == 0 {
+		return
+	}
+	if t.conn == nil || !t.applied {
+		return
+	}
+	inet, _ := t.tables()
+	send := func(set string, keys [][]byte) error {
+		// The lasting socket: SetDeleteElements only fails before queuing.
+		conn := t.conn
+		els := make([]nftables.SetElement, len(keys))
+		for i, k := range keys {
+			els[i] = nftables.SetElement{Key: k}
+		}
+		if err := conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
+			return err
+		}
+		err := conn.Flush()
+		if err == nil {
+			// Each successful batch moves the ruleset generation by one;
+			// Converge discounts these so its fast path stays valid.
+			t.ownCommits++
+		}
+		return err
+	}
+	for name, keys := range pending {
+		if u, ok := t.units[name]; !ok || u.key.e.MaxConns <= 0 {
+			continue
+		}
+		if err := send(connsSet(name), keys); err != nil && len(keys) > 1 {
+			for _, k := range keys {
+				_ = send(connsSet(name), [][]byte{k})
+			}
+		}
+	}
+}
+
+// sweep removes ids that stay in a cap set without a conntrack entry. all:
+// every capped exposure (after lost events); otherwise only those that
+// refused someone since the last sweep (a leaked slot only matters then).
+func (c *capWatcher) sweep(all bool) {
+	t := c.t
+	t.mu.Lock()
+	if !t.applied {
+		t.mu.Unlock()
+		return
+	}
+	var capped []Exposure
+	for _, e := range t.byID {
+		if e.MaxConns > 0 {
+			capped = append(capped, e)
+		}
+	}
+	t.mu.Unlock()
+	if len(capped) == 0 {
+		return
+	}
+	counters, err := func() (map[string]counterValue, error) {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		if t.conn == nil {
+			return nil, nil
+		}
+		return t.readCounters()
+	}()
+	if err != nil || counters == nil {
+		return
+	}
+	pending := map[string][][]byte{}
+	for _, e := range capped {
+		r := counters[refusedCounter(e.Name)].packets
+		if !all && r == c.refused[e.Name] && len(c.suspects[e.Name]) == 0 {
+			continue
+		}
+		c.refused[e.Name] = r
+		t.mu.Lock()
+		stale, err := t.staleLocked(e)
+		t.mu.Unlock()
+		if err != nil {
+			continue
+		}
+		// Seen stale twice: a connection admitted a moment ago is in the
+		// set before conntrack confirms its entry.
+		prev := c.suspects[e.Name]
+		now := map[string]bool{}
+		for _, k := range stale {
+			if prev[string(k)] {
+				pending[e.Name] = append(pending[e.Name], k)
+			} else {
+				now[string(k)] = true
+			}
+		}
+		c.suspects[e.Name] = now
+	}
+	c.release(pending)
+}
+
+// staleLocked lists the members of e's cap set whose connection has no
+// conntrack entry or has closed: one GET per member, no dump (t.mu held).
+func (t *Table) staleLocked(e Exposure) ([][]byte, error) {
+	if t.conn == nil {
+		return nil, errors.New("closed")
+	}
+	inet, _ := t.tables()
+	els, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: connsSet(e.Name), KeyType: connKeyType})
+	if err != nil {
+		return nil, err
+	}
+	var stale, missing [][]byte
+	check := func(k []byte) (gone, closed bool, err error) {
+		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
+		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
+		en, ok, err := t.ct.Get(protoNum(e.Protocol), src, dst)
+		if err != nil {
+			return false, false, err
+		}
+		return !ok, ok && (!en.Open() || en.Mark&MarkClosed == MarkClosed), nil
+	}
+	for _, el := range els {
+		if len(el.Key) != 12 {
+			continue
+		}
+		gone, closed, err := check(el.Key)
+		if err != nil {
+			return nil, err
+		}
+		switch {
+		case closed:
+			stale = append(stale, el.Key)
+		case gone:
+			missing = append(missing, el.Key)
+		}
+	}
+	if len(missing) > 0 {
+		// A connection admitted a moment ago is in the set before its
+		// conntrack entry is confirmed (end of the same packet's path):
+		// look again after a short pause before calling it gone.
+		time.Sleep(2 * time.Millisecond)
+		for _, k := range missing {
+			if gone, closed, err := check(k); err == nil && (gone || closed) {
+				stale = append(stale, k)
+			}
+		}
+	}
+	return stale, nil
+}
+
+// endedBytes returns (and keeps) the bytes of ended connections.
+func (c *capWatcher) endedBytes(name string) (uint64, uint64) {
+	b := c.ended[name]
+	return b[0], b[1]
+}
+
+// ExposureCounters are one exposure's kernel-path numbers.
+type ExposureCounters struct {
+	Accepted uint64 // connections admitted (named counter NAME-accepted)
+	Refused  uint64 // connections refused by the cap (named counter NAME-refused)
+	BytesIn  uint64 // caller -> guest, conntrack accounting (live + ended)
+	BytesOut uint64 // guest -> caller
+	Active   uint64 // conntrack entries with the exposure's mark that are still open
+}
+
+// Counters reads every exposure's counters.
+func (t *Table) Counters() (map[string]ExposureCounters, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make(map[string]ExposureCounters, len(t.byID))
+	if !t.applied {
+		return out, nil
+	}
+	cv, err := t.readCounters()
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range t.byID {
+		ec := ExposureCounters{Accepted: cv[acceptedCounter(e.Name)].packets, Refused: cv[refusedCounter(e.Name)].packets}
+		if t.caps != nil {
+			ec.BytesIn, ec.BytesOut = t.caps.endedBytes(e.Name)
+		}
+		out[e.Name] = ec
+	}
+	entries, err := t.ct.ByMark(0, 0)
+	if err != nil {
+		return nil, err
+	}
+	for _, en := range entries {
+		e, ok := t.byID[en.Mark&MarkIDMask]
+		if !ok {
+			continue
+		}
+		ec := out[e.Name]
+		ec.BytesIn += en.BytesOrig
+		ec.BytesOut += en.BytesRepl
+		if en.Open() && en.Mark&MarkClosed != MarkClosed {
+			ec.Active++
+		}
+		out[e.Name] = ec
+	}
+	return out, nil
+}
+
+// flushChanged deletes the conntrack entries of every exposure host side
+// that a change (not a repair) created, changed or removed.
+func (t *Table) flushChanged(p *plan, changed []string, exps []Exposure) map[string]int {
+	isChange := map[string]bool{}
+	for _, c := range changed {
+		isChange[c] = true
+	}
+	type side = hostSide
+	sides := map[side]string{}
+	for _, set := range []string{mapExpAny, mapExpAddr} {
+		for _, es := range [][]elemSpec{p.delElems[set], p.addElems[set]} {
+			for _, e := range es {
+				if sd, ok := decodeHostSide(set, e.key); ok {
+					sides[sd] = e.comment
+				}
+			}
+		}
+	}
+	for _, e := range exps {
+		for _, what := range []string{" missing", " differs", " differ"} {
+			if isChange["chain "+expChain(e.Name)+what] || isChange["rules of chain "+expChain(e.Name)+what] {
+				a := e.HostAddr
+				if e.wildcard() {
+					a = netip.Addr{}
+				}
+				sides[side{protoNum(e.Protocol), a, e.HostPort}] = e.Name
+			}
+		}
+	}
+	// Elements repaired (not changed) are dropped from the list: a repair
+	// restores what was there, the flows are still right.
+	for _, d := range p.diffs {
+		if strings.HasPrefix(d.object, "element ") && !isChange[d.String()] {
+			for _, set := range []string{mapExpAny, mapExpAddr} {
+				if strings.HasPrefix(d.object, "element "+set+"[") {
+					name := strings.TrimSuffix(strings.TrimPrefix(d.object, "element "+set+"["), "]")
+					for k, v := range sides {
+						if v == name {
+							delete(sides, k)
+						}
+					}
+				}
+			}
+		}
+	}
+	if len(sides) == 0 {
+		return nil
+	}
+	list := make([]conntrack.HostSide, 0, len(sides))
+	names := make([]string, 0, len(sides))
+	for s, name := range sides {
+		list = append(list, conntrack.HostSide{Proto: s.proto, Addr: s.addr, Port: s.port})
+		names = append(names, name)
+	}
+	counts, err := t.ct.DeleteHostSides(list)
+	if err != nil {
+		t.log.Warn("nft: conntrack flush failed", "err", err)
+	}
+	out := map[string]int{}
+	for i, n := range counts {
+		out[names[i]] += n
+	}
+	return out
+}
+
+type hostSide struct {
+	proto uint8
+	addr  netip.Addr
+	port  uint16
+}
+
+func decodeHostSide(set string, k []byte) (hostSide, bool) {
+	switch {
+	case set == mapExpAny && len(k) == 8:
+		return hostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
+	case set == mapExpAddr && len(k) == 12:
+		return hostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
+	}
+	return hostSide{}, false
+}

@@ -1,0 +1,137 @@
+package nft
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Pure planning: no kernel.
+
+func refRules() Rules {
+	return Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Gateway: netip.MustParseAddr("10.213.0.1"),
+		Masquerade: true, DHCP: true, Exposures: []Exposure{
+			{Name: "web", Protocol: "tcp", HostPort: 8080, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 80, MaxConns: 3},
+			{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: netip.MustParseAddr("10.213.0.12"), GuestPort: 53},
+		}}
+}
+
+func TestPlanNothingWhenEqual(t *testing.T) {
+	r := refRules()
+	ids := assignIDs(r.Exposures, nil)
+	d, _ := desired(r, ids)
+	assert.True(t, makePlan(d, observedFrom(d)).empty())
+}
+
+func TestPlanOneExposureAdded(t *testing.T) {
+	r := refRules()
+	ids := assignIDs(r.Exposures, nil)
+	d0, _ := desired(r, ids)
+	r.Exposures = append(r.Exposures, Exposure{Name: "ssh", Protocol: "tcp", HostPort: 2222, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 22})
+	ids = assignIDs(r.Exposures, ids)
+	d1, _ := desired(r, ids)
+	p := makePlan(d1, observedFrom(d0))
+	assert.Len(t, p.addChains, 1)
+	assert.Equal(t, "exp-ssh", p.addChains[0].name)
+	assert.Len(t, p.addElems[mapExpAny], 1)
+	assert.Empty(t, p.flushChains, "no other chain is rewritten")
+	assert.Empty(t, p.delChains)
+	assert.ElementsMatch(t, []string{"ssh-accepted", "ssh-refused"}, p.addCounters)
+}
+
+func TestPlanRemovedAndDrift(t *testing.T) {
+	r := refRules()
+	ids := assignIDs(r.Exposures, nil)
+	d0, _ := desired(r, ids)
+	obs := observedFrom(d0)
+	delete(obs.chains, "dispatch")       // drift: a chain deleted
+	obs.chains["prerouting"].rules = nil // drift: a flushed chain
+	r.Exposures = r.Exposures[:1]        // change: dns removed
+	d1, _ := desired(r, assignIDs(r.Exposures, ids))
+	p := makePlan(d1, obs)
+	assert.Contains(t, p.delChains, "exp-dns")
+	assert.Contains(t, p.delCounters, "dns-accepted")
+	assert.Len(t, p.delElems[mapExpAny], 1)
+	repaired, changed := split(p, fingerprints(d0), fingerprints(d1))
+	assert.Contains(t, repaired, "chain dispatch missing")
+	assert.Contains(t, repaired, "rules of chain prerouting differ")
+	assert.Contains(t, changed, "chain exp-dns unexpected")
+}
+
+func TestPlanCapChangeRecreatesSetAndRewritesChain(t *testing.T) {
+	r := refRules()
+	ids := assignIDs(r.Exposures, nil)
+	d0, _ := desired(r, ids)
+	r.Exposures[0].MaxConns = 5
+	d1, _ := desired(r, ids)
+	p := makePlan(d1, observedFrom(d0))
+	assert.Contains(t, p.delSets, "conns-web")
+	require.Len(t, p.seed, 1, "a recreated cap set is seeded from conntrack")
+	assert.Contains(t, p.flushChains, "exp-web")
+}
+
+func TestIDsStableAndDistinct(t *testing.T) {
+	var exps []Exposure
+	for i := 0; i < 5000; i++ {
+		exps = append(exps, Exposure{Name: "e" + strings.Repeat("x", i%7) + string(rune('a'+i%26)) + itoa(i)})
+	}
+	ids := assignIDs(exps, nil)
+	seen := map[uint32]bool{}
+	for _, id := range ids {
+		assert.NotZero(t, id)
+		assert.Zero(t, id&^MarkIDMask)
+		assert.False(t, seen[id])
+		seen[id] = true
+	}
+	again := assignIDs(append(exps, Exposure{Name: "new"}), ids)
+	for n, id := range ids {
+		assert.Equal(t, id, again[n])
+	}
+}
+
+func itoa(i int) string { return strings.TrimSpace(strings.Repeat(" ", 0) + string([]byte(fmtInt(i)))) }
+
+func fmtInt(i int) string {
+	if i == 0 {
+		return "0"
+	}
+	var b []byte
+	for ; i > 0; i /= 10 {
+		b = append([]byte{byte('0' + i%10)}, b...)
+	}
+	return string(b)
+}
+
+func TestValidateNamesFields(t *testing.T) {
+	r := refRules()
+	r.Bridge = ""
+	r.Subnet = netip.Prefix{}
+	r.Exposures = append(r.Exposures,
+		Exposure{Name: "web", Protocol: "tcp", HostPort: 8080, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 80},
+		Exposure{Name: "lo", Protocol: "tcp", HostAddr: netip.MustParseAddr("127.0.0.1"), HostPort: 1, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 1})
+	var msgs []string
+	for _, e := range r.Validate() {
+		msgs = append(msgs, e.Error())
+	}
+	all := strings.Join(msgs, "\n")
+	for _, f := range []string{"bridge:", "subnet:", "exposures[web].name: duplicate", "exposures[web].hostPort:", "exposures[lo].hostAddr:"} {
+		assert.Contains(t, all, f)
+	}
+}
+
+func FuzzValidate(f *testing.F) {
+	f.Add("web", "tcp", uint16(8080), uint16(80), 3, "10.213.0.11")
+	f.Add("", "udp", uint16(0), uint16(0), -1, "::1")
+	f.Fuzz(func(t *testing.T, name, proto string, hp, gp uint16, max int, guest string) {
+		r := refRules()
+		ga, _ := netip.ParseAddr(guest)
+		r.Exposures = append(r.Exposures, Exposure{Name: name, Protocol: proto, HostPort: hp, GuestPort: gp, MaxConns: max, GuestAddr: ga})
+		if len(r.Validate()) == 0 {
+			// Valid rules must build without panicking.
+			desired(r, assignIDs(r.Exposures, nil))
+		}
+	})
+}

@@ -1,0 +1,184 @@
+// Package nft owns brokkr's nftables tables: `table inet brokkr` (map-dispatched
+// DNAT for exposures with an honest per-exposure connection cap, named
+// counters, the remote-loopback guard, host isolation, hairpin and egress
+// masquerade) and `table bridge brokkr` (anti-spoof per guest port and
+// guest-to-guest isolation). Nothing outside those two tables is touched.
+//
+// The caller computes the whole desired state (Rules); Converge makes the
+// kernel match it in one netlink batch, falling back to replacing both tables
+// in one batch, and reports the drift it repaired.
+package nft
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"regexp"
+)
+
+// Rules is the whole desired state of brokkr's tables.
+type Rules struct {
+	Bridge        string       // the guest bridge (host isolation, anti-spoof, hairpin)
+	Subnet        netip.Prefix // guest subnet: bridge address + prefix, e.g. 10.213.0.1/24
+	Gateway       netip.Addr   // the bridge's own address
+	Masquerade    bool         // egress NAT for the subnet leaving through any other interface
+	IsolateGuests bool         // drop guest-to-guest frames across the bridge
+	DHCP          bool         // guests may reach udp/67 on the host
+	DNS           bool         // guests may reach udp+tcp/53 on the host
+	Guests        []Guest      // ports under anti-spoof
+	Exposures     []Exposure
+}
+
+// Guest is one bridge port that may only send frames from its own MAC and
+// IPv4 address (plus the DHCP discover/request from 0.0.0.0).
+type Guest struct {
+	Name string
+	Tap  string // bridge port name (a tap, or a veth in tests)
+	MAC  net.HardwareAddr
+	Addr netip.Addr // invalid = not leased yet: only DHCP and ARP probes pass
+}
+
+// Exposure is one published port.
+type Exposure struct {
+	Name      string
+	Protocol  string     // tcp | udp
+	HostAddr  netip.Addr // unspecified (0.0.0.0) or invalid = every local address
+	HostPort  uint16
+	GuestAddr netip.Addr
+	GuestPort uint16
+	MaxConns  int // 0 = unlimited
+}
+
+// wildcard reports whether the exposure answers on every local address.
+func (e Exposure) wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
+
+// FieldError names the field of Rules that is wrong.
+type FieldError struct {
+	Field string // e.g. exposures[web-http].hostPort
+	Msg   string
+}
+
+func (e *FieldError) Error() string { return e.Field + ": " + e.Msg }
+
+// nameRE keeps names usable inside nft object names (chains, sets, counters)
+// that `nft` prints back and parses again.
+var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$`)
+
+// ifnameRE: Linux interface names (IFNAMSIZ-1 bytes, no '/', no spaces).
+var ifnameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,15}$`)
+
+// MaxConnsLimit bounds a cap; the set that enforces it is sized to it.
+const MaxConnsLimit = 1 << 20
+
+// Validate checks r as a whole and returns every problem, each naming its
+// field. Converge applies nothing when Validate fails.
+func (r Rules) Validate() []error {
+	var errs []error
+	bad := func(field, format string, a ...any) {
+		errs = append(errs, &FieldError{Field: field, Msg: fmt.Sprintf(format, a...)})
+	}
+	if !ifnameRE.MatchString(r.Bridge) {
+		bad("bridge", "%q is not a valid interface name (1-15 of [a-zA-Z0-9_.-])", r.Bridge)
+	}
+	subnetOK := r.Subnet.IsValid() && r.Subnet.Addr().Is4() && r.Subnet.Bits() > 0 && r.Subnet.Bits() < 31
+	if !subnetOK {
+		bad("subnet", "%q must be an IPv4 prefix between /1 and /30", r.Subnet)
+	}
+	if !r.Gateway.Is4() {
+		bad("gateway", "%q must be an IPv4 address", r.Gateway)
+	} else if subnetOK && !r.Subnet.Masked().Contains(r.Gateway) {
+		bad("gateway", "%s is outside subnet %s", r.Gateway, r.Subnet)
+	}
+	seenTap := map[string]string{}
+	seenGuest := map[string]bool{}
+	for i, g := range r.Guests {
+		f := fmt.Sprintf("guests[%d]", i)
+		if g.Name != "" {
+			f = fmt.Sprintf("guests[%s]", g.Name)
+		}
+		if !nameRE.MatchString(g.Name) {
+			bad(f+".name", "%q must match %s", g.Name, nameRE)
+		} else if seenGuest[g.Name] {
+			bad(f+".name", "duplicate guest name")
+		}
+		seenGuest[g.Name] = true
+		if !ifnameRE.MatchString(g.Tap) {
+			bad(f+".tap", "%q is not a valid interface name", g.Tap)
+		} else if other, ok := seenTap[g.Tap]; ok {
+			bad(f+".tap", "%q is also the tap of guest %s", g.Tap, other)
+		} else if g.Tap == r.Bridge {
+			bad(f+".tap", "%q is the bridge itself", g.Tap)
+		}
+		seenTap[g.Tap] = g.Name
+		if len(g.MAC) != 6 || g.MAC[0]&1 == 1 {
+			bad(f+".mac", "%q must be a unicast 6-byte MAC", g.MAC)
+		}
+		if g.Addr.IsValid() && (!g.Addr.Is4() || (subnetOK && !r.Subnet.Masked().Contains(g.Addr))) {
+			bad(f+".addr", "%s must be an IPv4 address inside %s", g.Addr, r.Subnet)
+		}
+	}
+	seenExp := map[string]bool{}
+	type bind struct {
+		addr  netip.Addr
+		proto string
+		port  uint16
+	}
+	binds := map[bind]string{}
+	for i, e := range r.Exposures {
+		f := fmt.Sprintf("exposures[%d]", i)
+		if e.Name != "" {
+			f = fmt.Sprintf("exposures[%s]", e.Name)
+		}
+		if !nameRE.MatchString(e.Name) {
+			bad(f+".name", "%q must match %s", e.Name, nameRE)
+		} else if seenExp[e.Name] {
+			bad(f+".name", "duplicate exposure name")
+		}
+		seenExp[e.Name] = true
+		if e.Protocol != "tcp" && e.Protocol != "udp" {
+			bad(f+".protocol", "%q must be tcp or udp", e.Protocol)
+		}
+		if e.HostPort == 0 {
+			bad(f+".hostPort", "must be 1..65535")
+		}
+		if e.GuestPort == 0 {
+			bad(f+".guestPort", "must be 1..65535")
+		}
+		if e.HostAddr.IsValid() {
+			switch {
+			case !e.HostAddr.Is4():
+				bad(f+".hostAddr", "%s: only IPv4 host addresses are published by the kernel path", e.HostAddr)
+			case e.HostAddr.IsLoopback():
+				bad(f+".hostAddr", "%s: loopback callers are served by the userspace proxy, not nftables", e.HostAddr)
+			}
+		}
+		if !e.GuestAddr.Is4() || e.GuestAddr.IsUnspecified() || e.GuestAddr.IsLoopback() {
+			bad(f+".guestAddr", "%q must be a routable IPv4 address", e.GuestAddr)
+		}
+		if e.MaxConns < 0 || e.MaxConns > MaxConnsLimit {
+			bad(f+".maxConns", "%d must be 0 (unlimited) .. %d", e.MaxConns, MaxConnsLimit)
+		}
+		a := e.HostAddr
+		if e.wildcard() {
+			a = netip.IPv4Unspecified()
+		}
+		k := bind{a, e.Protocol, e.HostPort}
+		if other, ok := binds[k]; ok {
+			bad(f+".hostPort", "%s %s:%d is already published by exposure %s", e.Protocol, a, e.HostPort, other)
+		}
+		binds[k] = e.Name
+	}
+	// A wildcard binding and a specific one on the same port would both
+	// match; the specific one wins (looked up first), which is what a socket
+	// bind would do too, so that is allowed.
+	return errs
+}
+
+// validationError joins the errors of Validate into one error.
+func validationError(errs []error) error {
+	if len(errs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("invalid rules: %w", errors.Join(errs...))
+}
