@@ -34,16 +34,24 @@ type Manager struct {
 	live map[string]*exposure
 
 	// loops counts the goroutines that own a socket (accept loops, UDP read
-	// loops), so StopAll returns only once none of them is left. Carried
-	// connections are not in it: they drain on their own time.
+	// loops), so StopAll returns only once none of them is left.
 	loops sync.WaitGroup
+
+	// carried holds every accepted TCP caller until its connection ends.
+	// Revoking an exposure lets them drain; StopAll ends them and waits, so
+	// nothing counts into the store after StopAll returns and the daemon can
+	// close (unmap) it safely.
+	carriedMu sync.Mutex
+	carried   map[net.Conn]struct{}
+	stopped   bool
+	carriedWG sync.WaitGroup
 }
 
 // NewManager returns a Manager that finds guests through resolve and counts
 // into stats. With stats nil it counts into an in-memory store of its own.
 func NewManager(resolve Resolver, stats *bpf.Store) *Manager {
 	m := &Manager{resolve: resolve, stats: stats, dialer: guestDialer(),
-		listenTCP: listenTCP, live: map[string]*exposure{}}
+		listenTCP: listenTCP, live: map[string]*exposure{}, carried: map[net.Conn]struct{}{}}
 	if stats == nil {
 		m.stats = bpf.NewInMemory("counters in memory only: the proxy was given no BPF store")
 	}
@@ -269,10 +277,19 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 	return nil
 }
 
-// StopAll closes every listener and releases every slot without deleting it:
-// the daemon is stopping, the exposures are not. TCP connections already
-// carried drain on their own; StopAll waits only for the serving loops.
+// StopAll closes every listener, ends every carried connection and UDP flow,
+// and releases every slot without deleting it: the daemon is stopping, the
+// exposures are not (connections do not survive a daemon restart; VMs do).
+// It returns once no goroutine of the Manager is left, so the store can be
+// closed right after. A stopped Manager carries nothing more.
 func (m *Manager) StopAll() {
+	m.carriedMu.Lock()
+	m.stopped = true
+	for c := range m.carried {
+		c.Close()
+	}
+	m.carriedMu.Unlock()
+
 	m.mu.Lock()
 	for id, ex := range m.live {
 		ex.closeSocket()
@@ -281,6 +298,26 @@ func (m *Manager) StopAll() {
 	}
 	m.mu.Unlock()
 	m.loops.Wait()
+	m.carriedWG.Wait()
+}
+
+// track registers an accepted caller, or reports false once StopAll has run.
+func (m *Manager) track(c net.Conn) bool {
+	m.carriedMu.Lock()
+	defer m.carriedMu.Unlock()
+	if m.stopped {
+		return false
+	}
+	m.carried[c] = struct{}{}
+	m.carriedWG.Add(1)
+	return true
+}
+
+func (m *Manager) untrack(c net.Conn) {
+	m.carriedMu.Lock()
+	delete(m.carried, c)
+	m.carriedMu.Unlock()
+	m.carriedWG.Done()
 }
 
 func join(a, b string) string {

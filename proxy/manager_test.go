@@ -484,14 +484,19 @@ func TestStopAllClosesEveryListenerAndKeepsTheCounters(t *testing.T) {
 		require.Equal(t, StateActive, s.State, s.Reason)
 	}
 	require.NoError(t, hold(t, st[0].BoundAddr).Close())
+	held := hold(t, st[1].BoundAddr)
 
 	m.StopAll()
+	n, err := held.Read(make([]byte, 1))
+	assert.Zero(t, n)
+	assert.Error(t, err, "a stopping daemon ends the connections it carried")
 	for _, s := range st[:2] {
 		_, err := net.Dial("tcp", s.BoundAddr)
 		assert.ErrorIs(t, err, syscall.ECONNREFUSED, "%s survived StopAll", s.ID)
 	}
 	// The UDP port is free again: binding it proves its socket is closed.
-	pc, err := net.ListenPacket("udp4", st[2].BoundAddr)
+	var pc net.PacketConn
+	pc, err = net.ListenPacket("udp4", st[2].BoundAddr)
 	require.NoError(t, err)
 	pc.Close()
 	cs, ok := m.stats.Lookup("a")

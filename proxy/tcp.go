@@ -96,8 +96,14 @@ func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string) {
 		reset(c)
 		return
 	}
+	if !m.track(c) {
+		ex.conns.Add(-1)
+		reset(c)
+		return
+	}
 	ex.ctr.acquire()
 	go func() {
+		defer m.untrack(c)
 		defer ex.ctr.release()
 		defer ex.conns.Add(-1)
 		m.carry(ex, c, vm, guestPort)

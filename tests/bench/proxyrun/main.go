@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"syscall"
@@ -28,7 +29,18 @@ func main() {
 	var es exposures
 	flag.Var(&es, "e", "[tcp:|udp:]HOST:PORT=GUEST:PORT (repeatable)")
 	maxConns := flag.Int("max", 0, "per-exposure connection cap (0 = unlimited)")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile here until stopped")
 	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			fail("%v", err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fail("%v", err)
+		}
+		defer pprof.StopCPUProfile()
+	}
 
 	guests := map[string]string{}
 	var specs []proxy.Spec
