@@ -429,11 +429,14 @@ func TestAChangedCapAppliesWithoutARebind(t *testing.T) {
 
 func TestMaxConnsZeroIsUnlimited(t *testing.T) {
 	m, _ := newManager(t)
-	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	spec := tcpSpec("web", echoServer(t, "g:"))
+	st := only(t, m, spec)
 	for i := 0; i < 300; i++ { // past the daemon's default of 256
 		hold(t, st.BoundAddr)
 	}
-	assert.Zero(t, only(t, m, tcpSpec("web", 1)).Counters.Refused)
+	cs := only(t, m, spec).Counters
+	assert.Zero(t, cs.Refused)
+	assert.EqualValues(t, 300, cs.Active)
 }
 
 func TestActiveIsAGaugeWhileRefusedAndDroppedAreTotals(t *testing.T) {
