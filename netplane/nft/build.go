@@ -208,7 +208,11 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 	proto := protoNum(e.Protocol)
 	inet := func(exprs ...expr.Any) []expr.Any { return exprs }
 	t.counters[acceptedCounter(e.Name)] = counterSpec{name: acceptedCounter(e.Name), exposure: e.Name}
-	t.counters[refusedCounter(e.Name)] = counterSpec{name: refusedCounter(e.Name), exposure: e.Name}
+	if e.MaxConns > 0 {
+		// Only a cap refuses: an uncapped exposure has no refused counter
+		// (one object less per exposure in a 10,000-exposure batch).
+		t.counters[refusedCounter(e.Name)] = counterSpec{name: refusedCounter(e.Name), exposure: e.Name}
+	}
 
 	admit := l4proto(proto)
 	if e.MaxConns > 0 {
