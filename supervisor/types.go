@@ -98,6 +98,12 @@ type Instance struct {
 	StartTime uint64 // /proc/<pid>/stat field 22, to tell a reused pid apart
 	Exe       string // /proc/<pid>/exe at start
 	APISocket string
+	// ConsoleSocket, when set, is a unix socket on which the VMM serves the
+	// guest's serial port (CH: serial mode Socket). The engine's worker
+	// connects to it and copies the output into LaunchConfig.ConsoleLog,
+	// capped at LaunchConfig.ConsoleSize (rotating once to console.log.1).
+	// Leave it empty when the backend writes ConsoleLog itself.
+	ConsoleSocket string
 }
 
 // VMState is what a backend's Info says about the guest.
@@ -112,6 +118,13 @@ const (
 
 // Hypervisor is the seam to a VMM (cloud-hypervisor, qemu, or a test fake).
 // Processes it starts must outlive the daemon (Setsid, no Pdeathsig).
+//
+// Exit watching is the engine's job, not the backend's: after Start or Adopt
+// the worker opens a pidfd on Instance.PID and is woken the moment the
+// process exits; it also reaps it (waitid on the pidfd) when it is the
+// daemon's child. So Start must NOT Wait for (reap) the process it started:
+// release it (cmd.Process.Release()) and leave the zombie to the engine.
+// On a Start error the backend kills and reaps whatever it started.
 type Hypervisor interface {
 	// Kind names the backend ("cloud-hypervisor", "qemu").
 	Kind() string

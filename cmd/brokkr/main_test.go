@@ -1,0 +1,102 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func run(t *testing.T, args ...string) (string, string, int) {
+	t.Helper()
+	root := newRoot()
+	var out, errb bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&errb)
+	root.SetArgs(args)
+	err := root.Execute()
+	if err != nil {
+		var se silentError
+		if !errors.As(err, &se) {
+			errb.WriteString(err.Error())
+		}
+	}
+	return out.String(), errb.String(), exitCode(err)
+}
+
+func TestExitCodes(t *testing.T) {
+	dir := t.TempDir()
+	good := filepath.Join(dir, "good.yaml")
+	bad := filepath.Join(dir, "bad.yaml")
+	require.NoError(t, os.WriteFile(good, []byte("vms: [{name: a, kernel: /k}]\n"), 0o600))
+	require.NoError(t, os.WriteFile(bad, []byte("vms:\n  - name: a\n    memory: 12Q\n    kernel: /k\n"), 0o600))
+
+	out, _, code := run(t, "validate", "-f", good)
+	assert.Equal(t, 0, code)
+	assert.Contains(t, out, "valid (1 VMs, 0 exposures)")
+
+	_, errs, code := run(t, "validate", "-f", bad)
+	assert.Equal(t, 1, code, "an invalid config is a user error")
+	assert.Contains(t, errs, `vms[0].memory: "12Q" is not a size`)
+
+	_, _, code = run(t, "validate")
+	assert.Equal(t, 1, code, "-f is required")
+	_, _, code = run(t, "vm", "start")
+	assert.Equal(t, 1, code, "a missing argument is a user error")
+	_, _, code = run(t, "status", "--nope")
+	assert.Equal(t, 1, code, "an unknown flag is a user error")
+	_, _, code = run(t, "frobnicate")
+	assert.Equal(t, 1, code)
+
+	_, errs, code = run(t, "--socket", filepath.Join(dir, "none.sock"), "status")
+	assert.Equal(t, 2, code, "an unreachable daemon is a system error")
+	assert.Contains(t, errs, "cannot reach brokkrd")
+
+	_, _, code = run(t, "--socket", filepath.Join(dir, "none.sock"), "apply", "-f", bad)
+	assert.Equal(t, 1, code, "apply checks the file before calling the daemon")
+
+	_, _, code = run(t, "stats", "--bpf-dir", dir)
+	assert.Equal(t, 2, code, "no pinned map is a system error")
+
+	assert.Equal(t, 1, exitCode(&api.HTTPError{Code: 404}))
+	assert.Equal(t, 1, exitCode(&api.HTTPError{Code: 422}))
+	assert.Equal(t, 2, exitCode(&api.HTTPError{Code: 500}))
+}
+
+func TestPlanPrinting(t *testing.T) {
+	var b bytes.Buffer
+	printPlan(&b, &api.Plan{DryRun: true, VMs: api.Changes{Added: []string{"web"}}, Exposures: api.Changes{Removed: []string{"old"}, Changed: []string{"x"}},
+		Warnings: []string{"stateDir: differs"}})
+	assert.Equal(t, "would change (dry run):\n  + vm web\n  ~ exposure x\n  - exposure old\nwarning: stateDir: differs\n", b.String())
+	b.Reset()
+	printPlan(&b, &api.Plan{Applied: true})
+	assert.Equal(t, "no changes\n", b.String())
+}
+
+func TestConverged(t *testing.T) {
+	st := &api.Status{VMs: []api.VM{{Name: "a", Phase: "starting", Power: "running"}}, Exposures: []api.Exposure{{Name: "e", State: "pending"}}}
+	done, failed := converged(st)
+	assert.False(t, done)
+	assert.Empty(t, failed)
+	st.VMs[0].Phase, st.Exposures[0].State = "running", "active"
+	done, _ = converged(st)
+	assert.True(t, done)
+	st.Exposures[0].State, st.Exposures[0].Reason = "failed", "bind: address in use"
+	done, failed = converged(st)
+	assert.False(t, done)
+	assert.Equal(t, []string{"exposure e failed: bind: address in use"}, failed)
+}
+
+func TestProgressBar(t *testing.T) {
+	assert.Equal(t, "[########............]", bar(api.VM{Phase: "creating", Detail: "downloading image 40%"}))
+	assert.True(t, strings.HasPrefix(bar(api.VM{Phase: "running"}), "[===================="))
+}

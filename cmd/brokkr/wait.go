@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/daemon/config"
+	"golang.org/x/sys/unix"
+)
+
+func asErrors(err error, ce *config.Errors) bool { return errors.As(err, ce) }
+
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	return err == nil
+}
+
+// failGrace is how long --wait tolerates a failed VM or exposure.
+const failGrace = 15 * time.Second
+
+var percentRE = regexp.MustCompile(`(\d{1,3})%`)
+
+// bar draws a progress bar for a detail that carries a percentage
+// ("downloading image 40%"), or a phase marker otherwise.
+func bar(v api.VM) string {
+	const width = 20
+	if m := percentRE.FindStringSubmatch(v.Detail); m != nil {
+		p, _ := strconv.Atoi(m[1])
+		p = min(p, 100)
+		n := p * width / 100
+		return "[" + strings.Repeat("#", n) + strings.Repeat(".", width-n) + "]"
+	}
+	steps := map[string]int{"pending": 1, "creating": 2, "starting": 3, "running": 4, "stopping": 2, "stopped": 4, "failed": 4}
+	n := steps[v.Phase] * width / 4
+	return "[" + strings.Repeat("=", n) + strings.Repeat(" ", width-n) + "]"
+}
+
+// converged reports whether the status shows the desired state reached, and
+// a failure (VM failed, exposure failed) that waiting will not fix.
+func converged(st *api.Status) (done bool, failed []string) {
+	done = true
+	for _, v := range st.VMs {
+		want := v.Power
+		if want == "" {
+			done = false // a VM on its way out
+			continue
+		}
+		switch {
+		case v.Phase == "failed":
+			failed = append(failed, fmt.Sprintf("vm %s failed: %s", v.Name, v.Detail))
+		case want == "running" && v.Phase != "running":
+			done = false
+		case want == "stopped" && v.Phase != "stopped":
+			done = false
+		}
+	}
+	for _, e := range st.Exposures {
+		switch e.State {
+		case "failed":
+			failed = append(failed, fmt.Sprintf("exposure %s failed: %s", e.Name, e.Reason))
+		case "pending":
+			done = false
+		}
+	}
+	return done && len(failed) == 0, failed
+}
+
+// waitConverged polls the status until the desired state is reached, with
+// a redrawn progress view on a terminal and one line per change otherwise.
+func waitConverged(ctx context.Context, w io.Writer, c *api.Client, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	tty := isTerminal(w)
+	drawn := 0
+	last := map[string]string{}
+	good := 0
+	var failingSince time.Time
+	// The first pass after an apply may not have run yet; a status from
+	// before it would look converged.
+	time.Sleep(1200 * time.Millisecond)
+	for {
+		st, err := c.Status(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("--wait: gave up after %s", timeout)
+			}
+			return err
+		}
+		if tty {
+			if drawn > 0 {
+				fmt.Fprintf(w, "\x1b[%dA", drawn)
+			}
+			drawn = 0
+			for _, v := range st.VMs {
+				fmt.Fprintf(w, "\x1b[2K  vm %-20s %s %-9s %s\n", v.Name, bar(v), v.Phase, v.Detail)
+				drawn++
+			}
+			for _, e := range st.Exposures {
+				fmt.Fprintf(w, "\x1b[2K  exposure %-14s %s:%d %-8s %s\n", e.Name, e.HostAddress, e.HostPort, e.State, e.Reason)
+				drawn++
+			}
+		} else {
+			for _, v := range st.VMs {
+				line := v.Phase + " " + v.Detail
+				if last["vm/"+v.Name] != line {
+					last["vm/"+v.Name] = line
+					fmt.Fprintf(w, "vm %s: %s\n", v.Name, strings.TrimSpace(line))
+				}
+			}
+			for _, e := range st.Exposures {
+				line := e.State + " " + e.Reason
+				if last["ex/"+e.Name] != line {
+					last["ex/"+e.Name] = line
+					fmt.Fprintf(w, "exposure %s: %s\n", e.Name, strings.TrimSpace(line))
+				}
+			}
+		}
+		done, failed := converged(st)
+		// A failure can heal (a port freed, a VM restarted by its policy):
+		// give up only when it has lasted failGrace.
+		if len(failed) == 0 {
+			failingSince = time.Time{}
+		} else if failingSince.IsZero() {
+			failingSince = time.Now()
+		} else if time.Since(failingSince) > failGrace {
+			for _, f := range failed {
+				fmt.Fprintln(os.Stderr, "brokkr:", f)
+			}
+			return silentError{2}
+		}
+		if done {
+			good++
+			if good >= 2 {
+				fmt.Fprintln(w, "converged")
+				return nil
+			}
+		} else {
+			good = 0
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("--wait: not converged after %s", timeout)
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}

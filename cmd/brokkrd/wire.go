@@ -1,0 +1,151 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/daemon"
+	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/netplane"
+	"github.com/brokkr/brokkr/proxy"
+	"github.com/brokkr/brokkr/supervisor"
+	"github.com/brokkr/brokkr/supervisor/chv"
+	"github.com/brokkr/brokkr/supervisor/images"
+	"github.com/brokkr/brokkr/supervisor/qemu"
+	"golang.org/x/sys/unix"
+)
+
+// system is everything one brokkrd process opened.
+type system struct {
+	d     *daemon.Daemon
+	store *bpf.Store
+	lock  *os.File
+}
+
+func (s *system) countersWhere() string {
+	if s.store.Pinned() {
+		return s.store.Path()
+	}
+	return "memory only: " + s.store.Reason()
+}
+
+func (s *system) close() {
+	_ = s.store.Close()
+	_ = s.lock.Close()
+}
+
+// open takes the runDir lock, opens the counter map and builds the three
+// engines around one daemon.
+func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, error) {
+	lock, err := lockRunDir(cfg.RunDir)
+	if err != nil {
+		return nil, err
+	}
+	fail := func(err error) (*system, error) { lock.Close(); return nil, err }
+
+	var warnings []string
+	store, err := openStore(cfg.BPFDir)
+	if err != nil {
+		log.Warn("counters in memory only (bpftool and `brokkr stats` will not see them)", "err", err)
+		store = bpf.NewInMemory(fmt.Sprintf("counters in memory only: %v", err))
+	}
+
+	var d atomic.Pointer[daemon.Daemon]
+	plane, err := netplane.New(netplane.Options{
+		StateDir: cfg.StateDir,
+		Stats:    store,
+		Logger:   log.With("engine", "netplane"),
+		OnLease: func(vm string, addr netip.Addr) {
+			if dd := d.Load(); dd != nil {
+				dd.Wake() // publish the guest's port now, not at the next tick
+			}
+		},
+	})
+	if err != nil {
+		store.Close()
+		return fail(err)
+	}
+
+	var hv supervisor.Hypervisor
+	switch cfg.Hypervisor.Kind {
+	case config.HypervisorQEMU:
+		hv = qemu.New(cfg.Hypervisor.Path, qemu.WithLogger(log.With("engine", "qemu")))
+	case config.HypervisorCHV:
+		hv = chv.New(cfg.Hypervisor.Path)
+	default:
+		return fail(fmt.Errorf("hypervisor.kind %q is not supported", cfg.Hypervisor.Kind))
+	}
+	cache, err := images.New(cfg.StateDir, images.WithLogger(log.With("engine", "images")))
+	if err != nil {
+		plane.Close()
+		store.Close()
+		return fail(err)
+	}
+	eng, err := supervisor.NewEngine(supervisor.Config{
+		StateDir:             cfg.StateDir,
+		RunDir:               cfg.RunDir,
+		Hypervisor:           hv,
+		Images:               cache,
+		MaxConcurrentCreates: *cfg.Hypervisor.MaxConcurrentCreates,
+		Logger:               log.With("engine", "supervisor"),
+	})
+	if err != nil {
+		plane.Close()
+		store.Close()
+		return fail(err)
+	}
+	addrs := daemon.NewAddressBook()
+	px := proxy.NewManager(addrs.Resolve, store)
+	dd, err := daemon.New(daemon.Options{
+		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
+		Logger: log, Warnings: warnings,
+	})
+	if err != nil {
+		eng.Stop()
+		plane.Close()
+		store.Close()
+		return fail(err)
+	}
+	d.Store(dd)
+	_ = ctx
+	return &system{d: dd, store: store, lock: lock}, nil
+}
+
+// openStore makes bpfDir usable (mounting bpffs at /sys/fs/bpf if needed)
+// and opens the pinned exposure_stats map.
+func openStore(dir string) (*bpf.Store, error) {
+	if err := bpf.EnsureBPFFS(dir); err != nil {
+		return nil, err
+	}
+	return bpf.Open(dir)
+}
+
+// lockRunDir takes an exclusive flock on runDir/brokkrd.lock: two daemons
+// on one state would each adopt and converge the same VMs and rules.
+func lockRunDir(runDir string) (*os.File, error) {
+	if err := os.MkdirAll(runDir, 0o700); err != nil {
+		return nil, fmt.Errorf("runDir: %w", err)
+	}
+	path := filepath.Join(runDir, "brokkrd.lock")
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("runDir: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, fmt.Errorf("%s: another brokkrd is running with this runDir", path)
+		}
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	_ = f.Truncate(0)
+	fmt.Fprintf(f, "%d\n", os.Getpid())
+	return f, nil
+}

@@ -1,0 +1,77 @@
+// Package api is the wire format of brokkrd's HTTP+JSON API on its unix
+// socket (DESIGN.md §3) and a small client for it, shared by the CLI, the
+// daemon and the end-to-end tests so the three cannot disagree.
+package api
+
+// DefaultSocket is where the CLI looks for the daemon unless told otherwise.
+const DefaultSocket = "/run/brokkr/brokkr.sock"
+
+// Status is GET /v1/status and `brokkr status -o json`.
+type Status struct {
+	VMs       []VM       `json:"vms"`
+	Exposures []Exposure `json:"exposures"`
+	// Warnings are conditions an operator should know about that belong to
+	// no single row: counters kept in memory only, an engine that stalled.
+	Warnings []string `json:"warnings,omitempty"`
+}
+
+// VM is one VM's row.
+type VM struct {
+	Name     string `json:"name"`
+	Phase    string `json:"phase"`
+	Detail   string `json:"detail"`
+	Address  string `json:"address"`
+	MAC      string `json:"mac"`
+	Tap      string `json:"tap"`
+	PID      int    `json:"pid"`
+	Restarts int    `json:"restarts"`
+	Power    string `json:"power,omitempty"` // desired power
+}
+
+// Exposure is one exposure's row; State is active | pending | failed.
+type Exposure struct {
+	Name        string `json:"name"`
+	VM          string `json:"vm,omitempty"`
+	Target      string `json:"target,omitempty"`
+	State       string `json:"state"`
+	Mode        string `json:"mode"`
+	Reason      string `json:"reason"`
+	HostAddress string `json:"hostAddress"`
+	HostPort    int    `json:"hostPort"`
+	Protocol    string `json:"protocol"`
+	GuestPort   int    `json:"guestPort"`
+	MaxConns    int    `json:"maxConns"`
+	Active      uint64 `json:"active"`
+	Accepted    uint64 `json:"accepted"`
+	Refused     uint64 `json:"refused"`
+	Dropped     uint64 `json:"dropped"`
+	BytesIn     uint64 `json:"bytesIn"`
+	BytesOut    uint64 `json:"bytesOut"`
+}
+
+// Changes lists names added, changed and removed between two configs.
+type Changes struct {
+	Added   []string `json:"added"`
+	Changed []string `json:"changed"`
+	Removed []string `json:"removed"`
+}
+
+// Empty reports whether nothing changes.
+func (c Changes) Empty() bool { return len(c.Added)+len(c.Changed)+len(c.Removed) == 0 }
+
+// Plan is the answer to POST /v1/apply: what changes (and, without dryRun,
+// was applied).
+type Plan struct {
+	DryRun         bool     `json:"dryRun"`
+	Applied        bool     `json:"applied"`
+	NetworkChanged bool     `json:"networkChanged"`
+	VMs            Changes  `json:"vms"`
+	Exposures      Changes  `json:"exposures"`
+	Warnings       []string `json:"warnings,omitempty"`
+}
+
+// Error is the body of every non-2xx answer.
+type Error struct {
+	Error  string   `json:"error"`
+	Errors []string `json:"errors,omitempty"` // one per field, for a rejected config
+}

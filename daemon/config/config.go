@@ -1,0 +1,365 @@
+// Package config parses and validates brokkr's configuration file (DESIGN.md
+// §3). A config is validated as a whole: every problem is reported at once,
+// each naming its field path and value, and nothing is used until the whole
+// file is valid.
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// Defaults of the contract (DESIGN.md §3).
+const (
+	DefaultStateDir        = "/var/lib/brokkr"
+	DefaultRunDir          = "/run/brokkr"
+	DefaultBPFDir          = "/sys/fs/bpf/brokkr"
+	DefaultBridge          = "brokkr0"
+	DefaultCIDR            = "10.213.0.1/24"
+	DefaultMTU             = 1500
+	DefaultHypervisor      = "cloud-hypervisor"
+	DefaultMaxCreates      = 2
+	DefaultCPUs            = 1
+	DefaultMemory          = "256M"
+	DefaultCmdline         = "console=ttyS0"
+	DefaultPower           = "running"
+	DefaultRestart         = "always"
+	DefaultProtocol        = "tcp"
+	DefaultHostAddress     = "0.0.0.0"
+	DefaultMode            = "auto"
+	DefaultMaxConns        = 256
+	MaxExposureNameLen     = 63
+	HypervisorCHV          = "cloud-hypervisor"
+	HypervisorQEMU         = "qemu"
+	ModeAuto, ModeNAT      = "auto", "nat"
+	ModeProxy              = "proxy"
+	minMTU, maxMTU         = 576, 65535
+	maxConfigBytes         = 4 << 20
+	maxConcurrentCreatesUp = 1024
+)
+
+// Config is the whole file. After Parse every optional field holds its
+// default, so the rest of the daemon never looks for "unset".
+type Config struct {
+	StateDir   string     `yaml:"stateDir" json:"stateDir"`
+	RunDir     string     `yaml:"runDir" json:"runDir"`
+	BPFDir     string     `yaml:"bpfDir" json:"bpfDir"`
+	Network    Network    `yaml:"network" json:"network"`
+	Hypervisor Hypervisor `yaml:"hypervisor" json:"hypervisor"`
+	VMs        []VM       `yaml:"vms" json:"vms"`
+	Exposures  []Exposure `yaml:"exposures" json:"exposures"`
+}
+
+// Network is the guest network section.
+type Network struct {
+	Bridge        string `yaml:"bridge" json:"bridge"`
+	CIDR          string `yaml:"cidr" json:"cidr"`
+	MTU           *int   `yaml:"mtu" json:"mtu"`
+	Masquerade    *bool  `yaml:"masquerade" json:"masquerade"`
+	DHCP          *bool  `yaml:"dhcp" json:"dhcp"`
+	IsolateGuests bool   `yaml:"isolateGuests" json:"isolateGuests"`
+}
+
+// Hypervisor selects and tunes the VMM backend.
+type Hypervisor struct {
+	Kind                 string `yaml:"kind" json:"kind"`
+	Path                 string `yaml:"path" json:"path"`
+	MaxConcurrentCreates *int   `yaml:"maxConcurrentCreates" json:"maxConcurrentCreates"`
+}
+
+// VM is one guest.
+type VM struct {
+	Name            string `yaml:"name" json:"name"`
+	CPUs            *int   `yaml:"cpus" json:"cpus"`
+	Memory          string `yaml:"memory" json:"memory"`
+	Kernel          string `yaml:"kernel" json:"kernel"`
+	KernelSHA256    string `yaml:"kernelSha256" json:"kernelSha256,omitempty"`
+	Initramfs       string `yaml:"initramfs" json:"initramfs,omitempty"`
+	InitramfsSHA256 string `yaml:"initramfsSha256" json:"initramfsSha256,omitempty"`
+	Cmdline         string `yaml:"cmdline" json:"cmdline"`
+	Disk            *Disk  `yaml:"disk" json:"disk,omitempty"`
+	Power           string `yaml:"power" json:"power"`
+	Restart         string `yaml:"restart" json:"restart"`
+}
+
+// Disk is a VM's root disk.
+type Disk struct {
+	Source string `yaml:"source" json:"source"`
+	SHA256 string `yaml:"sha256" json:"sha256,omitempty"`
+	Size   string `yaml:"size" json:"size,omitempty"`
+}
+
+// Exposure is one published guest port.
+type Exposure struct {
+	Name        string `yaml:"name" json:"name"`
+	VM          string `yaml:"vm" json:"vm,omitempty"`
+	Target      string `yaml:"target" json:"target,omitempty"`
+	Protocol    string `yaml:"protocol" json:"protocol"`
+	GuestPort   int    `yaml:"guestPort" json:"guestPort"`
+	HostPort    int    `yaml:"hostPort" json:"hostPort"`
+	HostAddress string `yaml:"hostAddress" json:"hostAddress"`
+	Mode        string `yaml:"mode" json:"mode"`
+	MaxConns    *int   `yaml:"maxConns" json:"maxConns"`
+}
+
+// FieldError is one problem, named by its field path ("vms[1].memory").
+type FieldError struct {
+	Path string
+	Msg  string
+}
+
+func (e FieldError) Error() string {
+	if e.Path == "" {
+		return e.Msg
+	}
+	return e.Path + ": " + e.Msg
+}
+
+// Errors is every problem found in one config, in file order.
+type Errors []FieldError
+
+func (es Errors) Error() string {
+	lines := make([]string, len(es))
+	for i, e := range es {
+		lines[i] = e.Error()
+	}
+	return strings.Join(lines, "\n")
+}
+
+// Defaults returns the embedded default config: no VMs, no exposures, the
+// contract's directories and network.
+func Defaults() *Config {
+	c := &Config{}
+	c.applyDefaults()
+	return c
+}
+
+// Parse decodes YAML (or JSON, which the YAML decoder reads too) and
+// validates it as a whole. An empty document is the defaults. Unknown keys are
+// errors: a misspelt key ("maxconns") silently falling back to a default is
+// exactly the kind of surprise a config file must not hold.
+func Parse(data []byte) (*Config, error) {
+	if len(data) > maxConfigBytes {
+		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), maxConfigBytes)}}
+	}
+	var root yaml.Node
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	if err := dec.Decode(&root); err != nil {
+		if errors.Is(err, io.EOF) {
+			return Defaults(), nil
+		}
+		return nil, Errors{{Msg: "not valid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
+	}
+	var extra yaml.Node
+	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+		return nil, Errors{{Msg: "more than one YAML document; a config is one document"}}
+	}
+	doc := &root
+	if doc.Kind == yaml.DocumentNode && len(doc.Content) == 1 {
+		doc = doc.Content[0]
+	}
+	if doc.Kind == yaml.ScalarNode && doc.Tag == "!!null" {
+		return Defaults(), nil
+	}
+	if doc.Kind != yaml.MappingNode {
+		return nil, Errors{{Msg: fmt.Sprintf("line %d: the config must be a mapping (stateDir:, network:, vms:, ...)", doc.Line)}}
+	}
+
+	c := &Config{}
+	strict := yaml.NewDecoder(bytes.NewReader(data))
+	strict.KnownFields(true)
+	if err := strict.Decode(c); err != nil {
+		var te *yaml.TypeError
+		if errors.As(err, &te) {
+			return nil, pathErrors(doc, te.Errors)
+		}
+		return nil, Errors{{Msg: "not valid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
+	}
+	c.applyDefaults()
+	if errs := c.Validate(); len(errs) > 0 {
+		return nil, errs
+	}
+	return c, nil
+}
+
+var lineMsg = regexp.MustCompile(`^line (\d+): (.*)$`)
+var notFound = regexp.MustCompile(`^field (\S+) not found in type \S+$`)
+var cannotColl = regexp.MustCompile(`^cannot unmarshal !!(\w+) into (\S+)$`)
+var cannot = regexp.MustCompile("^cannot unmarshal !!(\\w+) `(.*)` into (\\S+)$")
+
+// pathErrors turns the decoder's "line N: ..." messages into field-path
+// errors by looking the line up in the document's node tree.
+func pathErrors(doc *yaml.Node, msgs []string) Errors {
+	keys := map[int]string{}   // line of a key -> path of that key
+	values := map[int]string{} // line of a scalar value -> path
+	colls := map[int]string{}  // line where a mapping or list value starts -> path
+	record := func(v *yaml.Node, p string) {
+		// A scalar's line names its key (the outermost on that line); a
+		// collection's line names the innermost one starting there.
+		if v.Kind != yaml.ScalarNode {
+			colls[v.Line] = p
+		} else if _, ok := values[v.Line]; !ok {
+			values[v.Line] = p
+		}
+	}
+	var walk func(n *yaml.Node, path string)
+	walk = func(n *yaml.Node, path string) {
+		switch n.Kind {
+		case yaml.MappingNode:
+			for i := 0; i+1 < len(n.Content); i += 2 {
+				k, v := n.Content[i], n.Content[i+1]
+				p := k.Value
+				if path != "" {
+					p = path + "." + k.Value
+				}
+				if _, ok := keys[k.Line]; !ok {
+					keys[k.Line] = p
+				}
+				record(v, p)
+				walk(v, p)
+			}
+		case yaml.SequenceNode:
+			for i, v := range n.Content {
+				p := fmt.Sprintf("%s[%d]", path, i)
+				record(v, p)
+				walk(v, p)
+			}
+		}
+	}
+	walk(doc, "")
+	var out Errors
+	for _, m := range msgs {
+		sub := lineMsg.FindStringSubmatch(m)
+		if sub == nil {
+			out = append(out, FieldError{Msg: m})
+			continue
+		}
+		line, _ := strconv.Atoi(sub[1])
+		msg := sub[2]
+		if f := notFound.FindStringSubmatch(msg); f != nil {
+			p := keys[line]
+			if p == "" {
+				p = "line " + sub[1]
+			}
+			out = append(out, FieldError{Path: p, Msg: fmt.Sprintf("unknown key %q", f[1])})
+			continue
+		}
+		p := values[line]
+		if strings.Contains(msg, "!!map") || strings.Contains(msg, "!!seq") || p == "" {
+			if cp := colls[line]; cp != "" {
+				p = cp
+			}
+		}
+		if p == "" {
+			p = "line " + sub[1]
+		}
+		if c := cannot.FindStringSubmatch(msg); c != nil {
+			out = append(out, FieldError{Path: p, Msg: fmt.Sprintf("%q is not %s", c[2], typeWord(c[3], c[1]))})
+			continue
+		}
+		if c := cannotColl.FindStringSubmatch(msg); c != nil {
+			out = append(out, FieldError{Path: p, Msg: "a " + kindWord(c[1]) + " is not " + typeWord(c[2], c[1])})
+			continue
+		}
+		out = append(out, FieldError{Path: p, Msg: msg})
+	}
+	return out
+}
+
+func typeWord(goType, yamlKind string) string {
+	t := strings.TrimLeft(goType, "*[]")
+	switch {
+	case strings.HasPrefix(t, "int") || strings.HasPrefix(t, "uint"):
+		return "an integer"
+	case t == "bool":
+		return "true or false"
+	case t == "string":
+		return "a string (got a " + yamlKind + ")"
+	case strings.HasPrefix(t, "config."):
+		if strings.HasPrefix(goType, "[]") {
+			return "allowed here (a list is expected)"
+		}
+		return "allowed here (a mapping is expected)"
+	}
+	return "a " + t
+}
+
+func kindWord(k string) string {
+	switch k {
+	case "map":
+		return "mapping"
+	case "seq":
+		return "list"
+	}
+	return k
+}
+
+func intp(v int) *int    { return &v }
+func boolp(v bool) *bool { return &v }
+
+func (c *Config) applyDefaults() {
+	def := func(s *string, v string) {
+		if *s == "" {
+			*s = v
+		}
+	}
+	def(&c.StateDir, DefaultStateDir)
+	def(&c.RunDir, DefaultRunDir)
+	def(&c.BPFDir, DefaultBPFDir)
+	def(&c.Network.Bridge, DefaultBridge)
+	def(&c.Network.CIDR, DefaultCIDR)
+	if c.Network.MTU == nil {
+		c.Network.MTU = intp(DefaultMTU)
+	}
+	if c.Network.Masquerade == nil {
+		c.Network.Masquerade = boolp(true)
+	}
+	if c.Network.DHCP == nil {
+		c.Network.DHCP = boolp(true)
+	}
+	def(&c.Hypervisor.Kind, DefaultHypervisor)
+	if c.Hypervisor.MaxConcurrentCreates == nil {
+		c.Hypervisor.MaxConcurrentCreates = intp(DefaultMaxCreates)
+	}
+	if c.VMs == nil {
+		c.VMs = []VM{}
+	}
+	if c.Exposures == nil {
+		c.Exposures = []Exposure{}
+	}
+	for i := range c.VMs {
+		v := &c.VMs[i]
+		if v.CPUs == nil {
+			v.CPUs = intp(DefaultCPUs)
+		}
+		def(&v.Memory, DefaultMemory)
+		def(&v.Cmdline, DefaultCmdline)
+		def(&v.Power, DefaultPower)
+		def(&v.Restart, DefaultRestart)
+	}
+	for i := range c.Exposures {
+		e := &c.Exposures[i]
+		def(&e.Protocol, DefaultProtocol)
+		def(&e.HostAddress, DefaultHostAddress)
+		def(&e.Mode, DefaultMode)
+		if e.MaxConns == nil {
+			e.MaxConns = intp(DefaultMaxConns)
+		}
+	}
+}
+
+// VMNames lists the VM names in config order.
+func (c *Config) VMNames() []string {
+	out := make([]string, len(c.VMs))
+	for i, v := range c.VMs {
+		out[i] = v.Name
+	}
+	return out
+}

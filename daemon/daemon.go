@@ -1,0 +1,572 @@
+// Package daemon is brokkrd's core: the desired state (validated, persisted
+// atomically), the control loop that drives the supervisor, the network
+// plane and the proxy towards it, the merged status, the HTTP API on the
+// unix socket and the Prometheus metrics.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"reflect"
+	"sync"
+	"time"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/netplane"
+	"github.com/brokkr/brokkr/proxy"
+	"github.com/brokkr/brokkr/supervisor"
+)
+
+// Options are what New needs. The engines are built by the caller (see
+// Open) because the proxy is constructed with the daemon's resolver.
+type Options struct {
+	// Host is the config brokkrd was started with: its stateDir, runDir,
+	// bpfDir and hypervisor are fixed for the life of the process. Its
+	// network, VMs and exposures are the desired state unless
+	// stateDir/desired.json exists, which wins until the next apply/reload.
+	Host       *config.Config
+	Store      *bpf.Store
+	Supervisor Supervisor
+	Network    Network
+	Proxy      Proxy
+	Addresses  *AddressBook // the resolver the Proxy was built with
+	Logger     *slog.Logger
+	Tick       time.Duration // default 1 s
+	Timeout    time.Duration // per engine pass; default 10 s
+	Warnings   []string      // conditions found while opening (shown in status)
+}
+
+// Daemon is one running brokkrd.
+type Daemon struct {
+	opts  Options
+	log   *slog.Logger
+	host  *config.Config
+	store *bpf.Store
+	sup   Supervisor
+	net   Network
+	px    Proxy
+	addrs *AddressBook
+	m     *metrics
+
+	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
+	// netMu keeps netplane's Validate (which reads the kernel) from running
+	// in the middle of its Converge (which changes it): a tap created but
+	// not yet labelled as brokkr's would look foreign to the validation.
+	netMu sync.Mutex
+
+	mu      sync.Mutex
+	desired *config.Config
+	status  api.Status
+	facts   map[string]guestFacts
+	passes  uint64
+
+	wake chan struct{}
+
+	supRun bounded[supervisor.Report]
+	netRun bounded[netplane.Report]
+	pxRun  bounded[[]proxy.Status]
+}
+
+// New loads the desired state (desired.json, else the host config) and
+// prepares the loop. Nothing is converged until Run.
+func New(opts Options) (*Daemon, error) {
+	if opts.Host == nil {
+		return nil, errors.New("daemon: no config")
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Tick <= 0 {
+		opts.Tick = time.Second
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 10 * time.Second
+	}
+	if opts.Addresses == nil {
+		opts.Addresses = NewAddressBook()
+	}
+	desired, err := loadDesired(opts.Host.StateDir)
+	if err != nil {
+		return nil, err
+	}
+	if desired == nil {
+		desired = opts.Host
+		if err := saveDesired(opts.Host.StateDir, desired); err != nil {
+			return nil, err
+		}
+	} else {
+		opts.Logger.Info("resuming from persisted desired state", "file", opts.Host.StateDir+"/"+DesiredFile,
+			"vms", len(desired.VMs), "exposures", len(desired.Exposures))
+	}
+	d := &Daemon{
+		opts: opts, log: opts.Logger, host: opts.Host, store: opts.Store,
+		sup: opts.Supervisor, net: opts.Network, px: opts.Proxy, addrs: opts.Addresses,
+		desired: withHost(desired, opts.Host),
+		facts:   map[string]guestFacts{},
+		wake:    make(chan struct{}, 1),
+		supRun:  bounded[supervisor.Report]{name: "supervisor"},
+		netRun:  bounded[netplane.Report]{name: "netplane"},
+		pxRun:   bounded[[]proxy.Status]{name: "proxy"},
+	}
+	d.m = newMetrics(d)
+	if d.store != nil {
+		// Connections the previous process proxied died with it; the kernel
+		// path re-adds what conntrack still holds.
+		d.store.ResetActive()
+	}
+	d.status = d.mergeStatus(d.desired, supervisor.Report{}, netplane.Report{}, nil, nil)
+	return d, nil
+}
+
+// withHost returns c with the process-fixed keys taken from host.
+func withHost(c, host *config.Config) *config.Config {
+	cp := *c
+	cp.StateDir, cp.RunDir, cp.BPFDir, cp.Hypervisor = host.StateDir, host.RunDir, host.BPFDir, host.Hypervisor
+	return &cp
+}
+
+// Desired returns the current desired state (a copy the caller may keep).
+func (d *Daemon) Desired() *config.Config {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	cp := *d.desired
+	return &cp
+}
+
+// Status returns the last merged status.
+func (d *Daemon) Status() api.Status {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.status
+}
+
+// Wake asks for a pass now.
+func (d *Daemon) Wake() {
+	select {
+	case d.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Run converges on every change and every tick until ctx ends.
+func (d *Daemon) Run(ctx context.Context) {
+	t := time.NewTicker(d.opts.Tick)
+	defer t.Stop()
+	for {
+		d.Pass(ctx)
+		select {
+		case <-ctx.Done():
+			return
+		case <-d.wake:
+		case <-t.C:
+		}
+	}
+}
+
+// Pass is one level-triggered pass over the three engines.
+//
+// Order: netplane first, then the supervisor, then the proxy. netplane makes
+// the taps and assigns MACs and addresses, so a VM is never started before
+// its tap exists and the supervisor always gets this pass's facts; the proxy
+// runs last so its resolver sees the leases of this pass.
+func (d *Daemon) Pass(ctx context.Context) {
+	want := d.Desired()
+	var errs []error
+
+	t0 := time.Now()
+	nrep, err := d.netRun.run(ctx, d.opts.Timeout, func(ctx context.Context) netplane.Report {
+		d.netMu.Lock()
+		defer d.netMu.Unlock()
+		return d.net.Converge(ctx, netDesired(want))
+	})
+	d.m.observe("netplane", time.Since(t0), err == nil && nrep.Err == nil)
+	errs = append(errs, err)
+	if nrep.Err != nil {
+		errs = append(errs, fmt.Errorf("netplane: %w", nrep.Err))
+	}
+	for _, r := range nrep.Repaired {
+		d.log.Warn("drift repaired", "what", r)
+	}
+	facts := d.updateFacts(want, nrep)
+
+	t0 = time.Now()
+	specs := vmSpecs(want, facts)
+	srep, err := d.supRun.run(ctx, d.opts.Timeout, func(ctx context.Context) supervisor.Report {
+		return d.sup.Step(ctx, specs)
+	})
+	d.m.observe("supervisor", time.Since(t0), err == nil)
+	errs = append(errs, err)
+
+	t0 = time.Now()
+	pspecs := proxySpecs(want)
+	pst, err := d.pxRun.run(ctx, d.opts.Timeout, func(context.Context) []proxy.Status {
+		return d.px.Converge(pspecs)
+	})
+	d.m.observe("proxy", time.Since(t0), err == nil)
+	errs = append(errs, err)
+
+	if d.store != nil {
+		keep := map[string]bool{}
+		for _, e := range want.Exposures {
+			keep[e.Name] = true
+		}
+		if gone := d.store.Prune(func(n string) bool { return keep[n] }); len(gone) > 0 {
+			d.log.Info("counter slots of removed exposures freed", "exposures", gone)
+		}
+	}
+
+	st := d.mergeStatus(want, srep, nrep, pst, errs)
+	d.mu.Lock()
+	d.status = st
+	d.passes++
+	d.mu.Unlock()
+	for _, e := range errs {
+		if e != nil {
+			d.log.Warn("converge", "err", e)
+		}
+	}
+}
+
+// updateFacts records what netplane said about each guest and publishes the
+// addresses the proxy may dial: a leased address, or with DHCP off the
+// assigned one (the guest takes it from its command line).
+func (d *Daemon) updateFacts(want *config.Config, rep netplane.Report) map[string]guestFacts {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	seen := map[string]bool{}
+	for _, g := range rep.Guests {
+		seen[g.Name] = true
+		f := guestFacts{Tap: g.Tap, MAC: g.MAC, Address: g.Address, Leased: g.Leased, Error: g.Error}
+		if old, ok := d.facts[g.Name]; ok && f.Tap == "" {
+			// A failed pass for this guest keeps its last known tap and MAC
+			// rather than telling the supervisor it has none.
+			f.Tap, f.MAC = old.Tap, old.MAC
+		}
+		d.facts[g.Name] = f
+	}
+	wanted := map[string]bool{}
+	for _, v := range want.VMs {
+		wanted[v.Name] = true
+	}
+	addrs := map[string]string{}
+	for name, f := range d.facts {
+		if !wanted[name] {
+			delete(d.facts, name)
+			continue
+		}
+		if f.Address.IsValid() && (f.Leased || !*want.Network.DHCP) {
+			addrs[name] = f.Address.String()
+		}
+	}
+	d.addrs.Set(addrs)
+	out := make(map[string]guestFacts, len(d.facts))
+	for k, v := range d.facts {
+		out[k] = v
+	}
+	return out
+}
+
+// AddressBook is the proxy's Resolver: guest addresses by VM name, swapped
+// whole on each pass, read per connection.
+type AddressBook struct {
+	mu    sync.RWMutex
+	addrs map[string]string
+}
+
+// NewAddressBook returns an empty book.
+func NewAddressBook() *AddressBook { return &AddressBook{addrs: map[string]string{}} }
+
+// Set replaces every address.
+func (a *AddressBook) Set(addrs map[string]string) {
+	a.mu.Lock()
+	a.addrs = addrs
+	a.mu.Unlock()
+}
+
+// Resolve is a proxy.Resolver.
+func (a *AddressBook) Resolve(vm string) string {
+	if t, ok := resolveTarget(vm); ok {
+		return t
+	}
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	return a.addrs[vm]
+}
+
+// Close stops the loop's engines without touching what they made: VMs keep
+// running, nft rules and taps stay, listeners close (their counter slots are
+// kept for the next daemon).
+func (d *Daemon) Close(ctx context.Context) error {
+	d.netRun.wait(ctx)
+	d.supRun.wait(ctx)
+	d.pxRun.wait(ctx)
+	d.px.StopAll()
+	d.sup.Stop()
+	return d.net.Close()
+}
+
+// ApplyResult is what Apply did.
+type ApplyResult = api.Plan
+
+// Apply validates cfg as a whole (the config rules and the network plane's
+// own), computes the plan and, unless dryRun, persists and swaps it in. On
+// any error nothing is changed.
+func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
+	d.applyMu.Lock()
+	defer d.applyMu.Unlock()
+	next := withHost(cfg, d.host)
+	if !d.lockNet(d.opts.Timeout) {
+		return api.Plan{}, ErrBusy
+	}
+	errs := d.net.Validate(netDesired(next))
+	d.netMu.Unlock()
+	if len(errs) > 0 {
+		var ce config.Errors
+		for _, e := range errs {
+			var fe config.FieldError
+			if errors.As(e, &fe) {
+				ce = append(ce, fe)
+			} else {
+				ce = append(ce, config.FieldError{Msg: e.Error()})
+			}
+		}
+		return api.Plan{}, ce
+	}
+	cur := d.Desired()
+	plan := diff(cur, next)
+	plan.DryRun = dryRun
+	plan.Warnings = hostWarnings(cfg, d.host)
+	if dryRun {
+		return plan, nil
+	}
+	if err := saveDesired(d.host.StateDir, next); err != nil {
+		return api.Plan{}, err
+	}
+	d.mu.Lock()
+	d.desired = next
+	d.mu.Unlock()
+	plan.Applied = true
+	d.log.Info("desired state applied", "vmsAdded", plan.VMs.Added, "vmsChanged", plan.VMs.Changed,
+		"vmsRemoved", plan.VMs.Removed, "exposuresAdded", plan.Exposures.Added,
+		"exposuresChanged", plan.Exposures.Changed, "exposuresRemoved", plan.Exposures.Removed)
+	d.Wake()
+	return plan, nil
+}
+
+// ErrBusy is returned when the network plane stays busy past the deadline.
+var ErrBusy = errors.New("the network plane is busy with a pass that overran; nothing was changed, try again")
+
+// lockNet takes netMu, giving up after timeout so a stalled netplane pass
+// cannot hang the API.
+func (d *Daemon) lockNet(timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for !d.netMu.TryLock() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
+}
+
+func hostWarnings(cfg, host *config.Config) []string {
+	var w []string
+	for _, k := range []struct{ key, got, have string }{
+		{"stateDir", cfg.StateDir, host.StateDir}, {"runDir", cfg.RunDir, host.RunDir},
+		{"bpfDir", cfg.BPFDir, host.BPFDir},
+	} {
+		if k.got != k.have {
+			w = append(w, fmt.Sprintf("%s: %q differs from the running daemon's %q; it takes effect when brokkrd restarts with this file", k.key, k.got, k.have))
+		}
+	}
+	if !reflect.DeepEqual(cfg.Hypervisor, host.Hypervisor) {
+		w = append(w, "hypervisor: differs from the running daemon's; it takes effect when brokkrd restarts with this file")
+	}
+	return w
+}
+
+// ErrNoSuchVM is returned for a VM name not in the desired state.
+var ErrNoSuchVM = errors.New("no such VM")
+
+// SetPower changes a VM's persisted desired power (start/stop).
+func (d *Daemon) SetPower(name, power string) error {
+	d.applyMu.Lock()
+	defer d.applyMu.Unlock()
+	cur := d.Desired()
+	vms := append([]config.VM(nil), cur.VMs...)
+	found := false
+	for i := range vms {
+		if vms[i].Name == name {
+			vms[i].Power = power
+			found = true
+		}
+	}
+	if !found {
+		return fmt.Errorf("%w: %q", ErrNoSuchVM, name)
+	}
+	cur.VMs = vms
+	if err := saveDesired(d.host.StateDir, cur); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	d.desired = cur
+	d.mu.Unlock()
+	d.Wake()
+	return nil
+}
+
+// ErrStopped is returned when restarting a VM whose desired power is stopped.
+var ErrStopped = errors.New("VM is stopped (start it instead)")
+
+// Restart asks the supervisor to restart a running VM.
+func (d *Daemon) Restart(name string) error {
+	cur := d.Desired()
+	for _, v := range cur.VMs {
+		if v.Name == name {
+			if v.Power != supervisor.PowerRunning {
+				return fmt.Errorf("%q: %w", name, ErrStopped)
+			}
+			if err := d.sup.Restart(name); err != nil {
+				return fmt.Errorf("restarting %q: %w", name, err)
+			}
+			d.Wake()
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: %q", ErrNoSuchVM, name)
+}
+
+// mergeStatus builds the contract's status from the three reports.
+func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep netplane.Report, pst []proxy.Status, errs []error) api.Status {
+	st := api.Status{VMs: []api.VM{}, Exposures: []api.Exposure{}}
+	sv := map[string]supervisor.VMStatus{}
+	for _, v := range srep.VMs {
+		sv[v.Name] = v
+	}
+	d.mu.Lock()
+	facts := d.facts
+	d.mu.Unlock()
+	listed := map[string]bool{}
+	row := func(name, power string) api.VM {
+		r := api.VM{Name: name, Phase: supervisor.PhasePending, Power: power}
+		if s, ok := sv[name]; ok {
+			r.Phase, r.Detail, r.PID, r.Restarts = s.Phase, s.Detail, s.PID, s.Restarts
+		}
+		if f, ok := facts[name]; ok {
+			r.Tap = f.Tap
+			if f.MAC != nil {
+				r.MAC = f.MAC.String()
+			}
+			if f.Address.IsValid() {
+				r.Address = f.Address.String()
+			}
+			if f.Error != "" && r.Detail == "" {
+				r.Detail = "network: " + f.Error
+			}
+		}
+		return r
+	}
+	for _, v := range want.VMs {
+		st.VMs = append(st.VMs, row(v.Name, v.Power))
+		listed[v.Name] = true
+	}
+	for _, v := range srep.VMs { // recorded VMs on their way out
+		if !listed[v.Name] {
+			st.VMs = append(st.VMs, row(v.Name, ""))
+		}
+	}
+
+	ns := map[string]netplane.ExposureStatus{}
+	for _, e := range nrep.Exposures {
+		ns[e.Name] = e
+	}
+	ps := map[string][]proxy.Status{}
+	for _, p := range pst {
+		ps[p.ID] = append(ps[p.ID], p)
+	}
+	for _, e := range want.Exposures {
+		r := api.Exposure{Name: e.Name, VM: e.VM, Target: e.Target, Mode: e.Mode, HostAddress: e.HostAddress,
+			HostPort: e.HostPort, Protocol: e.Protocol, GuestPort: e.GuestPort, MaxConns: *e.MaxConns}
+		var parts []part
+		if usesKernel(e) {
+			if n, ok := ns[e.Name]; ok {
+				parts = append(parts, part{"nat", n.State, n.Reason})
+			} else {
+				parts = append(parts, part{"nat", proxy.StatePending, "the network plane has not reported it yet"})
+			}
+		}
+		if binds := proxyBinds(e); len(binds) > 0 {
+			if p := ps[e.Name]; len(p) > 0 {
+				for _, s := range p {
+					parts = append(parts, part{"proxy", s.State, s.Reason})
+				}
+			} else {
+				parts = append(parts, part{"proxy", proxy.StatePending, "the proxy has not reported it yet"})
+			}
+		}
+		r.State, r.Reason = mergeParts(parts)
+		if r.State == proxy.StatePending && e.VM != "" && r.Reason == "" {
+			r.Reason = "guest has no address yet"
+		}
+		var c bpf.Counters
+		found := false
+		if d.store != nil {
+			c, found = d.store.Lookup(e.Name)
+		}
+		if !found {
+			if n, ok := ns[e.Name]; ok {
+				c = n.Counters
+			} else if p := ps[e.Name]; len(p) > 0 {
+				c = p[0].Counters
+			}
+		}
+		r.Active, r.Accepted, r.Refused, r.Dropped, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.BytesIn, c.BytesOut
+		st.Exposures = append(st.Exposures, r)
+	}
+	st.Warnings = append(st.Warnings, d.opts.Warnings...)
+	if d.store != nil && !d.store.Pinned() {
+		st.Warnings = append(st.Warnings, d.store.Reason())
+	}
+	for _, e := range errs {
+		if e != nil {
+			st.Warnings = append(st.Warnings, e.Error())
+		}
+	}
+	return st
+}
+
+type part struct{ path, state, reason string }
+
+// mergeParts: failed beats pending beats active; reasons name their path.
+func mergeParts(parts []part) (string, string) {
+	state := proxy.StateActive
+	var reasons []string
+	rank := map[string]int{proxy.StateActive: 0, proxy.StatePending: 1, proxy.StateFailed: 2}
+	for _, p := range parts {
+		if rank[p.state] > rank[state] {
+			state = p.state
+		}
+		if p.reason != "" {
+			reasons = append(reasons, p.path+": "+p.reason)
+		}
+	}
+	if len(parts) == 0 {
+		return proxy.StatePending, "no path carries this exposure"
+	}
+	return state, joinReasons(reasons)
+}
+
+func joinReasons(r []string) string {
+	out := ""
+	for i, s := range r {
+		if i > 0 {
+			out += "; "
+		}
+		out += s
+	}
+	return out
+}

@@ -1,0 +1,664 @@
+package daemon
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/netplane"
+	"github.com/brokkr/brokkr/proxy"
+	"github.com/brokkr/brokkr/supervisor"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// The engines below record what the loop hands them and answer with what the
+// test scripts; they test the loop's own decisions (order, wiring, merging,
+// bounding), not the engines, which have their own kernel tests.
+
+type calls struct {
+	mu  sync.Mutex
+	log []string
+}
+
+func (c *calls) add(s string) { c.mu.Lock(); c.log = append(c.log, s); c.mu.Unlock() }
+func (c *calls) get() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]string(nil), c.log...)
+}
+
+type recSup struct {
+	calls    *calls
+	mu       sync.Mutex
+	last     []supervisor.VMSpec
+	restarts []string
+}
+
+func (s *recSup) Step(_ context.Context, d []supervisor.VMSpec) supervisor.Report {
+	s.calls.add("supervisor")
+	s.mu.Lock()
+	s.last = d
+	s.mu.Unlock()
+	var r supervisor.Report
+	for _, v := range d {
+		phase := supervisor.PhaseRunning
+		if v.Power == supervisor.PowerStopped {
+			phase = supervisor.PhaseStopped
+		}
+		r.VMs = append(r.VMs, supervisor.VMStatus{Name: v.Name, Phase: phase, PID: 100})
+	}
+	return r
+}
+func (s *recSup) Restart(name string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.restarts = append(s.restarts, name)
+	return nil
+}
+func (s *recSup) Stop() { s.calls.add("supervisor.Stop") }
+func (s *recSup) specs() []supervisor.VMSpec {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.last
+}
+
+type recNet struct {
+	calls   *calls
+	mu      sync.Mutex
+	last    netplane.Desired
+	leased  bool
+	block   chan struct{} // when set, Converge waits on it
+	invalid []error
+}
+
+func (n *recNet) Converge(ctx context.Context, d netplane.Desired) netplane.Report {
+	n.calls.add("netplane")
+	n.mu.Lock()
+	block := n.block
+	n.last = d
+	leased := n.leased
+	n.mu.Unlock()
+	if block != nil {
+		<-block
+	}
+	var r netplane.Report
+	for i, g := range d.Guests {
+		r.Guests = append(r.Guests, netplane.GuestStatus{Name: g.Name, Tap: "brk-" + g.Name,
+			MAC: net.HardwareAddr{0x52, 0x54, 0, 0, 0, byte(i + 1)}, Address: netip.AddrFrom4([4]byte{10, 213, 0, byte(10 + i)}), Leased: leased})
+	}
+	for _, e := range d.Exposures {
+		r.Exposures = append(r.Exposures, netplane.ExposureStatus{Name: e.Name, State: "active"})
+	}
+	return r
+}
+func (n *recNet) Validate(netplane.Desired) []error { return n.invalid }
+func (n *recNet) Close() error                      { n.calls.add("netplane.Close"); return nil }
+func (n *recNet) desired() netplane.Desired {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.last
+}
+
+type recProxy struct {
+	calls   *calls
+	resolve proxy.Resolver
+	mu      sync.Mutex
+	last    []proxy.Spec
+	seen    map[string]string // spec ID -> what the resolver said during Converge
+}
+
+func (p *recProxy) Converge(d []proxy.Spec) []proxy.Status {
+	p.calls.add("proxy")
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.last = d
+	p.seen = map[string]string{}
+	var out []proxy.Status
+	for _, s := range d {
+		addr := p.resolve(s.VM)
+		p.seen[s.ID] = addr
+		st := proxy.StateActive
+		if addr == "" {
+			st = proxy.StatePending
+		}
+		out = append(out, proxy.Status{ID: s.ID, State: st})
+	}
+	return out
+}
+func (p *recProxy) StopAll() { p.calls.add("proxy.StopAll") }
+func (p *recProxy) specs() ([]proxy.Spec, map[string]string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.last, p.seen
+}
+
+type rig struct {
+	d     *Daemon
+	calls *calls
+	sup   *recSup
+	net   *recNet
+	px    *recProxy
+	store *bpf.Store
+	host  *config.Config
+}
+
+const rigConfig = `
+vms:
+  - name: web
+    kernel: /k
+    cpus: 2
+    memory: 512M
+  - name: db
+    kernel: /k
+exposures:
+  - {name: web-auto, vm: web, guestPort: 80, hostPort: 8080}
+  - {name: web-nat, vm: web, guestPort: 80, hostPort: 8081, mode: nat}
+  - {name: web-proxy, vm: web, guestPort: 80, hostPort: 8082, mode: proxy, hostAddress: 0.0.0.0}
+  - {name: lo-auto, vm: db, guestPort: 5432, hostPort: 5432, hostAddress: 127.0.0.1}
+  - {name: ext, target: 10.213.0.200, guestPort: 22, hostPort: 2222, mode: proxy, maxConns: 3}
+`
+
+func newRig(t *testing.T, yaml string) *rig {
+	t.Helper()
+	host, err := config.Parse([]byte(yaml))
+	require.NoError(t, err)
+	host.StateDir = t.TempDir()
+	host.RunDir = shortDir(t)
+	return newRigWith(t, host)
+}
+
+func newRigWith(t *testing.T, host *config.Config) *rig {
+	t.Helper()
+	c := &calls{}
+	addrs := NewAddressBook()
+	r := &rig{calls: c, sup: &recSup{calls: c}, net: &recNet{calls: c}, px: &recProxy{calls: c, resolve: addrs.Resolve},
+		store: bpf.NewInMemory("test"), host: host}
+	d, err := New(Options{Host: host, Store: r.store, Supervisor: r.sup, Network: r.net, Proxy: r.px, Addresses: addrs,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Timeout: 200 * time.Millisecond})
+	require.NoError(t, err)
+	r.d = d
+	t.Cleanup(func() { _ = r.store.Close() })
+	return r
+}
+
+// shortDir is a temp dir with a short path: unix socket paths are capped at
+// 108 bytes and runDir at 60.
+func shortDir(t *testing.T) string {
+	dir, err := os.MkdirTemp("", "brk-dm-")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func TestPassRunsNetplaneThenSupervisorThenProxy(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	assert.Equal(t, []string{"netplane", "supervisor", "proxy"}, r.calls.get())
+}
+
+func TestTapsAndMACsFlowFromNetplaneIntoVMSpecs(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	specs := r.sup.specs()
+	require.Len(t, specs, 2)
+	assert.Equal(t, "web", specs[0].Name)
+	assert.Equal(t, "brk-web", specs[0].Tap, "the tap netplane made in this same pass")
+	assert.Equal(t, "52:54:00:00:00:01", specs[0].MAC.String())
+	assert.Equal(t, 512, specs[0].MemoryMiB)
+	assert.Equal(t, 2, specs[0].CPUs)
+	assert.Empty(t, specs[0].IP, "with DHCP on, the guest leases its address")
+	assert.True(t, r.net.desired().Guests[0].MultiQueue, "2 vCPUs ask for a multi-queue tap")
+	assert.False(t, r.net.desired().Guests[1].MultiQueue)
+}
+
+func TestWithoutDHCPTheGuestGetsItsAddressOnTheCommandLine(t *testing.T) {
+	r := newRig(t, "network: {dhcp: false}\nvms: [{name: web, kernel: /k}]\n")
+	r.d.Pass(context.Background())
+	assert.Equal(t, "10.213.0.10::10.213.0.1:255.255.255.0::eth0:off", r.sup.specs()[0].IP)
+}
+
+func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	var kernel []string
+	for _, e := range r.net.desired().Exposures {
+		kernel = append(kernel, e.Name)
+	}
+	assert.Equal(t, []string{"web-auto", "web-nat"}, kernel, "auto on 0.0.0.0 and nat go to nftables; auto on loopback cannot")
+	specs, _ := r.px.specs()
+	got := map[string]string{}
+	for _, s := range specs {
+		got[s.ID] = s.HostAddress
+	}
+	assert.Equal(t, map[string]string{
+		"web-auto":  "127.0.0.1", // loopback callers, which DNAT cannot serve
+		"web-proxy": "0.0.0.0",
+		"lo-auto":   "127.0.0.1",
+		"ext":       "0.0.0.0",
+	}, got)
+	for _, s := range specs {
+		if s.ID == "ext" {
+			assert.Equal(t, 3, s.MaxConns)
+		} else {
+			assert.Equal(t, 256, s.MaxConns)
+		}
+	}
+}
+
+func TestProxyResolvesOnlyLeasedAddresses(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	_, seen := r.px.specs()
+	assert.Equal(t, "", seen["web-proxy"], "no lease yet: the proxy must not dial an address the guest has not taken")
+	assert.Equal(t, "10.213.0.200", seen["ext"], "an explicit target needs no lease")
+	st := r.d.Status()
+	assert.Equal(t, "pending", expo(st, "web-proxy").State)
+
+	r.net.mu.Lock()
+	r.net.leased = true
+	r.net.mu.Unlock()
+	r.d.Pass(context.Background())
+	_, seen = r.px.specs()
+	assert.Equal(t, "10.213.0.10", seen["web-proxy"], "the lease flows to the proxy in the same pass")
+	assert.Equal(t, "10.213.0.11", seen["lo-auto"])
+	st = r.d.Status()
+	assert.Equal(t, "active", expo(st, "web-proxy").State)
+	vm := st.VMs[0]
+	assert.Equal(t, api.VM{Name: "web", Phase: "running", Address: "10.213.0.10", MAC: "52:54:00:00:00:01", Tap: "brk-web", PID: 100, Power: "running"}, vm)
+}
+
+func expo(st api.Status, name string) api.Exposure {
+	for _, e := range st.Exposures {
+		if e.Name == name {
+			return e
+		}
+	}
+	return api.Exposure{}
+}
+
+func TestAStalledEngineDoesNotStallTheOthers(t *testing.T) {
+	r := newRig(t, rigConfig)
+	block := make(chan struct{})
+	r.net.mu.Lock()
+	r.net.block = block
+	r.net.mu.Unlock()
+	defer close(block)
+
+	start := time.Now()
+	r.d.Pass(context.Background())
+	assert.Less(t, time.Since(start), 2*time.Second)
+	assert.Equal(t, []string{"netplane", "supervisor", "proxy"}, r.calls.get())
+	st := r.d.Status()
+	assert.Contains(t, strings.Join(st.Warnings, "\n"), "netplane: pass took longer than")
+
+	r.d.Pass(context.Background())
+	assert.Equal(t, []string{"netplane", "supervisor", "proxy", "supervisor", "proxy"}, r.calls.get(),
+		"the stalled engine is skipped, not called again behind itself")
+	assert.Contains(t, strings.Join(r.d.Status().Warnings, "\n"), "netplane: still busy")
+}
+
+func TestCountersComeFromTheSharedSlot(t *testing.T) {
+	r := newRig(t, rigConfig)
+	slot, err := r.store.Attach("web-auto", bpf.ProtoTCP, 8080)
+	require.NoError(t, err)
+	slot.Opened()
+	slot.AddRefused(4)
+	slot.AddBytes(10, 20)
+	r.d.Pass(context.Background())
+	e := expo(r.d.Status(), "web-auto")
+	assert.Equal(t, uint64(1), e.Accepted)
+	assert.Equal(t, uint64(1), e.Active)
+	assert.Equal(t, uint64(4), e.Refused)
+	assert.Equal(t, uint64(10), e.BytesIn)
+	assert.Equal(t, uint64(20), e.BytesOut)
+	slot.Release(false)
+}
+
+func TestSlotsOfRemovedExposuresArePruned(t *testing.T) {
+	r := newRig(t, rigConfig)
+	s, err := r.store.Attach("gone-before-restart", bpf.ProtoTCP, 1)
+	require.NoError(t, err)
+	s.AddAccepted(7)
+	s.Release(false) // a previous daemon's slot, nobody holds it now
+	r.d.Pass(context.Background())
+	_, ok := r.store.Lookup("gone-before-restart")
+	assert.False(t, ok)
+}
+
+func TestActiveGaugesResetAtStart(t *testing.T) {
+	host, err := config.Parse([]byte(rigConfig))
+	require.NoError(t, err)
+	host.StateDir, host.RunDir = t.TempDir(), shortDir(t)
+	store := bpf.NewInMemory("test")
+	defer store.Close()
+	s, err := store.Attach("web-auto", bpf.ProtoTCP, 8080)
+	require.NoError(t, err)
+	s.Opened()
+	s.Release(false)
+	c := &calls{}
+	_, err = New(Options{Host: host, Store: store, Supervisor: &recSup{calls: c}, Network: &recNet{calls: c},
+		Proxy: &recProxy{calls: c}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.NoError(t, err)
+	cnt, _ := store.Lookup("web-auto")
+	assert.Equal(t, uint64(0), cnt.Active)
+	assert.Equal(t, uint64(1), cnt.Accepted, "totals survive")
+}
+
+func TestDesiredStateIsPersistedAndWinsAtRestart(t *testing.T) {
+	r := newRig(t, rigConfig)
+	next, err := config.Parse([]byte("vms: [{name: solo, kernel: /k}]\n"))
+	require.NoError(t, err)
+	plan, err := r.d.Apply(next, false)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"solo"}, plan.VMs.Added)
+	assert.Equal(t, []string{"web", "db"}, plan.VMs.Removed)
+	assert.Len(t, plan.Exposures.Removed, 5)
+	require.NoError(t, r.d.SetPower("solo", "stopped"))
+
+	// A new daemon started with the original config resumes from the file.
+	again := newRigWith(t, r.host)
+	d := again.d.Desired()
+	require.Len(t, d.VMs, 1)
+	assert.Equal(t, "solo", d.VMs[0].Name)
+	assert.Equal(t, "stopped", d.VMs[0].Power, "start/stop persist the desired power")
+	assert.Empty(t, d.Exposures)
+
+	entries, err := os.ReadDir(r.host.StateDir)
+	require.NoError(t, err)
+	for _, e := range entries {
+		assert.False(t, strings.HasPrefix(e.Name(), ".desired-"), "no temp file left behind: %s", e.Name())
+	}
+}
+
+func TestACorruptDesiredFileStopsTheStart(t *testing.T) {
+	host, err := config.Parse(nil)
+	require.NoError(t, err)
+	host.StateDir = t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(host.StateDir, DesiredFile), []byte(`{"vms": [{"name": "X"}]}`), 0o600))
+	c := &calls{}
+	_, err = New(Options{Host: host, Supervisor: &recSup{calls: c}, Network: &recNet{calls: c}, Proxy: &recProxy{calls: c}})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "vms[0].name")
+}
+
+func TestARejectedApplyChangesNothing(t *testing.T) {
+	r := newRig(t, rigConfig)
+	before, err := os.ReadFile(filepath.Join(r.host.StateDir, DesiredFile))
+	require.NoError(t, err)
+	r.net.invalid = []error{config.FieldError{Path: "network.bridge", Msg: `"eth0" is not a bridge brokkr made`}}
+	next, err := config.Parse([]byte("vms: [{name: solo, kernel: /k}]\n"))
+	require.NoError(t, err)
+	_, err = r.d.Apply(next, false)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "network.bridge")
+	after, err := os.ReadFile(filepath.Join(r.host.StateDir, DesiredFile))
+	require.NoError(t, err)
+	assert.Equal(t, before, after)
+	assert.Len(t, r.d.Desired().VMs, 2)
+}
+
+func TestApplyWaitsForAPassAndGivesUpOnAStalledOne(t *testing.T) {
+	r := newRig(t, rigConfig)
+	block := make(chan struct{})
+	r.net.mu.Lock()
+	r.net.block = block
+	r.net.mu.Unlock()
+	go r.d.Pass(context.Background())
+	for len(r.calls.get()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	next, err := config.Parse([]byte("vms: [{name: solo, kernel: /k}]\n"))
+	require.NoError(t, err)
+	start := time.Now()
+	_, err = r.d.Apply(next, false)
+	assert.ErrorIs(t, err, ErrBusy, "validation never reads the kernel in the middle of a pass")
+	assert.GreaterOrEqual(t, time.Since(start), 200*time.Millisecond)
+	assert.Len(t, r.d.Desired().VMs, 2, "nothing applied")
+	close(block)
+	r.d.netRun.wait(context.Background())
+	_, err = r.d.Apply(next, false)
+	assert.NoError(t, err, "once the pass is over, apply goes through")
+}
+
+func TestDryRunPlansWithoutApplying(t *testing.T) {
+	r := newRig(t, rigConfig)
+	next, err := config.Parse([]byte(strings.Replace(rigConfig, "memory: 512M", "memory: 1G", 1) +
+		"  - {name: new-one, vm: db, guestPort: 1, hostPort: 9999}\n"))
+	require.NoError(t, err)
+	plan, err := r.d.Apply(next, true)
+	require.NoError(t, err)
+	assert.True(t, plan.DryRun)
+	assert.False(t, plan.Applied)
+	assert.Equal(t, []string{"web"}, plan.VMs.Changed)
+	assert.Equal(t, []string{"new-one"}, plan.Exposures.Added)
+	assert.False(t, plan.NetworkChanged)
+	assert.Equal(t, "512M", r.d.Desired().VMs[0].Memory)
+}
+
+func TestRestartGoesToTheSupervisor(t *testing.T) {
+	r := newRig(t, rigConfig)
+	require.NoError(t, r.d.Restart("web"))
+	assert.Equal(t, []string{"web"}, r.sup.restarts)
+	assert.ErrorIs(t, r.d.Restart("nope"), ErrNoSuchVM)
+	require.NoError(t, r.d.SetPower("db", "stopped"))
+	assert.ErrorIs(t, r.d.Restart("db"), ErrStopped)
+}
+
+func TestCloseLeavesTheKernelAndVMsAlone(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	require.NoError(t, r.d.Close(context.Background()))
+	assert.Equal(t, []string{"netplane", "supervisor", "proxy", "proxy.StopAll", "supervisor.Stop", "netplane.Close"}, r.calls.get())
+}
+
+func TestMergeParts(t *testing.T) {
+	s, why := mergeParts([]part{{"nat", "active", ""}, {"proxy", "failed", "bind: address already in use"}})
+	assert.Equal(t, "failed", s)
+	assert.Equal(t, "proxy: bind: address already in use", why)
+	s, _ = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "active", ""}})
+	assert.Equal(t, "pending", s)
+	s, _ = mergeParts([]part{{"nat", "active", ""}})
+	assert.Equal(t, "active", s)
+}
+
+// --- API ---
+
+func serve(t *testing.T, r *rig) *api.Client {
+	t.Helper()
+	sock := filepath.Join(r.host.RunDir, SocketName)
+	ln, err := Listen(r.host.RunDir)
+	require.NoError(t, err)
+	fi, err := os.Stat(sock)
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = r.d.Serve(ctx, ln); close(done) }()
+	c := api.NewClient(sock)
+	t.Cleanup(func() { cancel(); <-done; c.CloseIdle() })
+	return c
+}
+
+func TestAPIStatusAndApply(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	c := serve(t, r)
+	ctx := context.Background()
+	st, err := c.Status(ctx)
+	require.NoError(t, err)
+	assert.Len(t, st.VMs, 2)
+	assert.Len(t, st.Exposures, 5)
+
+	plan, err := c.Apply(ctx, []byte(`{"vms":[{"name":"web","kernel":"/k"}]}`), true)
+	require.NoError(t, err)
+	assert.True(t, plan.DryRun)
+	assert.Equal(t, []string{"db"}, plan.VMs.Removed)
+	assert.Len(t, r.d.Desired().VMs, 2, "dry run")
+
+	_, err = c.Apply(ctx, []byte("vms:\n  - name: web\n    memory: 12Q\n    kernel: /k\n  - name: Bad\n"), false)
+	var he *api.HTTPError
+	require.ErrorAs(t, err, &he)
+	assert.Equal(t, http.StatusUnprocessableEntity, he.Code)
+	assert.True(t, he.UserError())
+	assert.Equal(t, []string{`vms[0].memory: "12Q" is not a size (like 256M or 2G)`, `vms[1].name: "Bad" must be 1-32 of a-z 0-9 -`, `vms[1].kernel: is required`}, he.Fields)
+	assert.Len(t, r.d.Desired().VMs, 2, "nothing applied")
+
+	_, err = c.Apply(ctx, []byte("vms: [\n"), false)
+	require.ErrorAs(t, err, &he)
+	assert.Contains(t, strings.Join(he.Fields, ""), "not valid YAML")
+
+	_, err = c.Apply(ctx, []byte(strings.Repeat("# x\n", maxBody/4+1)), false)
+	require.ErrorAs(t, err, &he)
+	assert.Equal(t, http.StatusRequestEntityTooLarge, he.Code)
+
+	plan, err = c.Apply(ctx, []byte("vms: [{name: web, kernel: /k}]\n"), false)
+	require.NoError(t, err)
+	assert.True(t, plan.Applied)
+	assert.Len(t, r.d.Desired().VMs, 1)
+}
+
+func TestAPIVMActions(t *testing.T) {
+	r := newRig(t, rigConfig)
+	c := serve(t, r)
+	ctx := context.Background()
+	require.NoError(t, c.VMAction(ctx, "db", "stop"))
+	assert.Equal(t, "stopped", r.d.Desired().VMs[1].Power)
+	require.NoError(t, c.VMAction(ctx, "db", "start"))
+	assert.Equal(t, "running", r.d.Desired().VMs[1].Power)
+	require.NoError(t, c.VMAction(ctx, "web", "restart"))
+	var he *api.HTTPError
+	require.ErrorAs(t, c.VMAction(ctx, "ghost", "start"), &he)
+	assert.Equal(t, http.StatusNotFound, he.Code)
+	require.ErrorAs(t, c.VMAction(ctx, "web", "explode"), &he)
+	assert.Equal(t, http.StatusNotFound, he.Code)
+}
+
+func TestAPIRejectsWrongMethodsAndPaths(t *testing.T) {
+	r := newRig(t, rigConfig)
+	h := r.d.Handler()
+	for _, tc := range []struct {
+		method, path string
+		code         int
+	}{
+		{"DELETE", "/v1/status", http.StatusMethodNotAllowed},
+		{"GET", "/v1/apply", http.StatusMethodNotAllowed},
+		{"GET", "/v2/nothing", http.StatusNotFound},
+		{"POST", "/v1/apply?dryRun=maybe", http.StatusBadRequest},
+	} {
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, httptest.NewRequest(tc.method, tc.path, strings.NewReader("")))
+		assert.Equal(t, tc.code, w.Code, "%s %s", tc.method, tc.path)
+	}
+}
+
+func TestAPIConsoleFollows(t *testing.T) {
+	r := newRig(t, rigConfig)
+	c := serve(t, r)
+	dir := filepath.Join(r.host.StateDir, "vms", "web")
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	log := filepath.Join(dir, "console.log")
+	require.NoError(t, os.WriteFile(log, []byte("booting\n"), 0o600))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	body, err := c.Console(ctx, "web", true)
+	require.NoError(t, err)
+	defer body.Close()
+	buf := make([]byte, 64)
+	n, err := io.ReadAtLeast(body, buf, len("booting\n"))
+	require.NoError(t, err)
+	assert.Equal(t, "booting\n", string(buf[:n]))
+
+	f, err := os.OpenFile(log, os.O_APPEND|os.O_WRONLY, 0)
+	require.NoError(t, err)
+	_, _ = f.WriteString("login: ")
+	f.Close()
+	n, err = io.ReadAtLeast(body, buf, len("login: "))
+	require.NoError(t, err)
+	assert.Equal(t, "login: ", string(buf[:n]))
+
+	var he *api.HTTPError
+	_, err = c.Console(ctx, "ghost", false)
+	require.ErrorAs(t, err, &he)
+	assert.Equal(t, http.StatusNotFound, he.Code)
+}
+
+func TestMetricsCarryExposuresVMsAndTheLoop(t *testing.T) {
+	r := newRig(t, rigConfig)
+	slot, err := r.store.Attach("ext", bpf.ProtoTCP, 2222)
+	require.NoError(t, err)
+	defer slot.Release(false)
+	slot.AddRefused(2)
+	r.d.Pass(context.Background())
+	c := serve(t, r)
+	text, err := c.Metrics(context.Background())
+	require.NoError(t, err)
+	for _, want := range []string{
+		`brokkr_exposure_refused_total{exposure="ext",mode="proxy",protocol="tcp"} 2`,
+		`brokkr_exposure_max_connections{exposure="ext",mode="proxy",protocol="tcp"} 3`,
+		`brokkr_exposure_state{exposure="web-auto",state="pending"} 1`,
+		`brokkr_vm_phase{phase="running",vm="web"} 1`,
+		`brokkr_vm_restarts_total{vm="db"} 0`,
+		`brokkr_converge_duration_seconds_count{engine="netplane"} 1`,
+		`brokkr_converge_errors_total{engine="proxy"} 0`,
+	} {
+		assert.Contains(t, text, want)
+	}
+}
+
+func TestListenRefusesASecondDaemon(t *testing.T) {
+	dir := shortDir(t)
+	ln, err := Listen(dir)
+	require.NoError(t, err)
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	_, err = Listen(dir)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "another brokkrd")
+}
+
+func TestStatusJSONShape(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	b, err := json.Marshal(r.d.Status())
+	require.NoError(t, err)
+	var m map[string][]map[string]any
+	var raw map[string]json.RawMessage
+	require.NoError(t, json.Unmarshal(b, &raw))
+	require.NoError(t, json.Unmarshal(append(append([]byte(`{"vms":`), raw["vms"]...), append([]byte(`,"exposures":`), append(raw["exposures"], '}')...)...), &m))
+	for _, k := range []string{"name", "phase", "detail", "address", "mac", "tap", "pid", "restarts"} {
+		assert.Contains(t, m["vms"][0], k)
+	}
+	for _, k := range []string{"name", "vm", "state", "mode", "reason", "hostAddress", "hostPort", "protocol",
+		"active", "accepted", "refused", "dropped", "bytesIn", "bytesOut"} {
+		assert.Contains(t, m["exposures"][0], k)
+	}
+	_ = errors.New
+}

@@ -1,0 +1,76 @@
+package daemon
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	"github.com/brokkr/brokkr/daemon/config"
+)
+
+// DesiredFile is the name of the persisted desired state under stateDir.
+const DesiredFile = "desired.json"
+
+// loadDesired reads stateDir/desired.json. It returns (nil, nil) when there
+// is none yet. The file goes through the same parser and validation as a
+// config file, so a hand-edited or older file is held to the same rules.
+func loadDesired(stateDir string) (*config.Config, error) {
+	path := filepath.Join(stateDir, DesiredFile)
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading desired state: %w", err)
+	}
+	c, err := config.Parse(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s is not a valid desired state (fix or remove it; the daemon will not guess):\n%w", path, err)
+	}
+	return c, nil
+}
+
+// saveDesired writes the desired state atomically: a temp file in the same
+// directory, fsynced, renamed over the old one, and the directory fsynced, so
+// a crash leaves either the old file or the new one, never a torn one.
+func saveDesired(stateDir string, c *config.Config) error {
+	if err := os.MkdirAll(stateDir, 0o700); err != nil {
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	b, err := json.MarshalIndent(c, "", "  ")
+	if err != nil {
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	b = append(b, '\n')
+	tmp, err := os.CreateTemp(stateDir, ".desired-*.json")
+	if err != nil {
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	defer os.Remove(tmp.Name()) // after a successful rename this finds nothing
+	if _, err := tmp.Write(b); err != nil {
+		tmp.Close()
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	if err := tmp.Sync(); err != nil {
+		tmp.Close()
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	if err := os.Rename(tmp.Name(), filepath.Join(stateDir, DesiredFile)); err != nil {
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	d, err := os.Open(stateDir)
+	if err != nil {
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("persisting desired state: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,587 @@
+package netplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/netplane/dhcp"
+	"github.com/brokkr/brokkr/netplane/ipam"
+	"github.com/brokkr/brokkr/netplane/link"
+	"github.com/brokkr/brokkr/netplane/nft"
+	"github.com/brokkr/brokkr/netplane/nlsafe"
+)
+
+// How a Plane decides (the reasons are next to the code):
+//   - Ownership: links carry an ifalias "brokkr:bridge" / "brokkr:tap:<vm>"
+//     (package link); only those are ever changed or deleted.
+//   - Addresses: ipam leases are per VM and persisted; a VM's MAC is
+//     persisted with its address. Exposure targets are reserved.
+//   - "Leased" means the guest took its DHCP lease, or the bridge's
+//     neighbour table shows its MAC at its address (a guest booted with
+//     ip=, see KernelIPParam, or one whose lease predates this process).
+//   - An exposure's DNAT is installed as soon as its guest has an assigned
+//     address; State stays "pending" until the guest is seen with it, so a
+//     daemon restart never interrupts traffic while it waits to hear back.
+//   - DNS is not served: replies carry no DNS option.
+//   - Counters: the nft table's absolute values are added to the
+//     exposure_stats slot as differences since the last read (see
+//     counters.go); the first read after start is a baseline.
+
+// DefaultMTU is the bridge MTU when Network.MTU is 0.
+const DefaultMTU = 1500
+
+// Options configures a Plane.
+type Options struct {
+	NetNS    string     // path of the netns to manage ("" = the caller's current netns)
+	StateDir string     // IPAM leases persisted here (stateDir/netplane/)
+	Stats    *bpf.Store // counters of the kernel path go into the same slots
+	Logger   *slog.Logger
+	// OnLease, if set, is called when a guest takes its DHCP lease, so the
+	// daemon can converge at once instead of at the next tick. It runs on
+	// the DHCP server's goroutine: it must return at once (a non-blocking
+	// send on a channel) and must never call Converge, Close or Teardown
+	// itself, which wait for that goroutine.
+	OnLease func(vm string, addr netip.Addr)
+}
+
+// Plane converges the guest network of one namespace: bridge, taps, IPAM,
+// DHCP, and the nftables table, and feeds the kernel counters into the
+// shared exposure_stats slots.
+type Plane struct {
+	opts  Options
+	log   *slog.Logger
+	links *link.Manager
+	pool  *ipam.Pool
+
+	mu         sync.Mutex // one Converge/Teardown/Close at a time
+	table      *nft.Table // opened by the first pass that reaches it
+	dhcp       *dhcp.Server
+	dhcpIfIdx  int
+	feeds      map[string]*slotFeed
+	madeBridge bool            // the bridge existed after an earlier pass of this process
+	madeTaps   map[string]bool // likewise per tap
+	forwarding bool
+	closed     bool
+	ownStats   bool // Stats was made here (in memory) and is closed with the Plane
+
+	macMu sync.Mutex
+	macVM map[string]string // guest MAC → VM, for OnLease
+}
+
+// New opens the managed namespace and the leases file. It changes nothing
+// in the kernel; the first Converge does.
+func New(opts Options) (*Plane, error) {
+	ownStats := opts.Stats == nil
+	if opts.StateDir == "" {
+		return nil, errors.New("netplane: StateDir is required (leases are persisted there)")
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if opts.Stats == nil {
+		opts.Stats = bpf.NewInMemory("netplane: no store given")
+	}
+	pool, err := ipam.Open(filepath.Join(opts.StateDir, "netplane"))
+	if err != nil {
+		return nil, fmt.Errorf("netplane: %w", err)
+	}
+	links, err := link.New(opts.NetNS)
+	if err != nil {
+		return nil, fmt.Errorf("netplane: %w", err)
+	}
+	return &Plane{
+		opts: opts, log: log, links: links, pool: pool, ownStats: ownStats,
+		feeds: map[string]*slotFeed{}, madeTaps: map[string]bool{}, macVM: map[string]string{},
+	}, nil
+}
+
+// Validate checks d as a whole, against itself and against the namespace
+// (foreign links and subnets). Every error names its field. Nothing is
+// applied.
+func (p *Plane) Validate(d Desired) []error {
+	links, err := p.links.Links()
+	if err != nil {
+		return []error{fmt.Errorf("network: reading links: %w", err)}
+	}
+	return p.validate(withDefaults(d), links)
+}
+
+func (p *Plane) validate(d Desired, links []netlink.Link) []error {
+	assigned := map[string]netip.Addr{}
+	for vm, l := range p.pool.Leases() {
+		assigned[vm] = l.Addr
+	}
+	errs := validateSpec(d, assigned)
+	if len(errs) == 0 {
+		// Only a spec clean on its own is worth checking against the nft
+		// table's rules (the same mistakes would be reported twice).
+		errs = nftPreflight(d)
+	}
+	if len(validateNetwork(d.Network)) == 0 {
+		errs = append(errs, p.validateAgainstKernel(d, links)...)
+	}
+	return errs
+}
+
+func withDefaults(d Desired) Desired {
+	if d.Network.MTU == 0 {
+		d.Network.MTU = DefaultMTU
+	}
+	for i := range d.Exposures {
+		if !d.Exposures[i].HostAddress.IsValid() {
+			d.Exposures[i].HostAddress = netip.IPv4Unspecified()
+		}
+	}
+	return d
+}
+
+// Converge makes the namespace match d and reports. It is level-triggered:
+// every pass compares with what the kernel has and repairs what drifted.
+// When d does not validate, nothing is applied and Report.Err says why.
+func (p *Plane) Converge(ctx context.Context, d Desired) Report {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return Report{Err: errors.New("netplane: closed")}
+	}
+	d = withDefaults(d)
+	// One link dump serves validation and the removal of stale links: both
+	// only look at links that existed before this pass.
+	links, err := p.links.Links()
+	if err != nil {
+		return Report{Err: fmt.Errorf("netplane: reading links: %w", err)}
+	}
+	if errs := p.validate(d, links); len(errs) > 0 {
+		return Report{Err: fmt.Errorf("netplane: invalid network spec, nothing applied: %w", errors.Join(errs...))}
+	}
+	var rep Report
+	n := d.Network
+
+	created, repaired, err := p.links.EnsureBridge(link.BridgeSpec{Name: n.Bridge, Addr: n.CIDR, MTU: n.MTU})
+	rep.Repaired = append(rep.Repaired, repaired...)
+	if created && p.madeBridge {
+		rep.Repaired = append(rep.Repaired, fmt.Sprintf("bridge %s was missing", n.Bridge))
+	}
+	if err != nil {
+		rep.Err = fmt.Errorf("netplane: network.bridge: %w", err)
+		return rep
+	}
+	p.madeBridge = true
+	if changed, err := p.links.EnableForwarding(); err != nil {
+		rep.Err = fmt.Errorf("netplane: %w", err)
+		return rep
+	} else if changed && p.forwarding {
+		rep.Repaired = append(rep.Repaired, "net.ipv4.ip_forward was 0")
+	}
+	p.forwarding = true
+	if err := ctx.Err(); err != nil {
+		rep.Err = err
+		return rep
+	}
+
+	// Addresses: explicit exposure targets are never leased.
+	var vms []string
+	for _, g := range d.Guests {
+		vms = append(vms, g.Name)
+	}
+	var reserved []netip.Addr
+	for _, e := range d.Exposures {
+		if e.Target.IsValid() {
+			reserved = append(reserved, e.Target)
+		}
+	}
+	leases, noAddr, err := p.pool.Reconcile(ipam.Request{Bridge: n.CIDR, VMs: vms, Reserved: reserved, MAC: link.GuestMAC})
+	if err != nil {
+		rep.Err = fmt.Errorf("netplane: guest addresses: %w", err)
+		return rep
+	}
+
+	// The taps of VMs no longer desired go first, so a new VM whose tap
+	// name a departed one held gets it in the same pass; then the taps.
+	if err := p.removeStaleLinks(d, links); err != nil {
+		p.log.Warn("netplane: removing links of departed guests", "err", err)
+	}
+	guestErr := map[string]string{}
+	for vm, err := range noAddr {
+		guestErr[vm] = err.Error()
+	}
+	var specs []link.TapSpec
+	for _, g := range d.Guests {
+		if l, ok := leases[g.Name]; ok {
+			specs = append(specs, link.TapSpec{
+				VM: g.Name, Name: link.TapName(g.Name), GuestMAC: l.MAC, MultiQueue: g.MultiQueue, Bridge: n.Bridge, MTU: n.MTU,
+			})
+		}
+	}
+	for i, r := range p.links.EnsureTaps(specs) {
+		s := specs[i]
+		rep.Repaired = append(rep.Repaired, r.Repaired...)
+		if r.Created && p.madeTaps[s.Name] {
+			rep.Repaired = append(rep.Repaired, fmt.Sprintf("tap %s was missing", s.Name))
+		}
+		if r.Err != nil {
+			guestErr[s.VM] = r.Err.Error()
+			continue
+		}
+		p.madeTaps[s.Name] = true
+	}
+
+	// DHCP, and which guests hold an address.
+	p.setMACs(leases)
+	if err := p.convergeDHCP(n, leases); err != nil {
+		rep.Err = fmt.Errorf("netplane: network.dhcp: %w", err)
+	}
+	hasAddr := p.guestsWithAddress(n.Bridge, leases)
+
+	for _, g := range d.Guests {
+		st := GuestStatus{Name: g.Name, Tap: link.TapName(g.Name), Error: guestErr[g.Name]}
+		if l, ok := leases[g.Name]; ok {
+			st.MAC, st.Address, st.Leased = l.MAC, l.Addr, hasAddr[g.Name]
+		}
+		rep.Guests = append(rep.Guests, st)
+	}
+
+	rep.Exposures, rep.Repaired = p.convergeExposures(d, leases, hasAddr, guestErr, rep.Repaired)
+	return rep
+}
+
+// removeStaleLinks deletes brokkr's taps whose VM is no longer desired (or
+// whose name no longer matches its VM) and brokkr's bridges other than the
+// configured one (a renamed bridge). Foreign links are never listed here.
+func (p *Plane) removeStaleLinks(d Desired, links []netlink.Link) error {
+	want := map[string]bool{}
+	for _, g := range d.Guests {
+		want[link.TapName(g.Name)] = true
+	}
+	taps := link.OwnedTapsIn(links)
+	var errs []error
+	for tap, vm := range taps {
+		if want[tap] && link.TapName(vm) == tap {
+			continue
+		}
+		if err := p.links.DeleteTap(tap); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		delete(p.madeTaps, tap)
+		p.log.Info("netplane: removed tap of departed guest", "tap", tap, "vm", vm)
+	}
+	for _, l := range links {
+		if l.Attrs().Alias == link.AliasPrefix+"bridge" && l.Attrs().Name != d.Network.Bridge {
+			errs = append(errs, p.links.DeleteBridge(l.Attrs().Name))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (p *Plane) setMACs(leases map[string]ipam.Lease) {
+	p.macMu.Lock()
+	defer p.macMu.Unlock()
+	p.macVM = map[string]string{}
+	for vm, l := range leases {
+		p.macVM[l.MAC.String()] = vm
+	}
+}
+
+func (p *Plane) onLease(mac net.HardwareAddr, addr netip.Addr) {
+	p.macMu.Lock()
+	vm, ok := p.macVM[mac.String()]
+	p.macMu.Unlock()
+	p.log.Info("netplane: guest took its lease", "vm", vm, "mac", mac, "addr", addr)
+	if ok && p.opts.OnLease != nil {
+		p.opts.OnLease(vm, addr)
+	}
+}
+
+// convergeDHCP keeps one server running on the bridge while Network.DHCP is
+// set. It is restarted when its settings change or the bridge was re-made
+// (a socket bound to a device follows the old ifindex, not the name).
+func (p *Plane) convergeDHCP(n Network, leases map[string]ipam.Lease) error {
+	if !n.DHCP {
+		p.stopDHCP()
+		return nil
+	}
+	br, err := nlsafe.LinkByName(p.links.Handle(), n.Bridge)
+	if err != nil {
+		return err
+	}
+	cfg := dhcp.Config{Interface: n.Bridge, Server: n.CIDR, MTU: n.MTU}
+	if p.dhcp != nil {
+		cur := p.dhcp.Config()
+		if cur.Interface != cfg.Interface || cur.Server != cfg.Server || cur.MTU != cfg.MTU || p.dhcpIfIdx != br.Attrs().Index {
+			p.stopDHCP()
+		}
+	}
+	if p.dhcp == nil {
+		s, err := dhcp.Start(p.opts.NetNS, cfg, p.log, p.onLease)
+		if err != nil {
+			return err
+		}
+		p.dhcp, p.dhcpIfIdx = s, br.Attrs().Index
+	}
+	var bs []dhcp.Binding
+	for _, l := range leases {
+		bs = append(bs, dhcp.Binding{MAC: l.MAC, Addr: l.Addr})
+	}
+	p.dhcp.SetBindings(bs)
+	return nil
+}
+
+func (p *Plane) stopDHCP() {
+	if p.dhcp != nil {
+		_ = p.dhcp.Close()
+		p.dhcp = nil
+	}
+}
+
+// guestsWithAddress: a guest has its address when it took the DHCP lease,
+// or when the bridge's neighbour table shows its MAC at its assigned address
+// (a guest configured statically, e.g. with ip= on the kernel command line,
+// or one whose lease predates this daemon).
+func (p *Plane) guestsWithAddress(bridge string, leases map[string]ipam.Lease) map[string]bool {
+	out := map[string]bool{}
+	var leased map[string]netip.Addr
+	if p.dhcp != nil {
+		leased = p.dhcp.Leased()
+	}
+	byMAC := map[string]string{}
+	for vm, l := range leases {
+		byMAC[l.MAC.String()] = vm
+		if a, ok := leased[l.MAC.String()]; ok && a == l.Addr {
+			out[vm] = true
+		}
+	}
+	br, err := nlsafe.LinkByName(p.links.Handle(), bridge)
+	if err != nil {
+		return out
+	}
+	neighs, err := nlsafe.NeighList(p.links.Handle(), br.Attrs().Index, netlink.FAMILY_V4)
+	if err != nil {
+		p.log.Warn("netplane: reading neighbours", "err", err)
+		return out
+	}
+	for _, nb := range neighs {
+		if nb.State&(netlink.NUD_FAILED|netlink.NUD_INCOMPLETE) != 0 || nb.HardwareAddr == nil {
+			continue
+		}
+		vm, ok := byMAC[nb.HardwareAddr.String()]
+		if !ok {
+			continue
+		}
+		if a, ok := netip.AddrFromSlice(nb.IP.To4()); ok && a == leases[vm].Addr {
+			out[vm] = true
+		}
+	}
+	return out
+}
+
+// convergeExposures builds the table's rules, applies them, feeds the
+// counters into the slots and reports one row per exposure.
+func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAddr map[string]bool,
+	guestErr map[string]string, repaired []string) ([]ExposureStatus, []string) {
+	n := d.Network
+	rules := nft.Rules{
+		Bridge: n.Bridge, Subnet: n.CIDR.Masked(), Gateway: n.CIDR.Addr(),
+		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP,
+	}
+	// Anti-spoof admits each tap's assigned address from the start, not
+	// only after the DHCP ACK: a guest configured with ip= must be able to
+	// ARP and talk before anyone has seen it, and the assigned address is
+	// the only one it could ever lease.
+	for _, g := range d.Guests {
+		if l, ok := leases[g.Name]; ok && guestErr[g.Name] == "" {
+			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
+		}
+	}
+	status := make([]ExposureStatus, len(d.Exposures))
+	for i, e := range d.Exposures {
+		status[i] = ExposureStatus{Name: e.Name, State: "active"}
+		target := e.Target
+		if e.VM != "" {
+			l, ok := leases[e.VM]
+			switch {
+			case !ok:
+				status[i].State, status[i].Reason = "failed", fmt.Sprintf("guest %s has no address: %s", e.VM, guestErr[e.VM])
+				continue
+			case guestErr[e.VM] != "":
+				status[i].State, status[i].Reason = "failed", fmt.Sprintf("guest %s: %s", e.VM, guestErr[e.VM])
+				continue
+			case !hasAddr[e.VM]:
+				// The rule is installed anyway: the address is fixed, and
+				// after a daemon restart a guest may hold its lease long
+				// before we hear from it again.
+				status[i].State, status[i].Reason = "pending", fmt.Sprintf("guest %s has not taken its address %s yet", e.VM, l.Addr)
+			}
+			target = l.Addr
+		}
+		rules.Exposures = append(rules.Exposures, nft.Exposure{
+			Name: e.Name, Protocol: e.Protocol, HostAddr: e.HostAddress, HostPort: e.HostPort,
+			GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
+		})
+	}
+
+	var counters map[string]nft.ExposureCounters
+	tableErr := p.applyTable(rules, &repaired)
+	// A counter read dumps conntrack (a walk of the whole hash table, about
+	// 10 ms here), so it is skipped when nothing is published.
+	if tableErr == nil && len(rules.Exposures) > 0 {
+		var err error
+		if counters, err = p.table.Counters(); err != nil {
+			p.log.Warn("netplane: reading nft counters", "err", err)
+		}
+	}
+	p.feedSlots(d.Exposures, counters)
+	for i, e := range d.Exposures {
+		if tableErr != nil && status[i].State != "failed" {
+			status[i].State, status[i].Reason = "failed", tableErr.Error()
+		}
+		if f := p.feeds[e.Name]; f != nil {
+			status[i].Counters = f.slot.Read()
+		} else if c, ok := p.opts.Stats.Lookup(e.Name); ok {
+			status[i].Counters = c
+		}
+	}
+	return status, repaired
+}
+
+func (p *Plane) applyTable(r nft.Rules, repaired *[]string) error {
+	if p.table == nil {
+		t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log))
+		if err != nil {
+			return fmt.Errorf("opening nftables table: %w", err)
+		}
+		p.table = t
+	}
+	res, err := p.table.Converge(r)
+	for _, d := range res.Repaired {
+		*repaired = append(*repaired, "nft "+d)
+	}
+	if res.Replaced != nil {
+		p.log.Warn("netplane: nft incremental update failed; tables replaced whole", "err", res.Replaced)
+	}
+	if err != nil {
+		return fmt.Errorf("nftables: %w", err)
+	}
+	return nil
+}
+
+// feedSlots attaches a slot per desired exposure (re-attaching when its
+// protocol or host port changed, so bpftool shows the current shape), adds
+// the kernel counters, and releases the slots of exposures that left the
+// desired state as deleted (zeroed once the proxy lets go too).
+func (p *Plane) feedSlots(exps []Exposure, counters map[string]nft.ExposureCounters) {
+	want := map[string]bool{}
+	for _, e := range exps {
+		want[e.Name] = true
+		proto := bpf.ProtoNumber(e.Protocol)
+		f := p.feeds[e.Name]
+		if f == nil || f.proto != proto || f.hostPort != e.HostPort {
+			slot, err := p.opts.Stats.Attach(e.Name, proto, e.HostPort)
+			if err != nil {
+				p.log.Warn("netplane: counter slot", "exposure", e.Name, "err", err)
+				continue
+			}
+			if f != nil {
+				f.slot.Release(false)
+				f.slot, f.proto, f.hostPort = slot, proto, e.HostPort
+			} else {
+				f = &slotFeed{slot: slot, proto: proto, hostPort: e.HostPort}
+				p.feeds[e.Name] = f
+			}
+		}
+		if c, ok := counters[e.Name]; ok {
+			f.feed(c)
+		}
+	}
+	for name, f := range p.feeds {
+		if !want[name] {
+			f.slot.Release(true)
+			delete(p.feeds, name)
+		}
+	}
+}
+
+// Close stops the DHCP server and releases the counter slots (their values
+// stay). Links, addresses and the nft table stay in the kernel.
+func (p *Plane) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	p.closed = true
+	p.stopDHCP()
+	for name, f := range p.feeds {
+		f.slot.Release(false)
+		delete(p.feeds, name)
+	}
+	var err error
+	if p.table != nil {
+		err = p.table.Close()
+	}
+	p.links.Close()
+	if p.ownStats {
+		_ = p.opts.Stats.Close()
+	}
+	return err
+}
+
+// Teardown removes exactly what brokkr made in the namespace: the nft
+// table, every link carrying brokkr's alias (taps, bridges). Foreign links
+// stay. Leases stay on disk, so a later start gives the same addresses.
+func (p *Plane) Teardown() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return errors.New("netplane: closed")
+	}
+	p.stopDHCP()
+	var errs []error
+	if p.table == nil {
+		if t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log)); err == nil {
+			p.table = t
+		} else {
+			errs = append(errs, err)
+		}
+	}
+	if p.table != nil {
+		if err := p.table.Delete(); err != nil {
+			errs = append(errs, fmt.Errorf("deleting nft table: %w", err))
+		}
+	}
+	taps, err := p.links.OwnedTaps()
+	if err != nil {
+		return errors.Join(append(errs, err)...)
+	}
+	names := make([]string, 0, len(taps))
+	for t := range taps {
+		names = append(names, t)
+	}
+	sort.Strings(names)
+	for _, t := range names {
+		errs = append(errs, p.links.DeleteTap(t))
+	}
+	links, err := p.links.Links()
+	if err != nil {
+		return errors.Join(append(errs, err)...)
+	}
+	for _, l := range links {
+		if strings.HasPrefix(l.Attrs().Alias, link.AliasPrefix+"bridge") {
+			errs = append(errs, p.links.DeleteBridge(l.Attrs().Name))
+		}
+	}
+	p.madeBridge, p.madeTaps = false, map[string]bool{}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,251 @@
+package netplane
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/netplane/link"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func network() Network {
+	return Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.1/24"), MTU: 1500, DHCP: true, Masquerade: true}
+}
+
+func newPlane(t *testing.T, ns *nstest.NS, stateDir string) *Plane {
+	t.Helper()
+	p, err := New(Options{NetNS: ns.Path, StateDir: stateDir, Stats: bpf.NewInMemory("test")})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	return p
+}
+
+func guestsOf(names ...string) []Guest {
+	var gs []Guest
+	for _, n := range names {
+		gs = append(gs, Guest{Name: n})
+	}
+	return gs
+}
+
+func TestConvergeBuildsBridgeTapsAndAddresses(t *testing.T) {
+	ns := nstest.New(t, "host")
+	p := newPlane(t, ns, t.TempDir())
+	d := Desired{Network: network(), Guests: guestsOf("web", "a-long-runner-name-01")}
+	rep := p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	assert.Empty(t, rep.Repaired, "a first build is not drift")
+	require.Len(t, rep.Guests, 2)
+	subnet := netip.MustParsePrefix("10.213.0.0/24")
+	for _, g := range rep.Guests {
+		assert.Empty(t, g.Error)
+		assert.Equal(t, link.TapName(g.Name), g.Tap)
+		assert.True(t, subnet.Contains(g.Address), g.Address)
+		assert.NotEqual(t, netip.MustParseAddr("10.213.0.1"), g.Address)
+		assert.False(t, g.Leased, "no guest has asked yet")
+		out := ns.MustRun(t, "ip", "-d", "link", "show", g.Tap)
+		assert.Contains(t, out, "master brokkr0")
+		assert.Contains(t, out, "hairpin on")
+	}
+	assert.NotEqual(t, rep.Guests[0].Address, rep.Guests[1].Address)
+	assert.Equal(t, "1", strings.TrimSpace(ns.MustRun(t, "cat", "/proc/sys/net/ipv4/ip_forward")))
+
+	again := p.Converge(context.Background(), d)
+	require.NoError(t, again.Err)
+	assert.Empty(t, again.Repaired, "idempotent")
+	assert.Equal(t, rep.Guests, again.Guests)
+}
+
+func TestDriftIsRepairedAndReported(t *testing.T) {
+	ns := nstest.New(t, "host")
+	p := newPlane(t, ns, t.TempDir())
+	d := Desired{Network: network(), Guests: guestsOf("web")}
+	require.NoError(t, p.Converge(context.Background(), d).Err)
+
+	ns.MustRun(t, "ip", "link", "del", "brk-web")
+	ns.MustRun(t, "ip", "link", "set", "brokkr0", "down")
+	ns.MustRun(t, "ip", "addr", "flush", "dev", "brokkr0")
+	ns.MustRun(t, "sh", "-c", "echo 0 > /proc/sys/net/ipv4/ip_forward")
+	rep := p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	all := strings.Join(rep.Repaired, "; ")
+	assert.Contains(t, all, "tap brk-web was missing")
+	assert.Contains(t, all, "bridge brokkr0 was down")
+	assert.Contains(t, all, "bridge brokkr0 lost its address 10.213.0.1/24")
+	assert.Contains(t, all, "net.ipv4.ip_forward was 0")
+	assert.Equal(t, "1", strings.TrimSpace(ns.MustRun(t, "cat", "/proc/sys/net/ipv4/ip_forward")))
+	out := ns.MustRun(t, "ip", "addr", "show", "brokkr0")
+	assert.Contains(t, out, "10.213.0.1/24")
+	assert.Contains(t, out, ",UP")
+	assert.Contains(t, ns.MustRun(t, "ip", "-d", "link", "show", "brk-web"), "master brokkr0")
+
+	ns.MustRun(t, "ip", "link", "del", "brokkr0")
+	rep = p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	assert.Contains(t, strings.Join(rep.Repaired, "; "), "bridge brokkr0 was missing")
+	assert.Contains(t, strings.Join(rep.Repaired, "; "), "tap brk-web was not attached to brokkr0")
+}
+
+func TestAddressesSurviveARestartAndAreFreedWithTheVM(t *testing.T) {
+	ns := nstest.New(t, "host")
+	dir := t.TempDir()
+	p := newPlane(t, ns, dir)
+	d := Desired{Network: network(), Guests: guestsOf("web", "db")}
+	first := p.Converge(context.Background(), d)
+	require.NoError(t, first.Err)
+	require.NoError(t, p.Close())
+
+	p2 := newPlane(t, ns, dir)
+	second := p2.Converge(context.Background(), Desired{Network: network(), Guests: guestsOf("db", "web")})
+	require.NoError(t, second.Err)
+	byName := func(r Report) map[string]GuestStatus {
+		m := map[string]GuestStatus{}
+		for _, g := range r.Guests {
+			m[g.Name] = g
+		}
+		return m
+	}
+	assert.Equal(t, byName(first), byName(second), "same addresses and MACs after a restart")
+
+	third := p2.Converge(context.Background(), Desired{Network: network(), Guests: guestsOf("db")})
+	require.NoError(t, third.Err)
+	_, err := ns.Run("ip", "link", "show", "brk-web")
+	assert.Error(t, err, "the tap goes with the VM")
+	b, err := os.ReadFile(filepath.Join(dir, "netplane", "leases.json"))
+	require.NoError(t, err)
+	assert.NotContains(t, string(b), `"web"`, "the address goes with the VM")
+	assert.Contains(t, string(b), `"db"`)
+}
+
+func TestBadSpecsAreRejectedAndNothingApplied(t *testing.T) {
+	ns := nstest.New(t, "host")
+	ns.MustRun(t, "ip", "link", "add", "uplink0", "type", "bridge")
+	ns.MustRun(t, "ip", "addr", "add", "10.213.0.200/16", "dev", "uplink0")
+	ns.MustRun(t, "ip", "link", "add", "brk-db", "type", "bridge")
+	dir := t.TempDir()
+	p := newPlane(t, ns, dir)
+	before := ns.MustRun(t, "ip", "-d", "addr", "show")
+
+	bad := network()
+	bad.CIDR = netip.Prefix{}
+	overlap := network()
+	clash := network()
+	clash.CIDR = netip.MustParsePrefix("10.50.0.1/24")
+	tapIsBridge := clash
+	tapIsBridge.Bridge = "brk-web"
+	cases := map[string]struct {
+		d     Desired
+		field string
+	}{
+		"bad cidr":            {Desired{Network: bad}, "network.cidr"},
+		"overlapping subnet":  {Desired{Network: overlap}, "network.cidr: 10.213.0.0/24 overlaps 10.213.0.200/16 on uplink0"},
+		"tap clashes foreign": {Desired{Network: clash, Guests: guestsOf("db")}, "guests[0].name"},
+		"tap clashes bridge":  {Desired{Network: tapIsBridge, Guests: guestsOf("web")}, "guests[0].name: tap name \"brk-web\""},
+		"long bridge name":    {Desired{Network: Network{Bridge: "a-bridge-name-too-long", CIDR: clash.CIDR}}, "network.bridge"},
+		"duplicate host port": {Desired{Network: clash, Guests: guestsOf("web"), Exposures: []Exposure{
+			{Name: "a", VM: "web", Protocol: "tcp", HostPort: 80, GuestPort: 80},
+			{Name: "b", VM: "web", Protocol: "tcp", HostPort: 80, GuestPort: 81},
+		}}, "exposures[1].hostPort"},
+	}
+	for name, c := range cases {
+		errs := p.Validate(c.d)
+		require.NotEmpty(t, errs, name)
+		joined := ""
+		for _, e := range errs {
+			joined += e.Error() + "\n"
+		}
+		assert.Contains(t, joined, c.field, name)
+		rep := p.Converge(context.Background(), c.d)
+		require.Error(t, rep.Err, name)
+		assert.Contains(t, rep.Err.Error(), c.field, name)
+	}
+	assert.Equal(t, before, ns.MustRun(t, "ip", "-d", "addr", "show"), "nothing applied")
+	_, err := os.Stat(filepath.Join(dir, "netplane", "leases.json"))
+	assert.ErrorIs(t, err, os.ErrNotExist, "no lease taken")
+}
+
+func TestTeardownRemovesOnlyWhatBrokkrMade(t *testing.T) {
+	ns := nstest.New(t, "host")
+	ns.MustRun(t, "ip", "link", "add", "uplink0", "type", "bridge")
+	ns.MustRun(t, "ip", "link", "add", "ve-a", "type", "veth", "peer", "name", "ve-b")
+	ns.MustRun(t, "ip", "link", "set", "ve-a", "master", "uplink0")
+	p := newPlane(t, ns, t.TempDir())
+	require.NoError(t, p.Converge(context.Background(), Desired{Network: network(), Guests: guestsOf("web", "db")}).Err)
+	require.NoError(t, p.Teardown())
+	out := ns.MustRun(t, "ip", "-o", "link", "show")
+	for _, gone := range []string{"brokkr0", "brk-web", "brk-db"} {
+		assert.NotContains(t, out, gone+":")
+	}
+	for _, kept := range []string{"uplink0", "ve-a@ve-b", "ve-b@ve-a", "lo"} {
+		assert.Contains(t, out, kept+":")
+	}
+	assert.Contains(t, ns.MustRun(t, "ip", "-o", "link", "show", "ve-a"), "master uplink0")
+}
+
+func TestGuestsGetAddressesByDHCPOrAreSeenStatically(t *testing.T) {
+	ns := nstest.New(t, "host")
+	leased := make(chan string, 4)
+	p, err := New(Options{NetNS: ns.Path, StateDir: t.TempDir(), OnLease: func(vm string, _ netip.Addr) { leased <- vm }})
+	require.NoError(t, err)
+	defer p.Close()
+	d := Desired{Network: network(), Guests: guestsOf("dyn", "static")}
+	rep := p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	st := map[string]GuestStatus{}
+	for _, g := range rep.Guests {
+		st[g.Name] = g
+	}
+
+	// Guests are namespaces whose veth carries the guest's MAC, on the bridge.
+	attach := func(role, vm string) *nstest.NS {
+		g := nstest.New(t, role)
+		ns.MustRun(t, "ip", "link", "add", "vh-"+role, "type", "veth", "peer", "name", "eth0",
+			"address", st[vm].MAC.String(), "netns", g.Name)
+		ns.MustRun(t, "ip", "link", "set", "vh-"+role, "master", "brokkr0", "up")
+		g.MustRun(t, "ip", "link", "set", "eth0", "up")
+		return g
+	}
+	dyn := attach("dyn", "dyn")
+	out, err := dyn.Run("busybox", "udhcpc", "-i", "eth0", "-n", "-q", "-f", "-t", "5", "-T", "1", "-s", "/bin/true")
+	require.NoError(t, err, out)
+	assert.Contains(t, out, "lease of "+st["dyn"].Address.String()+" obtained")
+	select {
+	case vm := <-leased:
+		assert.Equal(t, "dyn", vm)
+	case <-time.After(5 * time.Second):
+		t.Fatal("OnLease not called")
+	}
+
+	static := attach("static", "static")
+	static.MustRun(t, "ip", "addr", "add", st["static"].Address.String()+"/24", "dev", "eth0")
+	// Host isolation drops its pings; its ARP for the gateway is what the host sees.
+	static.MustRun(t, "busybox", "arping", "-f", "-c", "5", "-w", "5", "-I", "eth0", "10.213.0.1")
+
+	rep = p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	for _, g := range rep.Guests {
+		assert.True(t, g.Leased, "%s has its address", g.Name)
+	}
+
+	// The bridge is deleted and re-made: the DHCP socket, bound to the old
+	// device, must follow to the new one.
+	ns.MustRun(t, "ip", "link", "del", "brokkr0")
+	rep = p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	ns.MustRun(t, "ip", "link", "set", "vh-dyn", "master", "brokkr0", "up")
+	out, err = dyn.Run("busybox", "udhcpc", "-i", "eth0", "-n", "-q", "-f", "-t", "5", "-T", "1", "-s", "/bin/true")
+	require.NoError(t, err, "DHCP after the bridge was re-made: %s", out)
+	assert.Contains(t, out, "lease of "+st["dyn"].Address.String()+" obtained")
+}

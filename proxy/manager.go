@@ -1,0 +1,294 @@
+package proxy
+
+import (
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/brokkr/brokkr/bpf"
+)
+
+// DefaultDialTimeout bounds the dial into the guest that every accepted
+// connection makes before it is counted as carried. A guest that does not
+// answer within it costs the caller a reset, not a hang.
+const DefaultDialTimeout = 2 * time.Second
+
+// Manager runs one listener per exposure and carries connections to the
+// guests. Converge is its only input; it is safe to call from one goroutine
+// at a time, and from many (they serialise on the lock).
+type Manager struct {
+	resolve Resolver
+	stats   *bpf.Store
+	dialer  net.Dialer
+	// listenTCP opens a TCP exposure's listener. It is a field so a test can
+	// hand the accept loop a listener whose Accept fails on cue, the way a
+	// real one only does under load a test cannot stage.
+	listenTCP func(checked) (net.Listener, error)
+
+	// mu guards live and every exposure's socket fields and reason; the
+	// serving goroutines write those under it, so a status is never a torn
+	// read of a loop that is dying at the same moment.
+	mu   sync.Mutex
+	live map[string]*exposure
+
+	// loops counts the goroutines that own a socket (accept loops, UDP read
+	// loops), so StopAll returns only once none of them is left. Carried
+	// connections are not in it: they drain on their own time.
+	loops sync.WaitGroup
+}
+
+// NewManager returns a Manager that finds guests through resolve and counts
+// into stats. With stats nil it counts into an in-memory store of its own.
+func NewManager(resolve Resolver, stats *bpf.Store) *Manager {
+	m := &Manager{resolve: resolve, stats: stats, dialer: guestDialer(),
+		listenTCP: listenTCP, live: map[string]*exposure{}}
+	if stats == nil {
+		m.stats = bpf.NewInMemory("counters in memory only: the proxy was given no BPF store")
+	}
+	return m
+}
+
+// guestDialer dials guests with a short timeout. Keepalive on the guest side
+// is only switched on with an idle time (two setsockopt calls, not Go's four
+// per connection): a guest that vanished is noticed within minutes, and the
+// caller's side, which can vanish more easily, has the full settings.
+func guestDialer() net.Dialer {
+	return net.Dialer{Timeout: DefaultDialTimeout,
+		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: keepIdle, Interval: -1, Count: -1}}
+}
+
+// CountersReason says why counters are not in the pinned BPF map ("" when
+// they are), so the daemon can show it next to the exposures: an operator
+// reading bpftool would otherwise see nothing and not know why.
+func (m *Manager) CountersReason() string { return m.stats.Reason() }
+
+// exposure is one published port's running state. It lives as long as its ID
+// is desired; a changed spec rebinds its socket but keeps the exposure, so the
+// connections still draining through the old socket keep counting toward the
+// cap — the descriptors they hold are still spent.
+type exposure struct {
+	id        string
+	key       string // listenKey of the spec the socket was bound for
+	ln        net.Listener
+	udp       *udpRelay
+	stop      chan struct{} // closed when the current socket is closed on purpose
+	boundAddr string
+	reason    string
+	lost      string // why the serving loop gave its socket back, until rebound
+
+	maxConns atomic.Int64 // 0 = unlimited; updated in place
+	idle     atomic.Int64 // UDP flow idle timeout in ns; updated in place
+	conns    atomic.Int64 // open TCP connections or UDP flows, across rebinds
+
+	ctr *counterRef
+}
+
+func (ex *exposure) bound() bool { return ex.ln != nil || ex.udp != nil }
+
+// closeSocket closes the listening socket on purpose (m.mu held). Clearing
+// the fields first is what tells the serving loop that its exit is expected.
+// TCP connections already carried keep flowing: a revocation drains. UDP flows
+// end with their socket, since their replies leave through it.
+func (ex *exposure) closeSocket() {
+	if ex.stop != nil {
+		close(ex.stop)
+		ex.stop = nil
+	}
+	if ex.ln != nil {
+		ex.ln.Close()
+		ex.ln = nil
+	}
+	if ex.udp != nil {
+		ex.udp.close()
+		ex.udp = nil
+	}
+	ex.boundAddr = ""
+}
+
+// counterRef holds an exposure's slot for as long as the exposure or any
+// connection it carried is alive, so a connection draining after its
+// exposure was deleted never adds to a slot that was zeroed and handed to
+// another exposure.
+type counterRef struct {
+	slot    *bpf.Slot
+	refs    atomic.Int64
+	deleted atomic.Bool
+}
+
+func (c *counterRef) acquire() { c.refs.Add(1) }
+
+func (c *counterRef) release() {
+	if c.refs.Add(-1) == 0 {
+		c.slot.Release(c.deleted.Load())
+	}
+}
+
+// Converge makes the running exposures match desired and returns one Status
+// per desired spec, in order. It compares with what is actually running (a
+// listener whose loop died counts as not running), so calling it again with
+// the same input changes nothing and repairs whatever broke in between.
+func (m *Manager) Converge(desired []Spec) []Status {
+	checks, errs, owners := validateAll(desired)
+
+	m.mu.Lock()
+	defer m.mu.Unlock()
+
+	wanted := make(map[string]bool, len(desired))
+	for i, s := range desired {
+		if owners[i] {
+			wanted[s.ID] = true
+		}
+	}
+	for id, ex := range m.live {
+		if !wanted[id] {
+			ex.closeSocket()
+			delete(m.live, id)
+			ex.ctr.deleted.Store(true)
+			ex.ctr.release()
+		}
+	}
+
+	out := make([]Status, len(desired))
+	for i := range desired {
+		out[i] = m.convergeOne(checks[i], errs[i], owners[i])
+	}
+	return out
+}
+
+// convergeOne brings one exposure to its spec (m.mu held).
+func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
+	st := Status{ID: c.ID, State: StateFailed}
+	ex := m.live[c.ID]
+	if invalid != nil {
+		st.Reason = invalid.Error()
+		if !owner {
+			return st // another spec owns this ID; its counters are its own
+		}
+		if ex != nil {
+			// The spec can no longer be honoured: stop serving the old one,
+			// but keep the counters, since the exposure is still desired.
+			ex.closeSocket()
+			ex.key = ""
+			st.Counters = ex.ctr.slot.Read()
+		} else if cs, ok := m.stats.Lookup(c.ID); ok {
+			st.Counters = cs
+		}
+		return st
+	}
+
+	if ex == nil {
+		slot, err := m.stats.Attach(c.ID, bpf.ProtoNumber(c.Protocol), uint16(c.HostPort))
+		if err != nil {
+			st.Reason = "counters: " + err.Error()
+			return st
+		}
+		ex = &exposure{id: c.ID, ctr: &counterRef{slot: slot}}
+		ex.ctr.refs.Store(1)
+		m.live[c.ID] = ex
+	}
+	ex.maxConns.Store(int64(c.MaxConns))
+	ex.idle.Store(int64(c.idle))
+
+	if ex.key != c.listenKey() {
+		ex.closeSocket() // a changed spec is a close and a rebind
+		ex.key = c.listenKey()
+		ex.reason = ""
+	}
+	var note string
+	if !ex.bound() {
+		if err := m.bind(ex, c); err != nil {
+			ex.reason = err.Error()
+			st.Reason = ex.reason
+			st.Counters = ex.ctr.slot.Read()
+			return st
+		}
+		if ex.lost != "" {
+			note = "rebound after " + ex.lost
+		}
+		ex.reason, ex.lost = "", ""
+		m.relabel(c)
+	}
+
+	st.BoundAddr = ex.boundAddr
+	st.Counters = ex.ctr.slot.Read()
+	st.State = StateActive
+	st.Reason = join(note, ex.reason)
+	if m.resolve(c.VM) == "" {
+		st.State = StatePending
+		st.Reason = join("guest has no address yet", st.Reason)
+	}
+	return st
+}
+
+// relabel rewrites the slot's protocol and host port (the port the OS picked
+// for HostPort 0, or a changed one) so bpftool shows the exposure's shape. An
+// Attach of a name already held finds the same slot; releasing that extra
+// hold at once leaves the exposure's own.
+func (m *Manager) relabel(c checked) {
+	port := c.HostPort
+	ex := m.live[c.ID]
+	if _, p, err := net.SplitHostPort(ex.boundAddr); err == nil {
+		port, _ = strconv.Atoi(p)
+	}
+	if sl, err := m.stats.Attach(c.ID, bpf.ProtoNumber(c.Protocol), uint16(port)); err == nil {
+		sl.Release(false)
+	}
+}
+
+// bind opens the exposure's socket and starts the goroutine that serves it
+// (m.mu held).
+func (m *Manager) bind(ex *exposure, c checked) error {
+	stop := make(chan struct{})
+	switch c.Protocol {
+	case "tcp":
+		ln, err := m.listenTCP(c)
+		if err != nil {
+			return err
+		}
+		ex.ln, ex.stop, ex.boundAddr = ln, stop, ln.Addr().String()
+		m.loops.Add(1)
+		go func() {
+			defer m.loops.Done()
+			m.serveTCP(ex, ln, stop, c.VM, c.GuestPort)
+		}()
+	case "udp":
+		conn, err := listenUDP(c)
+		if err != nil {
+			return err
+		}
+		r := newUDPRelay(m, ex, conn, c)
+		ex.udp, ex.stop, ex.boundAddr = r, stop, conn.LocalAddr().String()
+		m.loops.Add(1)
+		go func() {
+			defer m.loops.Done()
+			r.serve()
+		}()
+	}
+	return nil
+}
+
+// StopAll closes every listener and releases every slot without deleting it:
+// the daemon is stopping, the exposures are not. TCP connections already
+// carried drain on their own; StopAll waits only for the serving loops.
+func (m *Manager) StopAll() {
+	m.mu.Lock()
+	for id, ex := range m.live {
+		ex.closeSocket()
+		delete(m.live, id)
+		ex.ctr.release()
+	}
+	m.mu.Unlock()
+	m.loops.Wait()
+}
+
+func join(a, b string) string {
+	switch {
+	case a == "":
+		return b
+	case b == "":
+		return a
+	}
+	return a + "; " + b
+}

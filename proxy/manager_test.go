@@ -1,0 +1,555 @@
+package proxy
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
+)
+
+func TestMain(m *testing.M) {
+	// The descriptor-shortage and splice tests re-run this binary as a child
+	// that plays one part; see child_test.go.
+	if role := os.Getenv(childEnv); role != "" {
+		os.Exit(runChild(role))
+	}
+	goleak.VerifyTestMain(m)
+}
+
+// guests is the test's resolver: VM name to address, changeable mid-test.
+type guests struct {
+	mu    sync.Mutex
+	addrs map[string]string
+}
+
+func (g *guests) set(vm, addr string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.addrs[vm] = addr
+}
+
+func (g *guests) resolve(vm string) string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.addrs[vm]
+}
+
+// newManager returns a Manager whose guest "vm1" lives on loopback, stopped
+// when the test ends.
+func newManager(t *testing.T) (*Manager, *guests) {
+	t.Helper()
+	g := &guests{addrs: map[string]string{"vm1": "127.0.0.1"}}
+	m := NewManager(g.resolve, nil)
+	t.Cleanup(m.StopAll)
+	return m, g
+}
+
+// echoServer is a stand-in for a service in a guest: it sends back what it
+// reads, prefixed by tag, until the caller closes its write side.
+func echoServer(t *testing.T, tag string) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				buf := make([]byte, 4096)
+				for {
+					n, err := c.Read(buf)
+					if n > 0 {
+						if _, werr := c.Write(append([]byte(tag), buf[:n]...)); werr != nil {
+							return
+						}
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+func tcpSpec(id string, guestPort int) Spec {
+	return Spec{ID: id, VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: guestPort}
+}
+
+// only converges and returns the single status, asserting there is one.
+func only(t *testing.T, m *Manager, specs ...Spec) Status {
+	t.Helper()
+	st := m.Converge(specs)
+	require.Len(t, st, len(specs))
+	return st[0]
+}
+
+// dial opens a connection to addr that fails the test instead of hanging.
+func dial(t *testing.T, addr string) *net.TCPConn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	require.NoError(t, c.SetDeadline(time.Now().Add(5*time.Second)))
+	return c.(*net.TCPConn)
+}
+
+// roundTrip writes msg and reads back exactly the reply an echoServer with
+// tag sends.
+func roundTrip(t *testing.T, c net.Conn, tag, msg string) string {
+	t.Helper()
+	_, err := c.Write([]byte(msg))
+	require.NoError(t, err)
+	buf := make([]byte, len(tag)+len(msg))
+	_, err = io.ReadFull(c, buf)
+	require.NoError(t, err)
+	return string(buf)
+}
+
+// requireReset dials addr and asserts that the proxy turned the caller away
+// with a RST: the connect or the first read fails with ECONNRESET, instead of
+// returning data or a clean EOF. (On loopback the RST can beat the dialer's
+// check of its own connect.)
+func requireReset(t *testing.T, addr string) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err == nil {
+		defer c.Close()
+		require.NoError(t, c.SetDeadline(time.Now().Add(5*time.Second)))
+		var n int
+		n, err = c.Read(make([]byte, 16))
+		assert.Zero(t, n)
+	}
+	require.Error(t, err)
+	assert.True(t, errors.Is(err, syscall.ECONNRESET), "want a reset, got %v", err)
+}
+
+// eventually polls cond every 10 ms for up to 5 s.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting: %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// listenerOf reads an exposure's current listener under the lock the accept
+// loop writes it under.
+func listenerOf(m *Manager, id string) net.Listener {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if ex := m.live[id]; ex != nil {
+		return ex.ln
+	}
+	return nil
+}
+
+func conns(m *Manager, id string) int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if ex := m.live[id]; ex != nil {
+		return ex.conns.Load()
+	}
+	return -1
+}
+
+func TestConvergePublishesThePortAndCarriesBothWays(t *testing.T) {
+	m, _ := newManager(t)
+	port := echoServer(t, "g:")
+	st := only(t, m, tcpSpec("web", port))
+	assert.Equal(t, "web", st.ID)
+	assert.Equal(t, StateActive, st.State)
+	assert.Empty(t, st.Reason)
+	require.NotEmpty(t, st.BoundAddr)
+
+	c := dial(t, st.BoundAddr)
+	assert.Equal(t, "g:hello", roundTrip(t, c, "g:", "hello"))
+	require.NoError(t, c.Close())
+
+	eventually(t, "the connection's bytes are counted", func() bool {
+		cs := only(t, m, tcpSpec("web", port)).Counters
+		return cs.Active == 0 && cs.BytesIn == 5 && cs.BytesOut == 7
+	})
+	assert.EqualValues(t, 1, only(t, m, tcpSpec("web", port)).Counters.Accepted)
+}
+
+func TestConvergingTheSameSpecAgainKeepsItsListenerAndConnections(t *testing.T) {
+	m, _ := newManager(t)
+	port := echoServer(t, "g:")
+	first := only(t, m, tcpSpec("web", port))
+	ln := listenerOf(m, "web")
+	c := dial(t, first.BoundAddr)
+	assert.Equal(t, "g:a", roundTrip(t, c, "g:", "a"))
+
+	again := only(t, m, tcpSpec("web", port))
+	assert.Equal(t, first.BoundAddr, again.BoundAddr)
+	assert.True(t, ln == listenerOf(m, "web"), "an unchanged spec keeps its very listener")
+	assert.Equal(t, "g:b", roundTrip(t, c, "g:", "b"), "and its connections")
+}
+
+func TestAnExposureLeftOutOfDesiredStopsListening(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	assert.Empty(t, m.Converge(nil))
+	_, err := net.Dial("tcp", st.BoundAddr)
+	assert.ErrorIs(t, err, syscall.ECONNREFUSED)
+}
+
+func TestAChangedSpecClosesAndRebinds(t *testing.T) {
+	m, _ := newManager(t)
+	one, two := echoServer(t, "one:"), echoServer(t, "two:")
+	before := only(t, m, tcpSpec("web", one))
+	oldLn := listenerOf(m, "web")
+
+	after := only(t, m, tcpSpec("web", two))
+	assert.Equal(t, StateActive, after.State)
+	assert.True(t, oldLn != listenerOf(m, "web"), "a changed guest port is a new listener")
+	if before.BoundAddr != after.BoundAddr { // port 0: the old one is free now
+		_, err := net.Dial("tcp", before.BoundAddr)
+		assert.Error(t, err, "the old listener is closed")
+	}
+	assert.Equal(t, "two:x", roundTrip(t, dial(t, after.BoundAddr), "two:", "x"))
+}
+
+func TestABindFailureCarriesTheOSErrorAndHealsWhenThePortFrees(t *testing.T) {
+	m, _ := newManager(t)
+	guest := echoServer(t, "g:")
+	squat, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	port := squat.Addr().(*net.TCPAddr).Port
+	spec := tcpSpec("web", guest)
+	spec.HostPort = port
+
+	st := only(t, m, spec)
+	assert.Equal(t, StateFailed, st.State)
+	assert.Contains(t, st.Reason, "address already in use")
+	assert.Empty(t, st.BoundAddr)
+
+	require.NoError(t, squat.Close())
+	st = only(t, m, spec)
+	require.Equal(t, StateActive, st.State, st.Reason)
+	assert.Empty(t, st.Reason)
+	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+	assert.Equal(t, addr, st.BoundAddr)
+	assert.Equal(t, "g:back", roundTrip(t, dial(t, addr), "g:", "back"))
+}
+
+func TestAListenerWhoseAcceptLoopDiedIsRebound(t *testing.T) {
+	m, _ := newManager(t)
+	port := echoServer(t, "g:")
+	only(t, m, tcpSpec("web", port))
+
+	// Close the socket behind the manager's back: the loop was not asked to
+	// stop, so it must hand the exposure back as unbound and say why.
+	broken := listenerOf(m, "web")
+	require.NoError(t, broken.Close())
+	var reason string
+	eventually(t, "the dead loop gives its listener back", func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		ex := m.live["web"]
+		reason = ex.reason
+		return ex.ln == nil
+	})
+	assert.Contains(t, reason, "accept:")
+
+	st := only(t, m, tcpSpec("web", port))
+	require.Equal(t, StateActive, st.State)
+	assert.Contains(t, st.Reason, "rebound after accept:", "the converge that healed it says what it healed")
+	assert.True(t, listenerOf(m, "web") != broken)
+	assert.Equal(t, "g:again", roundTrip(t, dial(t, st.BoundAddr), "g:", "again"))
+	assert.Empty(t, only(t, m, tcpSpec("web", port)).Reason, "and the next one is clean")
+}
+
+func TestACallerIsResetAtOnceWhenTheGuestHasNoAddress(t *testing.T) {
+	m, g := newManager(t)
+	g.set("vm1", "") // still leasing
+	spec := tcpSpec("web", 8080)
+	st := only(t, m, spec)
+	assert.Equal(t, StatePending, st.State)
+	assert.Contains(t, st.Reason, "no address")
+	require.NotEmpty(t, st.BoundAddr, "the port is published while the guest leases")
+
+	start := time.Now()
+	requireReset(t, st.BoundAddr)
+	assert.Less(t, time.Since(start), time.Second, "closed at once, not after a timeout")
+	eventually(t, "counted as dropped", func() bool { return only(t, m, spec).Counters.Dropped == 1 })
+	cs := only(t, m, spec).Counters
+	assert.Zero(t, cs.Accepted, "a caller that was never carried is not accepted")
+	assert.Zero(t, cs.Refused, "the cap refused nobody: the guest was missing")
+
+	g.set("vm1", "127.0.0.1")
+	assert.Equal(t, StateActive, only(t, m, spec).State, "an address turns it active")
+}
+
+func TestACallerIsResetWhenTheGuestRefusesTheDial(t *testing.T) {
+	m, _ := newManager(t)
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	port := closed.Addr().(*net.TCPAddr).Port
+	require.NoError(t, closed.Close()) // nothing listens on the guest port
+	spec := tcpSpec("web", port)
+	st := only(t, m, spec)
+	requireReset(t, st.BoundAddr)
+	eventually(t, "counted as dropped", func() bool { return only(t, m, spec).Counters.Dropped == 1 })
+	assert.Zero(t, only(t, m, spec).Counters.Accepted, "success is declared only after the guest answered")
+}
+
+func TestHalfCloseIsCarriedToTheGuestAndTheReplyStillComesBack(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	done := make(chan struct{})
+	t.Cleanup(func() { ln.Close(); <-done })
+	go func() {
+		defer close(done)
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		body, _ := io.ReadAll(c) // ends only when the caller's FIN arrives
+		c.Write(append([]byte("got:"), body...))
+	}()
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", ln.Addr().(*net.TCPAddr).Port))
+	c := dial(t, st.BoundAddr)
+	_, err = c.Write([]byte("request"))
+	require.NoError(t, err)
+	require.NoError(t, c.CloseWrite())
+	out, err := io.ReadAll(c)
+	require.NoError(t, err)
+	assert.Equal(t, "got:request", string(out))
+}
+
+func TestRevokingAnExposureDrainsItsConnections(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	c := dial(t, st.BoundAddr)
+	require.Equal(t, "g:before", roundTrip(t, c, "g:", "before"))
+
+	require.Empty(t, m.Converge(nil))
+	_, err := net.Dial("tcp", st.BoundAddr)
+	require.Error(t, err, "new dials die")
+	assert.Equal(t, "g:after", roundTrip(t, c, "g:", "after"), "the established pipe keeps flowing")
+}
+
+// hold opens a connection through the proxy and proves it reached the guest,
+// which is also when the exposure has certainly counted it.
+func hold(t *testing.T, addr string) *net.TCPConn {
+	t.Helper()
+	c := dial(t, addr)
+	require.Equal(t, "g:ping", roundTrip(t, c, "g:", "ping"))
+	return c
+}
+
+func TestTheCapResetsCallersPastItAndLeavesTheOthersAlone(t *testing.T) {
+	m, _ := newManager(t)
+	spec := tcpSpec("web", echoServer(t, "g:"))
+	spec.MaxConns = 2
+	st := only(t, m, spec)
+	a, b := hold(t, st.BoundAddr), hold(t, st.BoundAddr)
+
+	requireReset(t, st.BoundAddr)
+	assert.Equal(t, "g:still", roundTrip(t, a, "g:", "still"))
+	assert.Equal(t, "g:here", roundTrip(t, b, "g:", "here"))
+	cs := only(t, m, spec).Counters
+	assert.EqualValues(t, 1, cs.Refused)
+	assert.EqualValues(t, 2, cs.Active)
+	assert.EqualValues(t, 2, cs.Accepted)
+	assert.Zero(t, cs.Dropped)
+}
+
+func TestTheCapIsReleasedWhenAConnectionEnds(t *testing.T) {
+	m, _ := newManager(t)
+	spec := tcpSpec("web", echoServer(t, "g:"))
+	spec.MaxConns = 1
+	st := only(t, m, spec)
+	require.NoError(t, hold(t, st.BoundAddr).Close())
+	eventually(t, "the ended connection gives its place back", func() bool { return conns(m, "web") == 0 })
+	hold(t, st.BoundAddr)
+}
+
+func TestConnectionsDrainingThroughARebindStillCountTowardTheCap(t *testing.T) {
+	m, _ := newManager(t)
+	one, two := echoServer(t, "g:"), echoServer(t, "g:")
+	spec := tcpSpec("web", one)
+	spec.MaxConns = 1
+	held := hold(t, only(t, m, spec).BoundAddr)
+
+	spec.GuestPort = two
+	st := only(t, m, spec) // rebinds
+	assert.EqualValues(t, 1, conns(m, "web"))
+	requireReset(t, st.BoundAddr)
+	assert.Equal(t, "g:drain", roundTrip(t, held, "g:", "drain"), "the old connection is still carried")
+
+	require.NoError(t, held.Close())
+	eventually(t, "the drained connection gives its place back", func() bool { return conns(m, "web") == 0 })
+	hold(t, st.BoundAddr)
+}
+
+func TestAChangedCapAppliesWithoutARebind(t *testing.T) {
+	m, _ := newManager(t)
+	spec := tcpSpec("web", echoServer(t, "g:"))
+	spec.MaxConns = 1
+	st := only(t, m, spec)
+	ln := listenerOf(m, "web")
+	hold(t, st.BoundAddr)
+	requireReset(t, st.BoundAddr)
+
+	spec.MaxConns = 2
+	only(t, m, spec)
+	assert.True(t, ln == listenerOf(m, "web"))
+	hold(t, st.BoundAddr)
+}
+
+func TestMaxConnsZeroIsUnlimited(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	for i := 0; i < 300; i++ { // past the daemon's default of 256
+		hold(t, st.BoundAddr)
+	}
+	assert.Zero(t, only(t, m, tcpSpec("web", 1)).Counters.Refused)
+}
+
+func TestActiveIsAGaugeWhileRefusedAndDroppedAreTotals(t *testing.T) {
+	m, g := newManager(t)
+	spec := tcpSpec("web", echoServer(t, "g:"))
+	spec.MaxConns = 1
+	st := only(t, m, spec)
+	held := hold(t, st.BoundAddr)
+	requireReset(t, st.BoundAddr)
+	cs := only(t, m, spec).Counters
+	assert.EqualValues(t, 1, cs.Active)
+	assert.EqualValues(t, 1, cs.Refused)
+
+	require.NoError(t, held.Close())
+	eventually(t, "active comes back down", func() bool { return only(t, m, spec).Counters.Active == 0 })
+	g.set("vm1", "")
+	requireReset(t, st.BoundAddr)
+	eventually(t, "a drop is counted", func() bool { return only(t, m, spec).Counters.Dropped == 1 })
+	cs = only(t, m, spec).Counters
+	assert.EqualValues(t, 1, cs.Refused, "a refusal, once counted, stays counted")
+	assert.EqualValues(t, 1, cs.Accepted)
+	assert.Zero(t, cs.Active)
+}
+
+func TestAFailedExposureStillReportsItsCounters(t *testing.T) {
+	m, _ := newManager(t)
+	spec := tcpSpec("web", echoServer(t, "g:"))
+	require.NoError(t, hold(t, only(t, m, spec).BoundAddr).Close())
+	eventually(t, "the connection ends", func() bool { return conns(m, "web") == 0 })
+
+	squat, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer squat.Close()
+	spec.HostPort = squat.Addr().(*net.TCPAddr).Port
+	st := only(t, m, spec)
+	require.Equal(t, StateFailed, st.State)
+	assert.EqualValues(t, 1, st.Counters.Accepted, "what it carried before the failure is still reported")
+	assert.EqualValues(t, len("ping"), st.Counters.BytesIn)
+	assert.EqualValues(t, len("g:ping"), st.Counters.BytesOut)
+}
+
+func TestStopAllClosesEveryListenerAndKeepsTheCounters(t *testing.T) {
+	m, _ := newManager(t)
+	port := echoServer(t, "g:")
+	udp := Spec{ID: "dns", VM: "vm1", Protocol: "udp", HostAddress: "127.0.0.1", GuestPort: 53}
+	st := m.Converge([]Spec{tcpSpec("a", port), tcpSpec("b", port), udp})
+	for _, s := range st {
+		require.Equal(t, StateActive, s.State, s.Reason)
+	}
+	require.NoError(t, hold(t, st[0].BoundAddr).Close())
+
+	m.StopAll()
+	for _, s := range st[:2] {
+		_, err := net.Dial("tcp", s.BoundAddr)
+		assert.ErrorIs(t, err, syscall.ECONNREFUSED, "%s survived StopAll", s.ID)
+	}
+	// The UDP port is free again: binding it proves its socket is closed.
+	pc, err := net.ListenPacket("udp4", st[2].BoundAddr)
+	require.NoError(t, err)
+	pc.Close()
+	cs, ok := m.stats.Lookup("a")
+	require.True(t, ok, "a stopping daemon keeps its counters")
+	assert.EqualValues(t, 1, cs.Accepted)
+}
+
+func TestADeletedExposureFreesItsCounterSlotOnceItsConnectionsEnd(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	c := hold(t, st.BoundAddr)
+	m.Converge(nil)
+	_, ok := m.stats.Lookup("web")
+	assert.True(t, ok, "a draining connection still counts into the slot")
+	require.NoError(t, c.Close())
+	eventually(t, "the slot is freed", func() bool { _, ok := m.stats.Lookup("web"); return !ok })
+}
+
+func TestWithoutAStoreCountersStayInMemoryAndTheManagerSaysSo(t *testing.T) {
+	m, _ := newManager(t)
+	assert.Contains(t, m.CountersReason(), "in memory")
+	assert.False(t, m.stats.Pinned())
+}
+
+func TestIPv6HostAddress(t *testing.T) {
+	probe, err := net.Listen("tcp6", "[::1]:0")
+	if err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	}
+	probe.Close()
+	m, _ := newManager(t)
+	spec := tcpSpec("web6", echoServer(t, "g:"))
+	spec.HostAddress = "::1"
+	st := only(t, m, spec)
+	require.Equal(t, StateActive, st.State, st.Reason)
+	assert.Equal(t, "g:six", roundTrip(t, dial(t, st.BoundAddr), "g:", "six"))
+}
+
+// The proxy sets keepalive once, on the listener, and relies on accepted
+// sockets inheriting it; this checks that they do.
+func TestAcceptedCallersInheritKeepaliveFromTheListener(t *testing.T) {
+	c, err := validate(tcpSpec("web", 80))
+	require.NoError(t, err)
+	ln, err := listenTCP(c)
+	require.NoError(t, err)
+	defer ln.Close()
+	caller := dial(t, ln.Addr().String())
+	defer caller.Close()
+	accepted, err := ln.Accept()
+	require.NoError(t, err)
+	defer accepted.Close()
+	rc, err := accepted.(*net.TCPConn).SyscallConn()
+	require.NoError(t, err)
+	var on, idle, cnt int
+	require.NoError(t, rc.Control(func(fd uintptr) {
+		on, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE)
+		idle, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
+		cnt, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPCNT)
+	}))
+	assert.Equal(t, 1, on)
+	assert.Equal(t, int(keepIdle/time.Second), idle)
+	assert.Equal(t, keepCount, cnt)
+}

@@ -1,0 +1,321 @@
+package supervisor
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// A VM stuck in a long download must not hold up the report, and its row
+// must say which step it is stuck in.
+func TestWedgedVMDoesNotDelayReport(t *testing.T) {
+	f := newFixture(t, nil)
+	arrived, release := make(chan string, 1), make(chan struct{})
+	f.images.fetch = wedge(arrived, release)
+
+	stepNoWait(t, f.eng, vmSpec("slow"))
+	waitFor(t, arrived, "the create to reach the download")
+
+	row := rowOf(stepNoWait(t, f.eng, vmSpec("slow")), "slow")
+	require.NotNil(t, row, "a VM in the middle of its create still has a row")
+	assert.Equal(t, PhaseCreating, row.Phase)
+	assert.Equal(t, "downloading kernel image 40%", row.Detail)
+
+	close(release)
+	waitRow(t, f.eng, "slow", phaseIs(PhaseRunning), vmSpec("slow"))
+}
+
+// Two VMs' slow creates overlap in time: neither waits for the other.
+func TestVMsReconcileConcurrently(t *testing.T) {
+	f := newFixture(t, nil)
+	arrived, release := make(chan string, 2), make(chan struct{})
+	f.images.fetch = wedge(arrived, release)
+
+	stepNoWait(t, f.eng, vmSpec("a"), vmSpec("b"))
+	got := map[string]bool{}
+	for range 2 {
+		got[waitFor(t, arrived, "both VMs inside their download at once")] = true
+	}
+	assert.Len(t, got, 2)
+	close(release)
+	waitRow(t, f.eng, "a", phaseIs(PhaseRunning), vmSpec("a"), vmSpec("b"))
+	waitRow(t, f.eng, "b", phaseIs(PhaseRunning), vmSpec("a"), vmSpec("b"))
+}
+
+// Specs that arrive while the VM is busy replace one another: when the
+// worker is free it acts on the newest, and the one in between is never
+// started.
+func TestNewestSpecWinsForBusyVM(t *testing.T) {
+	f := newFixture(t, nil)
+	arrived, release := make(chan string, 1), make(chan struct{})
+	f.images.fetch = wedge(arrived, release)
+	cpus := func(n int) func(*VMSpec) { return func(s *VMSpec) { s.CPUs = n } }
+
+	stepNoWait(t, f.eng, vmSpec("vm", cpus(1)))
+	waitFor(t, arrived, "the first create")
+	stepNoWait(t, f.eng, vmSpec("vm", cpus(3))) // superseded before the worker is free
+	stepNoWait(t, f.eng, vmSpec("vm", cpus(2)))
+	close(release)
+
+	waitRow(t, f.eng, "vm", func(s VMStatus) bool {
+		return s.Phase == PhaseRunning && f.hv.startCount() == 2
+	}, vmSpec("vm", cpus(2)))
+	starts := f.hv.startList()
+	require.Len(t, starts, 2)
+	assert.Equal(t, 1, starts[0].CPUs)
+	assert.Equal(t, 2, starts[1].CPUs, "the newest spec is the one applied")
+	for _, s := range starts {
+		assert.NotEqual(t, 3, s.CPUs, "the superseded spec was acted on")
+	}
+}
+
+// A worker appears the first time a VM is seen (in desired state or in the
+// records) and is reaped once the VM is gone from both.
+func TestWorkerSpawnedOnFirstSightAndReapedWhenGone(t *testing.T) {
+	f := newFixture(t, nil)
+	assert.Equal(t, 0, f.eng.workerCount())
+	f.eng.Step(context.Background(), []VMSpec{vmSpec("vm")})
+	assert.Equal(t, 1, f.eng.workerCount(), "spawned on first sight")
+	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm"))
+	pid := rowOf(f.eng.Step(context.Background(), []VMSpec{vmSpec("vm")}), "vm").PID
+
+	// The daemon restarts: the record alone makes a worker.
+	f.eng.Stop()
+	f.eng = f.open()
+	assert.Equal(t, 1, f.eng.workerCount(), "a VM known only from its record has a worker before any Step")
+
+	// Removed from desired: the worker stops the VM, deletes the record,
+	// and is reaped on a later Step.
+	deadline := time.Now().Add(5 * time.Second)
+	for f.eng.workerCount() > 0 && time.Now().Before(deadline) {
+		f.eng.Step(context.Background(), nil)
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.Equal(t, 0, f.eng.workerCount(), "reaped once gone from desired state and records")
+	assert.NoDirExists(t, filepath.Join(f.cfg.StateDir, "vms", "vm"))
+	assert.Error(t, CheckIdentity(Instance{PID: pid}), "the removed VM's process was stopped")
+	assert.Empty(t, f.eng.Step(context.Background(), nil).VMs)
+}
+
+// Stop ends every worker, including ones wedged mid-create, and leaves the
+// hypervisor processes running.
+func TestStopEndsEveryWorker(t *testing.T) {
+	f := newFixture(t, nil)
+	f.eng.Step(context.Background(), []VMSpec{vmSpec("up")})
+	up := waitRow(t, f.eng, "up", phaseIs(PhaseRunning), vmSpec("up"))
+
+	arrived := make(chan string, 1)
+	f.images.fetch = wedge(arrived, make(chan struct{})) // never released
+	stepNoWait(t, f.eng, vmSpec("up"), vmSpec("wedged"))
+	waitFor(t, arrived, "the wedged create")
+	require.Equal(t, 2, f.eng.workerCount())
+
+	stopped := make(chan struct{})
+	go func() { f.eng.Stop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(3 * time.Second):
+		t.Fatal("Stop did not end a wedged worker")
+	}
+	assert.Equal(t, 0, f.eng.workerCount())
+	assert.NoError(t, syscall.Kill(up.PID, 0), "Stop must leave VM processes running")
+	// goleak in TestMain proves no worker or watcher goroutine outlived Stop.
+}
+
+// With MaxConcurrentCreates=2, a third create waits for a slot (and says so).
+func TestCreatesAreCapped(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.MaxConcurrentCreates = 2 })
+	arrived, release := make(chan string, 3), make(chan struct{})
+	f.images.fetch = wedge(arrived, release)
+	all := []VMSpec{vmSpec("a"), vmSpec("b"), vmSpec("c")}
+
+	stepNoWait(t, f.eng, all...)
+	waitFor(t, arrived, "first create")
+	waitFor(t, arrived, "second create")
+	select {
+	case vm := <-arrived:
+		t.Fatalf("a third create (%s) ran beside two others under a cap of 2", vm)
+	case <-time.After(300 * time.Millisecond):
+	}
+	waiting := 0
+	for _, r := range stepNoWait(t, f.eng, all...).VMs {
+		if r.Detail == "waiting for a create slot" {
+			waiting++
+		}
+	}
+	assert.Equal(t, 1, waiting, "the VM held back says why")
+	close(release)
+	for _, s := range all {
+		waitRow(t, f.eng, s.Name, phaseIs(PhaseRunning), all...)
+	}
+	assert.Equal(t, 3, f.hv.startCount())
+}
+
+// MaxConcurrentCreates=0 means no cap.
+func TestZeroCreateCapIsUnlimited(t *testing.T) {
+	f := newFixture(t, nil)
+	arrived, release := make(chan string, 4), make(chan struct{})
+	f.images.fetch = wedge(arrived, release)
+	all := []VMSpec{vmSpec("a"), vmSpec("b"), vmSpec("c"), vmSpec("d")}
+	stepNoWait(t, f.eng, all...)
+	for range 4 {
+		waitFor(t, arrived, "all four creates at once")
+	}
+	close(release)
+	for _, s := range all {
+		waitRow(t, f.eng, s.Name, phaseIs(PhaseRunning), all...)
+	}
+}
+
+// While one pass of a VM is parked in its create, new specs, an operator
+// restart and a removal all arrive; none of them may start a second pass
+// for that VM beside the first. The gauge sees every image fetch, Start and
+// Stop for the VM, so two passes at once would show as a high-water of 2.
+func TestOnePassAtATimePerVM(t *testing.T) {
+	f := newFixture(t, nil)
+	g := newGauge()
+	f.images.gauge = g
+	f.hv.gauge = g
+	arrived, release := make(chan string, 8), make(chan struct{})
+	f.images.fetch = wedge(arrived, release)
+
+	stepNoWait(t, f.eng, vmSpec("vm"))
+	waitFor(t, arrived, "the first pass")
+	for i := 2; i < 6; i++ {
+		stepNoWait(t, f.eng, vmSpec("vm", func(s *VMSpec) { s.CPUs = i }))
+		require.NoError(t, f.eng.Restart("vm"))
+	}
+	stepNoWait(t, f.eng) // removed while busy
+	stepNoWait(t, f.eng, vmSpec("vm", func(s *VMSpec) { s.CPUs = 9 }))
+	select {
+	case <-arrived:
+		t.Fatal("a second pass entered the create while the first was parked in it")
+	case <-time.After(300 * time.Millisecond):
+	}
+	close(release)
+	waitRow(t, f.eng, "vm", func(s VMStatus) bool {
+		st := f.hv.startList()
+		return s.Phase == PhaseRunning && len(st) > 0 && st[len(st)-1].CPUs == 9
+	}, vmSpec("vm", func(s *VMSpec) { s.CPUs = 9 }))
+	assert.Equal(t, 1, g.highWater("vm"), "two operations for one VM overlapped")
+}
+
+// A worker in the middle of a pass is not reaped even when its VM has left
+// desired state and has no record yet: reaping it would let the next Step
+// spawn a second worker for the same VM beside the first.
+func TestBusyWorkerIsNeverReaped(t *testing.T) {
+	f := newFixture(t, nil)
+	g := newGauge()
+	f.images.gauge, f.hv.gauge = g, g
+	arrived, release := make(chan string, 2), make(chan struct{})
+	f.images.fetch = wedge(arrived, release)
+
+	stepNoWait(t, f.eng, vmSpec("vm"))
+	waitFor(t, arrived, "the create")
+	_, err := os.Stat(filepath.Join(f.cfg.StateDir, "vms", "vm", "record.json"))
+	require.ErrorIs(t, err, os.ErrNotExist, "precondition: no record yet, so only busyness protects the worker")
+
+	for range 3 {
+		stepNoWait(t, f.eng) // gone from desired state
+		assert.Equal(t, 1, f.eng.workerCount(), "a busy worker was reaped")
+	}
+	stepNoWait(t, f.eng, vmSpec("vm")) // back again: must reach the same worker
+	assert.Equal(t, 1, f.eng.workerCount())
+	select {
+	case <-arrived:
+		t.Fatal("a second worker started a create for the same VM")
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(release)
+	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm"))
+	assert.Equal(t, 1, g.highWater("vm"))
+
+	// Once idle and gone from both desired state and records, it is reaped.
+	deadline := time.Now().Add(5 * time.Second)
+	for f.eng.workerCount() > 0 && time.Now().Before(deadline) {
+		f.eng.Step(context.Background(), nil)
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.Equal(t, 0, f.eng.workerCount())
+}
+
+// Every report owns its rows: writing into one report changes neither the
+// engine nor any other report, even with reports taken concurrently (-race
+// would flag any shared backing array or map).
+func TestEveryReportOwnsItsRows(t *testing.T) {
+	f := newFixture(t, nil)
+	desired := []VMSpec{vmSpec("a"), vmSpec("b")}
+	waitRow(t, f.eng, "a", phaseIs(PhaseRunning), desired...)
+	waitRow(t, f.eng, "b", phaseIs(PhaseRunning), desired...)
+
+	first := f.eng.Step(context.Background(), desired)
+	second := f.eng.Step(context.Background(), desired)
+	require.Len(t, first.VMs, 2)
+	assert.NotSame(t, &first.VMs[0], &second.VMs[0])
+	first.VMs[0].Phase, first.VMs[0].Detail, first.VMs[0].PID = "scribbled", "scribbled", -1
+	third := f.eng.Step(context.Background(), desired)
+	assert.Equal(t, PhaseRunning, third.VMs[0].Phase)
+	assert.Equal(t, second.VMs[0], third.VMs[0], "a write into one report reached another")
+
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 50 {
+				r := f.eng.Step(context.Background(), desired)
+				for i := range r.VMs {
+					r.VMs[i].Detail = strings.Repeat("x", i+1)
+					r.VMs[i].Restarts++
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	for _, r := range f.eng.Step(context.Background(), desired).VMs {
+		assert.Empty(t, r.Detail)
+		assert.Zero(t, r.Restarts)
+	}
+}
+
+// The caller's desired slice is the caller's: reusing it after Step changes
+// nothing in the engine.
+func TestStepDoesNotKeepCallerSpecs(t *testing.T) {
+	f := newFixture(t, nil)
+	desired := []VMSpec{vmSpec("vm", func(s *VMSpec) { s.MAC = []byte{2, 0, 0, 0, 0, 1} })}
+	f.eng.Step(context.Background(), desired)
+	desired[0].MAC[5] = 9
+	desired[0].CPUs = 7
+	time.Sleep(200 * time.Millisecond) // let the worker take what it was given
+	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm", func(s *VMSpec) { s.MAC = []byte{2, 0, 0, 0, 0, 1} }))
+	lc := f.hv.startList()[0]
+	assert.Equal(t, 1, lc.CPUs)
+	assert.Equal(t, byte(1), lc.MAC[5])
+}
+
+// Bad specs are reported with the field named and change nothing.
+func TestInvalidSpecIsReportedAndNotApplied(t *testing.T) {
+	f := newFixture(t, nil)
+	good := vmSpec("vm")
+	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), good)
+	bad := good
+	bad.CPUs = 0
+	r := f.eng.Step(context.Background(), []VMSpec{bad, vmSpec("Bad_Name")})
+	row := rowOf(r, "vm")
+	require.NotNil(t, row)
+	assert.Equal(t, PhaseFailed, row.Phase)
+	assert.Contains(t, row.Detail, "cpus")
+	assert.Contains(t, rowOf(r, "Bad_Name").Detail, "name")
+	time.Sleep(100 * time.Millisecond)
+	assert.Equal(t, 1, f.hv.startCount(), "an invalid spec must not stop or restart the VM")
+	assert.Equal(t, 1, f.eng.workerCount())
+	assert.Equal(t, PhaseRunning, rowOf(f.eng.Step(context.Background(), []VMSpec{good}), "vm").Phase)
+}

@@ -1,0 +1,285 @@
+package supervisor
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// gauge counts how many goroutines are inside operations for one VM at the
+// same moment and keeps the high-water mark: "one pass at a time" is
+// observed through it rather than assumed from the code's shape.
+type gauge struct {
+	mu   sync.Mutex
+	in   map[string]int
+	high map[string]int
+}
+
+func newGauge() *gauge { return &gauge{in: map[string]int{}, high: map[string]int{}} }
+
+func (g *gauge) enter(vm string) func() {
+	g.mu.Lock()
+	g.in[vm]++
+	g.high[vm] = max(g.high[vm], g.in[vm])
+	g.mu.Unlock()
+	return func() {
+		g.mu.Lock()
+		g.in[vm]--
+		g.mu.Unlock()
+	}
+}
+
+func (g *gauge) highWater(vm string) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.high[vm]
+}
+
+// procHV is a Hypervisor whose instances are real processes (a shell
+// command, started with Setsid like a VMM), so the engine's pidfd watching,
+// reaping and identity checks run for real. Hooks stage slow operations.
+type procHV struct {
+	t       *testing.T
+	command []string // default: sleep 600
+	gauge   *gauge
+	// beforeStart, when set, runs inside Start before the process is made.
+	beforeStart func(ctx context.Context, lc LaunchConfig) error
+
+	mu      sync.Mutex
+	starts  []LaunchConfig
+	stops   []string
+	pids    []int
+	pidName map[int]string
+}
+
+func newProcHV(t *testing.T) *procHV {
+	h := &procHV{t: t, command: []string{"sleep", "600"}, gauge: newGauge(), pidName: map[int]string{}}
+	t.Cleanup(h.killAll)
+	return h
+}
+
+func (h *procHV) Kind() string { return "proc" }
+
+func (h *procHV) Start(ctx context.Context, lc LaunchConfig) (Instance, error) {
+	defer h.gauge.enter(lc.Name)()
+	if h.beforeStart != nil {
+		if err := h.beforeStart(ctx, lc); err != nil {
+			return Instance{}, err
+		}
+	}
+	h.mu.Lock()
+	h.starts = append(h.starts, lc)
+	cmdline := h.command
+	h.mu.Unlock()
+	cmd := exec.Command(cmdline[0], cmdline[1:]...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return Instance{}, err
+	}
+	inst, err := Identify(cmd.Process.Pid)
+	cmd.Process.Release()
+	if err != nil {
+		return Instance{}, err
+	}
+	h.mu.Lock()
+	h.pids = append(h.pids, inst.PID)
+	h.pidName[inst.PID] = lc.Name
+	h.mu.Unlock()
+	return inst, nil
+}
+
+func (h *procHV) Adopt(ctx context.Context, inst Instance) error {
+	defer h.gauge.enter("adopt")()
+	return CheckIdentity(inst)
+}
+
+func (h *procHV) Info(ctx context.Context, inst Instance) (VMState, error) {
+	if err := CheckIdentity(inst); err != nil {
+		return VMShutdown, err
+	}
+	return VMRunning, nil
+}
+
+func (h *procHV) Stop(ctx context.Context, inst Instance, grace time.Duration) error {
+	h.mu.Lock()
+	h.stops = append(h.stops, fmt.Sprint(inst.PID))
+	name := h.pidName[inst.PID]
+	h.mu.Unlock()
+	defer h.gauge.enter(name)()
+	pfd, err := OpenPidfd(inst)
+	if err != nil {
+		return nil
+	}
+	defer pfd.Close()
+	_ = pfd.Signal(syscall.SIGKILL)
+	return pfd.Wait(ctx)
+}
+
+func (h *procHV) startCount() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.starts)
+}
+
+func (h *procHV) startList() []LaunchConfig {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]LaunchConfig(nil), h.starts...)
+}
+
+func (h *procHV) killAll() {
+	h.mu.Lock()
+	pids := append([]int(nil), h.pids...)
+	h.mu.Unlock()
+	for _, pid := range pids {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+		var ws syscall.WaitStatus
+		_, _ = syscall.Wait4(pid, &ws, 0, nil)
+	}
+}
+
+// stageImages is an ImageFetcher whose Fetch can be wedged per call.
+type stageImages struct {
+	gauge *gauge
+	// fetch, when set, replaces the default (the path itself).
+	fetch func(ctx context.Context, src Source, progress func(done, total int64)) (string, error)
+}
+
+func (s *stageImages) Fetch(ctx context.Context, src Source, progress func(done, total int64)) (string, error) {
+	if s.gauge != nil {
+		// Sources in these tests are named /img/<vm>/..., so the gauge is per VM.
+		defer s.gauge.enter(filepath.Base(filepath.Dir(src.Location)))()
+	}
+	if s.fetch != nil {
+		return s.fetch(ctx, src, progress)
+	}
+	return src.Location, nil
+}
+
+func (s *stageImages) PrepareDisk(ctx context.Context, base, dst string, size int64) error {
+	return os.WriteFile(dst, nil, 0o600)
+}
+
+// wedge returns a fetch that reports 40% and then blocks until release is
+// closed (or ctx ends), signalling arrived once per call.
+func wedge(arrived chan<- string, release <-chan struct{}) func(context.Context, Source, func(int64, int64)) (string, error) {
+	return func(ctx context.Context, src Source, progress func(int64, int64)) (string, error) {
+		progress(40, 100)
+		select {
+		case arrived <- src.Location:
+		default:
+		}
+		select {
+		case <-release:
+			return src.Location, nil
+		case <-ctx.Done():
+			return "", ctx.Err()
+		}
+	}
+}
+
+type fixture struct {
+	t      *testing.T
+	hv     *procHV
+	images *stageImages
+	cfg    Config
+	eng    *Engine
+}
+
+func newFixture(t *testing.T, mod func(*Config)) *fixture {
+	t.Helper()
+	f := &fixture{t: t, hv: newProcHV(t), images: &stageImages{}}
+	f.cfg = Config{
+		StateDir: t.TempDir(), RunDir: t.TempDir(),
+		Hypervisor: f.hv, Images: f.images,
+		BackoffBase: 20 * time.Millisecond, StopGrace: time.Second, StartTimeout: 5 * time.Second,
+	}
+	if mod != nil {
+		mod(&f.cfg)
+	}
+	f.eng = f.open()
+	return f
+}
+
+func (f *fixture) open() *Engine {
+	e, err := NewEngine(f.cfg)
+	require.NoError(f.t, err)
+	f.t.Cleanup(e.Stop)
+	return e
+}
+
+func vmSpec(name string, mods ...func(*VMSpec)) VMSpec {
+	s := VMSpec{Name: name, CPUs: 1, MemoryMiB: 64, Kernel: Source{Location: "/img/" + name + "/vmlinuz"}, Power: PowerRunning, Restart: RestartAlways}
+	for _, m := range mods {
+		m(&s)
+	}
+	return s
+}
+
+// stepNoWait runs one Step and fails the test if it does not come back
+// promptly: every caller has a VM wedged, so a Step that waited on a
+// worker would hang here instead of failing with a reason.
+func stepNoWait(t *testing.T, e *Engine, desired ...VMSpec) Report {
+	t.Helper()
+	done := make(chan Report, 1)
+	go func() { done <- e.Step(context.Background(), desired) }()
+	select {
+	case r := <-done:
+		return r
+	case <-time.After(2 * time.Second):
+		t.Fatal("Step blocked on a busy VM")
+		return Report{}
+	}
+}
+
+func rowOf(r Report, name string) *VMStatus {
+	for i := range r.VMs {
+		if r.VMs[i].Name == name {
+			return &r.VMs[i]
+		}
+	}
+	return nil
+}
+
+// waitRow steps until the VM's row satisfies ok (the daemon's 1 s tick,
+// compressed), or fails after a few seconds with the last row seen.
+func waitRow(t *testing.T, e *Engine, name string, ok func(VMStatus) bool, desired ...VMSpec) VMStatus {
+	t.Helper()
+	var last VMStatus
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if r := rowOf(e.Step(context.Background(), desired), name); r != nil {
+			last = *r
+			if ok(last) {
+				return last
+			}
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("VM %s never reached the expected state; last row %+v", name, last)
+	return last
+}
+
+func phaseIs(p string) func(VMStatus) bool { return func(s VMStatus) bool { return s.Phase == p } }
+
+func waitFor(t *testing.T, ch <-chan string, what string) string {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(3 * time.Second):
+		t.Fatalf("timed out waiting for %s", what)
+		return ""
+	}
+}

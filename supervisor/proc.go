@@ -1,0 +1,271 @@
+package supervisor
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// ProcStartTime returns field 22 of /proc/<pid>/stat: the process start time
+// in clock ticks since boot. Together with the pid it names one process for
+// the life of the host, which a bare pid (reused after exit) does not.
+func ProcStartTime(pid int) (uint64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// comm (field 2) may hold spaces and parentheses: fields resume after
+	// the last ')'.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: no ')' in %q", pid, b)
+	}
+	fields := bytes.Fields(b[i+1:])
+	// fields[0] is field 3 (state), so field 22 is fields[19].
+	if len(fields) < 20 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields after comm, want >= 20", pid, len(fields))
+	}
+	return strconv.ParseUint(string(fields[19]), 10, 64)
+}
+
+// ProcExe returns the target of /proc/<pid>/exe.
+func ProcExe(pid int) (string, error) {
+	return os.Readlink(fmt.Sprintf("/proc/%d/exe", pid))
+}
+
+// Identify fills PID, StartTime and Exe for a freshly started process. Call
+// it before the process can be reaped (a child that is not waited for keeps
+// its pid).
+func Identify(pid int) (Instance, error) {
+	st, err := ProcStartTime(pid)
+	if err != nil {
+		return Instance{}, err
+	}
+	exe, err := ProcExe(pid)
+	if err != nil {
+		return Instance{}, err
+	}
+	return Instance{PID: pid, StartTime: st, Exe: exe}, nil
+}
+
+// ErrNotSameProcess says the pid is gone or now names another process.
+var ErrNotSameProcess = errors.New("not the recorded process")
+
+// CheckIdentity proves that inst.PID is still the process that was recorded:
+// alive, same start time, same executable.
+func CheckIdentity(inst Instance) error {
+	if inst.PID <= 0 {
+		return fmt.Errorf("pid %d: %w", inst.PID, ErrNotSameProcess)
+	}
+	st, err := ProcStartTime(inst.PID)
+	if err != nil {
+		return fmt.Errorf("pid %d: %w (%v)", inst.PID, ErrNotSameProcess, err)
+	}
+	if st != inst.StartTime {
+		return fmt.Errorf("pid %d: start time %d, recorded %d: %w", inst.PID, st, inst.StartTime, ErrNotSameProcess)
+	}
+	if inst.Exe != "" {
+		exe, err := ProcExe(inst.PID)
+		if err != nil {
+			return fmt.Errorf("pid %d: exe: %w (%v)", inst.PID, ErrNotSameProcess, err)
+		}
+		if exe != inst.Exe {
+			return fmt.Errorf("pid %d: exe %q, recorded %q: %w", inst.PID, exe, inst.Exe, ErrNotSameProcess)
+		}
+	}
+	if isZombie(inst.PID) {
+		return fmt.Errorf("pid %d: exited (zombie): %w", inst.PID, ErrNotSameProcess)
+	}
+	return nil
+}
+
+func isZombie(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 || i+2 >= len(b) {
+		return false
+	}
+	return b[i+2] == 'Z' || b[i+2] == 'X'
+}
+
+// Pidfd is a pollable handle on one process (pidfd_open). It cannot be
+// confused with a later process that reuses the pid.
+type Pidfd struct {
+	f   *os.File
+	pid int
+}
+
+// OpenPidfd opens a pidfd on inst.PID and proves, after opening, that it is
+// the recorded process (same start time): checking after the open closes the
+// window in which the pid could be reused. An exited but unreaped child
+// (zombie) still opens; its pidfd is readable at once.
+func OpenPidfd(inst Instance) (*Pidfd, error) {
+	fd, err := unix.PidfdOpen(inst.PID, unix.PIDFD_NONBLOCK)
+	if err != nil {
+		return nil, fmt.Errorf("pidfd_open %d: %w", inst.PID, err)
+	}
+	f := os.NewFile(uintptr(fd), fmt.Sprintf("pidfd:%d", inst.PID))
+	st, err := ProcStartTime(inst.PID)
+	if err != nil || st != inst.StartTime {
+		f.Close()
+		return nil, fmt.Errorf("pid %d: %w", inst.PID, ErrNotSameProcess)
+	}
+	return &Pidfd{f: f, pid: inst.PID}, nil
+}
+
+// Wait blocks until the process exits or ctx ends. It parks in the Go
+// netpoller (the pidfd turns readable at exit): no periodic polling.
+func (p *Pidfd) Wait(ctx context.Context) error {
+	rc, err := p.f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	// An earlier Wait cancelled by its ctx left a deadline in the past.
+	if err := p.f.SetReadDeadline(time.Time{}); err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { _ = p.f.SetReadDeadline(time.Unix(1, 0)) })
+	defer stop()
+	var ready bool
+	err = rc.Read(func(fd uintptr) bool {
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		n, perr := unix.Poll(fds, 0)
+		ready = perr == nil && n > 0
+		return ready
+	})
+	if ready {
+		return nil
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if err == nil {
+		err = errors.New("pidfd wait ended without exit")
+	}
+	return err
+}
+
+// Exited reports, without blocking, whether the process has exited.
+func (p *Pidfd) Exited() bool {
+	rc, err := p.f.SyscallConn()
+	if err != nil {
+		return true
+	}
+	var ready bool
+	_ = rc.Control(func(fd uintptr) {
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		n, perr := unix.Poll(fds, 0)
+		ready = perr == nil && n > 0
+	})
+	return ready
+}
+
+// Signal sends sig through the pidfd, so it can only reach this process.
+func (p *Pidfd) Signal(sig syscall.Signal) error {
+	rc, err := p.f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) { serr = unix.PidfdSendSignal(int(fd), sig, nil, 0) }); err != nil {
+		return err
+	}
+	return serr
+}
+
+// ExitStatus describes how a process ended. Known is false when the process
+// was not the daemon's child (adopted after a restart): only its parent
+// could read the status.
+type ExitStatus struct {
+	Known    bool
+	Code     int
+	Signal   syscall.Signal
+	Signaled bool
+}
+
+// Clean says the process exited with status 0.
+func (s ExitStatus) Clean() bool { return s.Known && !s.Signaled && s.Code == 0 }
+
+func (s ExitStatus) String() string {
+	switch {
+	case !s.Known:
+		return "exit status unknown (not our child)"
+	case s.Signaled:
+		return fmt.Sprintf("killed by signal %d (%s)", int(s.Signal), s.Signal)
+	default:
+		return fmt.Sprintf("exit status %d", s.Code)
+	}
+}
+
+// Reap collects the exit status of an exited child (so it does not linger as
+// a zombie). For a process that is not our child the status is unknown.
+func (p *Pidfd) Reap() ExitStatus {
+	var ws unix.WaitStatus
+	for {
+		pid, err := unix.Wait4(p.pid, &ws, unix.WNOHANG, nil)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil || pid != p.pid {
+			return ExitStatus{}
+		}
+		if ws.Signaled() {
+			return ExitStatus{Known: true, Signaled: true, Signal: ws.Signal()}
+		}
+		return ExitStatus{Known: true, Code: ws.ExitStatus()}
+	}
+}
+
+// Close releases the pidfd.
+func (p *Pidfd) Close() error { return p.f.Close() }
+
+// WaitExit waits until the recorded process is gone or ctx ends; a process
+// that is already gone (or is now another process) counts as exited.
+func WaitExit(ctx context.Context, inst Instance) error {
+	pfd, err := OpenPidfd(inst)
+	if err != nil {
+		return nil
+	}
+	defer pfd.Close()
+	return pfd.Wait(ctx)
+}
+
+// RemoveStaleSocket removes a unix socket left behind by a dead process, and
+// only after proving nobody listens on it: connect must be refused. A socket
+// with a live listener, or a path that is not a socket, is an error and is
+// left alone.
+func RemoveStaleSocket(path string) error {
+	fi, err := os.Lstat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if fi.Mode()&os.ModeSocket == 0 {
+		return fmt.Errorf("%s exists and is not a socket", path)
+	}
+	c, err := net.DialTimeout("unix", path, time.Second)
+	if err == nil {
+		c.Close()
+		return fmt.Errorf("socket %s is in use by a live process", path)
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		return fmt.Errorf("probe socket %s: %w", path, err)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}

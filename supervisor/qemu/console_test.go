@@ -1,0 +1,79 @@
+package qemu
+
+import (
+	"bufio"
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/brokkr/brokkr/supervisor"
+)
+
+// By default the serial console is served on RunDir/console.sock. The KVM
+// probe's reader sees the guest's first output and appends it to the
+// console log; once it lets go, the next reader (the engine's copy) gets
+// the rest of the boot. No network: needs neither root nor a namespace.
+func TestConsoleSocketProbeThenHandOver(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a real qemu (-short)")
+	}
+	requireQEMU(t)
+	img := findGuestImage(t)
+	dir := t.TempDir()
+	run, err := os.MkdirTemp("", "brkqm")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(run) })
+	cfg := supervisor.LaunchConfig{
+		Name: "cons", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
+		Kernel: img.Kernel, Initramfs: img.Initramfs,
+		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
+	}
+	b := New("", WithAccel(AccelTCG))
+	inst, err := b.Start(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+	})
+	require.Equal(t, filepath.Join(run, "console.sock"), inst.ConsoleSocket)
+
+	// The probe's reader, as a KVM launch runs it.
+	plan := launchPlan{Machine: MachineQ35, Accel: AccelTCG}
+	require.True(t, consoleOnSerial(kernelCmdline(cfg, plan)))
+	w, err := watchConsole(t.Context(), inst.ConsoleSocket, cfg.ConsoleLog)
+	require.NoError(t, err)
+	require.Eventually(t, w.printed, 60*time.Second, 20*time.Millisecond, "no console output")
+	w.close()
+	assert.True(t, strings.HasPrefix(readFile(cfg.ConsoleLog), "[    0.000000] Linux"),
+		"the probe's bytes are in the console log: %q", readFile(cfg.ConsoleLog))
+
+	// The next reader gets the rest, up to the guest's init starting.
+	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", inst.ConsoleSocket)
+	require.NoError(t, err)
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(90 * time.Second))
+	sc := bufio.NewScanner(c)
+	ready := false
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), "BROKKR-GUEST: init") {
+			ready = true
+			break
+		}
+	}
+	assert.True(t, ready, "the second reader saw the guest come up (%v)", sc.Err())
+	// Still booting (no acpid yet): the grace is short, quit ends it.
+	require.NoError(t, b.Stop(t.Context(), inst, time.Second))
+	_, err = os.Stat(inst.ConsoleSocket)
+	assert.True(t, os.IsNotExist(err) || !socketInUse(inst.ConsoleSocket), "nobody serves the console after stop")
+}

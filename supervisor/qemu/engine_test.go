@@ -1,0 +1,133 @@
+package qemu
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/supervisor"
+	"github.com/brokkr/brokkr/supervisor/images"
+)
+
+// qemuProcsFor lists the live qemu processes whose command line names dir.
+func qemuProcsFor(dir string) []int {
+	var pids []int
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil || !strings.Contains(string(b), "qemu-system") || !strings.Contains(string(b), dir) {
+			continue
+		}
+		if pid, err := strconv.Atoi(e.Name()); err == nil {
+			if st, err := readProcStat(pid); err == nil && st.State != 'Z' {
+				pids = append(pids, pid)
+			}
+		}
+	}
+	return pids
+}
+
+// The engine drives a real guest through this backend: it boots and
+// serves, survives an engine restart (the new engine adopts the same
+// process, no second qemu), is restarted after kill -9, and is powered off
+// when desired stopped.
+func TestEngineWithRealGuest(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots real VMs (-short)")
+	}
+	nstest.RequireRoot(t)
+	requireQEMU(t)
+	img := findGuestImage(t)
+	gn := newGuestNet(t)
+	logger := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithLogger(logger))
+	state := t.TempDir()
+	run, err := os.MkdirTemp("", "brkqm")
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		for _, pid := range qemuProcsFor(run) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			_, _ = syscall.Wait4(pid, nil, 0, nil)
+		}
+		os.RemoveAll(run)
+	})
+	cache, err := images.New(state, images.WithLogger(logger))
+	require.NoError(t, err)
+	newEngine := func() *supervisor.Engine {
+		e, err := supervisor.NewEngine(supervisor.Config{StateDir: state, RunDir: run, Hypervisor: b, Images: cache, Logger: logger})
+		require.NoError(t, err)
+		return e
+	}
+	spec := supervisor.VMSpec{
+		Name: "web", CPUs: 1, MemoryMiB: 256,
+		Kernel:    supervisor.Source{Location: img.Kernel},
+		Initramfs: &supervisor.Source{Location: img.Initramfs},
+		Power:     supervisor.PowerRunning, Restart: supervisor.RestartAlways,
+		Tap: gn.Tap, MAC: gn.MAC,
+	}
+	waitRow := func(e *supervisor.Engine, spec supervisor.VMSpec, ok func(supervisor.VMStatus) bool) supervisor.VMStatus {
+		t.Helper()
+		var last supervisor.VMStatus
+		deadline := time.Now().Add(2 * time.Minute)
+		for time.Now().Before(deadline) {
+			for _, r := range e.Step(context.Background(), []supervisor.VMSpec{spec}).VMs {
+				if r.Name == spec.Name {
+					last = r
+					if ok(r) {
+						return r
+					}
+				}
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		t.Fatalf("row never matched; last %+v", last)
+		return last
+	}
+	reach := func() {
+		t.Helper()
+		require.Eventually(t, func() bool {
+			return gn.dialGuest("tcp", "8080", func(c net.Conn) error { _, err := httpGet(c); return err }) == nil
+		}, 90*time.Second, 50*time.Millisecond, "guest never answered")
+	}
+
+	e1 := newEngine()
+	first := waitRow(e1, spec, func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseRunning })
+	reach()
+	e1.Stop() // the daemon goes away; the VM stays
+
+	e2 := newEngine()
+	defer e2.Stop()
+	adopted := waitRow(e2, spec, func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseRunning })
+	assert.Equal(t, first.PID, adopted.PID, "adopted, not restarted")
+	assert.Equal(t, []int{first.PID}, qemuProcsFor(run), "exactly one qemu for the VM")
+	reach()
+
+	require.NoError(t, syscall.Kill(first.PID, syscall.SIGKILL))
+	again := waitRow(e2, spec, func(r supervisor.VMStatus) bool {
+		return r.Phase == supervisor.PhaseRunning && r.PID != first.PID && r.PID != 0
+	})
+	assert.Equal(t, 1, again.Restarts)
+	reach()
+
+	// The console reached the engine's log through the console socket.
+	assert.Contains(t, readFile(filepath.Join(state, "vms", "web", "console.log")), "BROKKR-GUEST-READY")
+
+	spec.Power = supervisor.PowerStopped
+	t0 := time.Now()
+	waitRow(e2, spec, func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseStopped })
+	assert.Empty(t, qemuProcsFor(run), "powered off")
+	// The default grace is 30 s: a stop well inside it was the guest
+	// powering off on the button, not the escalation.
+	assert.Less(t, time.Since(t0), 10*time.Second)
+}

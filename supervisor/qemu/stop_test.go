@@ -1,0 +1,77 @@
+package qemu
+
+import (
+	"net"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/brokkr/brokkr/supervisor"
+)
+
+// A guest that does not act on the power button (here: still booting, no
+// acpid yet) is ended by QMP quit once the grace period is over. No network:
+// the VM has no tap, so this needs neither root nor a namespace.
+func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a real qemu (-short)")
+	}
+	requireQEMU(t)
+	img := findGuestImage(t)
+	dir := t.TempDir()
+	run, err := os.MkdirTemp("", "brkqm")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(run) })
+	cfg := supervisor.LaunchConfig{
+		Name: "deaf", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
+		Kernel: img.Kernel, Initramfs: img.Initramfs,
+		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
+	}
+	b := New("", WithAccel(AccelTCG), WithConsoleFile())
+	inst, err := b.Start(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+	})
+	state, err := b.Info(t.Context(), inst)
+	require.NoError(t, err)
+	assert.Equal(t, supervisor.VMRunning, state)
+
+	const grace = 300 * time.Millisecond
+	t0 := time.Now()
+	require.NoError(t, b.Stop(t.Context(), inst, grace))
+	took := time.Since(t0)
+	t.Logf("Stop took %s", took.Round(time.Millisecond))
+	assert.GreaterOrEqual(t, took, grace, "the guest had its grace period")
+	assert.Less(t, took, grace+b.stopStepMax, "QMP quit ended it; no SIGTERM/SIGKILL wait was needed")
+	assert.NotContains(t, readFile(cfg.ConsoleLog), "powering off", "the guest never handled the button")
+	var ws syscall.WaitStatus
+	_, err = syscall.Wait4(inst.PID, &ws, 0, nil)
+	require.NoError(t, err)
+	assert.True(t, ws.Exited(), "qemu exited by itself on quit (not by a signal): %v", ws)
+
+	// A stale QMP socket (a file nobody listens on, as a SIGKILLed qemu
+	// leaves) is removed and does not block the next start.
+	_ = os.Remove(inst.APISocket)
+	ln, err := net.Listen("unix", inst.APISocket)
+	require.NoError(t, err)
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	ln.Close()
+	require.FileExists(t, inst.APISocket)
+	require.NoError(t, os.WriteFile(cfg.ConsoleLog, []byte("previous boot\n"), 0o600))
+	inst2, err := b.Start(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(inst2.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst2.PID, nil, 0, nil)
+	})
+	require.NoError(t, b.Adopt(t.Context(), inst2))
+	assert.Error(t, b.Adopt(t.Context(), inst), "the old instance is not adoptable")
+	assert.Equal(t, "previous boot\n", readFile(cfg.ConsoleLog+".1"), "the previous boot's console is kept")
+}

@@ -1,0 +1,102 @@
+package supervisor
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// recordVersion is bumped when the record layout changes incompatibly.
+const recordVersion = 1
+
+// record is what survives a daemon restart for one VM: the spec its running
+// process was started from, the process's identity, and the restart count.
+type record struct {
+	Version   int       `json:"version"`
+	Name      string    `json:"name"`
+	Spec      VMSpec    `json:"spec"`
+	Instance  *Instance `json:"instance,omitempty"`
+	StartedAt time.Time `json:"startedAt,omitzero"`
+	Restarts  int       `json:"restarts"`
+}
+
+func recordPath(vmDir string) string { return filepath.Join(vmDir, "record.json") }
+
+// readRecord returns (nil, nil) when there is no record. Any other failure
+// (unreadable, not JSON, another VM's record, an unknown version) is an
+// error naming the file: the caller reports it and never overwrites it.
+func readRecord(vmDir, name string) (*record, error) {
+	p := recordPath(vmDir)
+	b, err := os.ReadFile(p)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("record %s: %w", p, err)
+	}
+	var r record
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("record %s is corrupt: %w", p, err)
+	}
+	if r.Version != recordVersion {
+		return nil, fmt.Errorf("record %s: version %d, want %d", p, r.Version, recordVersion)
+	}
+	if r.Name != name {
+		return nil, fmt.Errorf("record %s: names VM %q, want %q", p, r.Name, name)
+	}
+	return &r, nil
+}
+
+// writeRecord replaces the record atomically: a reader (or a daemon that
+// crashes halfway) sees the old record or the new one, never a torn file.
+func writeRecord(vmDir string, r *record) error {
+	r.Version = recordVersion
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(recordPath(vmDir), b)
+}
+
+// writeFileAtomic: temp file in the same directory, fsync, rename over the
+// target, fsync the directory so the rename itself is durable.
+func writeFileAtomic(path string, data []byte) error {
+	dir := filepath.Dir(path)
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".*.tmp")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	ok := false
+	defer func() {
+		if !ok {
+			f.Close()
+			os.Remove(tmp)
+		}
+	}()
+	if _, err := f.Write(data); err != nil {
+		return err
+	}
+	if err := f.Chmod(0o600); err != nil {
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return err
+	}
+	ok = true
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}

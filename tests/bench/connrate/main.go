@@ -1,0 +1,113 @@
+// Command connrate is the proxy benchmark's short-connection load and its
+// guest-side responder.
+//
+//	connrate -serve ADDR              echo whatever arrives until the caller closes
+//	connrate -rate ADDR -c 8 -d 4s    connect, send 1 byte, read 1 byte, close; print conns/s
+//	connrate -hold ADDR -n 1000       open n connections, one exchange each, print "held n",
+//	                                  keep them until stdin closes
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+func main() {
+	serve := flag.String("serve", "", "address to serve an echo on")
+	rate := flag.String("rate", "", "address to measure the connection rate against")
+	hold := flag.String("hold", "", "address to hold idle connections to")
+	workers := flag.Int("c", 8, "concurrent connectors")
+	dur := flag.Duration("d", 4*time.Second, "measurement length")
+	n := flag.Int("n", 1000, "connections to hold")
+	flag.Parse()
+	switch {
+	case *serve != "":
+		runServe(*serve)
+	case *rate != "":
+		runRate(*rate, *workers, *dur)
+	case *hold != "":
+		runHold(*hold, *n)
+	default:
+		flag.Usage()
+		os.Exit(2)
+	}
+}
+
+func runServe(addr string) {
+	ln, err := net.Listen("tcp", addr)
+	check(err)
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		go func() { defer c.Close(); io.Copy(c, c) }()
+	}
+}
+
+func exchange(c net.Conn) error {
+	if _, err := c.Write([]byte{'x'}); err != nil {
+		return err
+	}
+	_, err := io.ReadFull(c, make([]byte, 1))
+	return err
+}
+
+func runRate(addr string, workers int, dur time.Duration) {
+	var done, failed atomic.Int64
+	stop := time.Now().Add(dur)
+	var wg sync.WaitGroup
+	for i := 0; i < workers; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+				if err != nil {
+					failed.Add(1)
+					continue
+				}
+				c.SetDeadline(time.Now().Add(2 * time.Second))
+				if exchange(c) == nil {
+					done.Add(1)
+				} else {
+					failed.Add(1)
+				}
+				c.Close()
+			}
+		}()
+	}
+	wg.Wait()
+	fmt.Printf("%.0f conns/s (%d ok, %d failed)\n", float64(done.Load())/dur.Seconds(), done.Load(), failed.Load())
+}
+
+func runHold(addr string, n int) {
+	conns := make([]net.Conn, 0, n)
+	for len(conns) < n {
+		c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+		check(err)
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		check(exchange(c))
+		c.SetDeadline(time.Time{})
+		conns = append(conns, c)
+	}
+	fmt.Println("held", len(conns))
+	io.Copy(io.Discard, os.Stdin)
+	for _, c := range conns {
+		c.Close()
+	}
+}
+
+func check(err error) {
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "connrate:", err)
+		os.Exit(1)
+	}
+}

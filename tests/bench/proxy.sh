@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# Proxy benchmark: brokkr's userspace proxy against direct routing,
+# docker-proxy, haproxy (TCP mode, splice) and socat, all in ONE run on the
+# same topology:
+#
+#   brk-px-client (10.77.1.2) --veth-- brk-px-host (10.77.1.1 | 10.77.2.1) --veth-- brk-px-guest (10.77.2.2)
+#
+# The proxies listen in the host namespace; "direct" routes client -> guest
+# through it. Measured: iperf3 -P1 and -P8 throughput, short-connection rate
+# (connect, 1-byte exchange, close), and RSS per idle held connection.
+# Each figure is the median of $ROUNDS runs; ratios are to direct (and to
+# docker-proxy) from the same run.
+#
+# Run as root: tests/bench/proxy.sh   (env: ROUNDS=3 SECS=4 HOLD=1000)
+# Everything it creates is named brk-px-* and removed on exit, also on failure.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROUNDS=${ROUNDS:-3}
+SECS=${SECS:-4}
+HOLD=${HOLD:-1000}
+P=brk-px
+CL=$P-client HO=$P-host GU=$P-guest
+work=$(mktemp -d /tmp/$P-bench.XXXXXX)
+pids=()
+
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  for n in $CL $HO $GU; do ip netns delete "$n" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+[ "$(id -u)" = 0 ] || { echo "proxy.sh: needs root (creates network namespaces)"; exit 1; }
+for t in iperf3 haproxy socat; do command -v $t >/dev/null || { echo "proxy.sh: $t missing (make deps)"; exit 1; }; done
+export PATH=/usr/local/go/bin:$PATH
+
+# --- binaries: brokkr's proxy runner, the load client, docker-proxy ---------
+go build -o "$work/" ./tests/bench/proxyrun ./tests/bench/connrate
+DPDIR=.cache/docker-proxy
+DP=$DPDIR/usr/sbin/docker-proxy
+if [ ! -x "$DP" ]; then
+  # Debian's docker.io, downloaded and unpacked only: never installed, no service.
+  (cd "$work" && apt-get download docker.io 2>/dev/null && dpkg -x docker.io_*.deb dx)
+  mkdir -p "$DPDIR/usr/sbin"
+  cp "$work/dx/usr/sbin/docker-proxy" "$DP"
+  dpkg-deb -f "$work"/docker.io_*.deb Version >"$DPDIR/VERSION"
+fi
+DPVER=$(cat "$DPDIR/VERSION" 2>/dev/null || echo unknown)
+
+# --- topology ----------------------------------------------------------------
+for n in $CL $HO $GU; do ip netns delete "$n" 2>/dev/null || true; ip netns add "$n"; ip -n "$n" link set lo up; done
+ip -n $CL link add c0 type veth peer name h0 netns $HO
+ip -n $HO link add h1 type veth peer name g0 netns $GU
+ip -n $CL addr add 10.77.1.2/24 dev c0; ip -n $CL link set c0 up
+ip -n $HO addr add 10.77.1.1/24 dev h0; ip -n $HO link set h0 up
+ip -n $HO addr add 10.77.2.1/24 dev h1; ip -n $HO link set h1 up
+ip -n $GU addr add 10.77.2.2/24 dev g0; ip -n $GU link set g0 up
+ip -n $CL route add default via 10.77.1.1
+ip -n $GU route add default via 10.77.2.1
+# Per-namespace sysctls, inside our own namespaces only.
+ip netns exec $HO sysctl -qw net.ipv4.ip_forward=1
+for n in $CL $HO; do
+  ip netns exec $n sysctl -qw net.ipv4.tcp_tw_reuse=1 net.ipv4.ip_local_port_range="1024 65000"
+done
+ulimit -n "$(ulimit -Hn)"
+
+inns() { local n=$1; shift; nsenter --net=/run/netns/$n -- "$@"; }
+# Background servers start as nsenter itself (it execs the command), never
+# through a function: then $! is the server's own pid and cleanup kills it.
+
+# --- guest services ------------------------------------------------------------
+nsenter --net=/run/netns/$GU -- iperf3 -s -p 5201 >"$work/iperf3.log" 2>&1 &
+pids+=($!)
+nsenter --net=/run/netns/$GU -- "$work/connrate" -serve 10.77.2.2:7000 >"$work/serve.log" 2>&1 &
+pids+=($!)
+
+# --- proxies in the host namespace ----------------------------------------------
+# port pairs: iperf3 via 62xx, connection rate via 72xx
+nsenter --net=/run/netns/$HO -- "$work/proxyrun" -e 10.77.1.1:6201=10.77.2.2:5201 -e 10.77.1.1:7201=10.77.2.2:7000 >"$work/brokkr.log" 2>&1 &
+pids+=($!); BROKKR=$!
+# docker-proxy reports readiness on fd 3 and then closes it: give it one, or
+# it closes whatever socket landed on fd 3 (its own listener).
+nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 10.77.1.1 -host-port 6202 -container-ip 10.77.2.2 -container-port 5201 3>"$work/dp1.ready" >"$work/dp1.log" 2>&1 &
+pids+=($!)
+nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 10.77.1.1 -host-port 7202 -container-ip 10.77.2.2 -container-port 7000 3>"$work/dp2.ready" >"$work/dp2.log" 2>&1 &
+pids+=($!); DOCKER=$!
+cat >"$work/haproxy.cfg" <<EOF
+global
+  maxconn 4000
+defaults
+  mode tcp
+  option splice-auto
+  timeout connect 5s
+  timeout client 1m
+  timeout server 1m
+frontend iperf
+  bind 10.77.1.1:6203
+  default_backend iperf
+backend iperf
+  server g 10.77.2.2:5201
+frontend rate
+  bind 10.77.1.1:7203
+  default_backend rate
+backend rate
+  server g 10.77.2.2:7000
+EOF
+nsenter --net=/run/netns/$HO -- haproxy -db -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
+pids+=($!); HAPROXY=$!
+nsenter --net=/run/netns/$HO -- socat TCP-LISTEN:6204,bind=10.77.1.1,fork,reuseaddr TCP:10.77.2.2:5201 >/dev/null 2>&1 &
+pids+=($!)
+nsenter --net=/run/netns/$HO -- socat TCP-LISTEN:7204,bind=10.77.1.1,fork,reuseaddr TCP:10.77.2.2:7000 >/dev/null 2>&1 &
+pids+=($!)
+
+# wait until every port listens (a probe connection would use up an iperf3 test)
+for a in $GU/10.77.2.2:5201 $GU/10.77.2.2:7000 $HO/10.77.1.1:6201 $HO/10.77.1.1:7201 $HO/10.77.1.1:6202 \
+         $HO/10.77.1.1:7202 $HO/10.77.1.1:6203 $HO/10.77.1.1:7203 $HO/10.77.1.1:6204 $HO/10.77.1.1:7204; do
+  for i in $(seq 100); do
+    [ -n "$(ip netns exec "${a%%/*}" ss -Hltn "sport = :${a##*:}")" ] && break
+    sleep 0.1
+    [ "$i" = 100 ] && { echo "proxy.sh: ${a#*/} never listened"; cat "$work"/*.log; exit 1; }
+  done
+done
+
+declare -A IPERF=( [direct]=10.77.2.2:5201 [brokkr]=10.77.1.1:6201 [docker-proxy]=10.77.1.1:6202 [haproxy]=10.77.1.1:6203 [socat]=10.77.1.1:6204 )
+declare -A RATE=( [direct]=10.77.2.2:7000 [brokkr]=10.77.1.1:7201 [docker-proxy]=10.77.1.1:7202 [haproxy]=10.77.1.1:7203 [socat]=10.77.1.1:7204 )
+paths=(direct brokkr docker-proxy haproxy socat)
+
+# iperf3 receiver throughput in Gbit/s
+tput() { # addr streams
+  inns $CL iperf3 -c "${1%:*}" -p "${1#*:}" -P "$2" -t "$SECS" -f g 2>&1 \
+    | awk '/receiver/ { for (i = 2; i <= NF; i++) if ($i == "Gbits/sec") v = $(i-1) } END { print v + 0 }'
+}
+crate() { inns $CL "$work/connrate" -rate "$1" -c 8 -d "${SECS}s" | awk '{ print $1 }'; }
+median() { sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
+
+declare -A R1 R8 RC
+for round in $(seq "$ROUNDS"); do
+  for p in "${paths[@]}"; do
+    R1[$p]+="$(tput "${IPERF[$p]}" 1) "
+    R8[$p]+="$(tput "${IPERF[$p]}" 8) "
+    RC[$p]+="$(crate "${RATE[$p]}") "
+  done
+  echo "round $round done" >&2
+done
+
+# --- RSS per idle held connection -------------------------------------------------
+rss() { awk '/^VmRSS/ { print $2 }' /proc/$1/status; }
+holdrss() { # pid addr
+  local before after
+  before=$(rss "$1")
+  coproc HOLDER { inns $CL "$work/connrate" -hold "$2" -n "$HOLD"; }
+  read -r line <&"${HOLDER[0]}"
+  sleep 1
+  after=$(rss "$1")
+  eval "exec ${HOLDER[1]}>&-"
+  wait "$HOLDER_PID" 2>/dev/null || true
+  echo "$before $after"
+}
+declare -A RSS
+RSS[brokkr]=$(holdrss $BROKKR 10.77.1.1:7201)
+RSS[docker-proxy]=$(holdrss $DOCKER 10.77.1.1:7202)
+RSS[haproxy]=$(holdrss $HAPROXY 10.77.1.1:7203)
+
+# --- splice proof: syscalls of brokkr's proxy during a 2 s single stream ----------
+strace -f -qq -c -e trace=splice,read,write -p $BROKKR -o "$work/strace.txt" &
+ST=$!
+sleep 0.5
+inns $CL iperf3 -c 10.77.1.1 -p 6201 -t 2 >/dev/null 2>&1 || true
+kill -INT $ST; wait $ST 2>/dev/null || true
+
+# --- report -------------------------------------------------------------------------
+m1() { echo ${R1[$1]} | tr ' ' '\n' | median; }
+m8() { echo ${R8[$1]} | tr ' ' '\n' | median; }
+mc() { echo ${RC[$1]} | tr ' ' '\n' | median; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+d1=$(m1 direct) d8=$(m8 direct) dc=$(mc direct)
+echo
+echo "proxy benchmark $(date -u +%FT%TZ), $(nproc) CPUs, kernel $(uname -r), median of $ROUNDS x ${SECS}s; docker-proxy from docker.io $DPVER"
+echo
+echo "| path | iperf3 -P1 Gbit/s | × direct | iperf3 -P8 Gbit/s | × direct | conns/s | × direct |"
+echo "|---|---|---|---|---|---|---|"
+for p in "${paths[@]}"; do
+  echo "| $p | $(m1 $p) | $(ratio $(m1 $p) $d1) | $(m8 $p) | $(ratio $(m8 $p) $d8) | $(mc $p) | $(ratio $(mc $p) $dc) |"
+done
+echo
+echo "brokkr / docker-proxy: -P1 $(ratio $(m1 brokkr) $(m1 docker-proxy))×, -P8 $(ratio $(m8 brokkr) $(m8 docker-proxy))×, conns/s $(ratio $(mc brokkr) $(mc docker-proxy))×"
+echo "all rounds (-P1 | -P8 | conns/s):"
+for p in "${paths[@]}"; do echo "  $p: ${R1[$p]}| ${R8[$p]}| ${RC[$p]}"; done
+echo
+echo "| proxy | VmRSS idle kB | VmRSS with $HOLD held kB | per held connection kB |"
+echo "|---|---|---|---|"
+for p in brokkr docker-proxy haproxy; do
+  read -r b a <<<"${RSS[$p]}"
+  echo "| $p | $b | $a | $(awk -v a="$a" -v b="$b" -v n="$HOLD" 'BEGIN { printf "%.1f", (a - b) / n }') |"
+done
+echo
+echo "splice proof: strace -f -c -e trace=splice,read,write -p <brokkr proxy> during a 2 s iperf3 -P1:"
+cat "$work/strace.txt"
