@@ -146,7 +146,9 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 	inet.addChain(&chainSpec{name: chainFromGuests, rules: fg})
 
 	for _, e := range r.Exposures {
-		addExposure(inet, e, ids[e.Name])
+		if !e.loopbackOnly() {
+			addExposure(inet, e, ids[e.Name])
+		}
 	}
 
 	return inet, desiredBridge(r)
@@ -175,7 +177,7 @@ type unitKey struct {
 func unitOf(k *unitKey) *tableSpec {
 	t := newTableSpec(nftables.TableFamilyINet)
 	addSharedMaps(t)
-	if k != nil {
+	if k != nil && !k.e.loopbackOnly() {
 		addExposure(t, k.e, k.id)
 	}
 	return t
