@@ -13,25 +13,32 @@ import (
 )
 
 // The cap. Each capped exposure has a set `conns-NAME` of size MaxConns
-// holding the conntrack ids of its open connections:
-//   - admission (nat prerouting/output, first packet only): `add @conns-NAME
-//     { ct id }` fails once the set is full, and the next rule counts the
-//     caller as refused and rejects it. The kernel's size check is an atomic
-//     compare-and-increment, so parallel SYNs on several CPUs cannot
-//     overshoot: the upper bound is exact.
+// holding its open connections, each as its original tuple (source address
+// . destination address . source port; protocol and host port are the
+// exposure's):
+//   - admission (nat prerouting/output, first packet only):
+//     `add @conns-NAME { ip saddr . ip daddr . tcp sport }` fails once the
+//     set is full, and the next rule counts the caller as refused and
+//     rejects it. The kernel's size check is an atomic compare-and-
+//     increment, so parallel SYNs on several CPUs cannot overshoot: the
+//     upper bound is exact.
 //   - closing, in the kernel, in packet order: a FIN in each direction (or
-//     one RST) sets both close bits of the ct mark. (Deleting the id from the
-//     set in the datapath does not work: the kernel only marks the element
-//     dead and gives the slot back at the set's next GC, ~1 s later.)
+//     one RST) sets both close bits of the ct mark. (Deleting the member in
+//     the datapath does not work: the kernel only marks the element dead
+//     and gives the slot back at the set's next GC, ~1 s later. A
+//     synchronous check through NFQUEUE is impossible here: this kernel has
+//     no CONFIG_NFT_QUEUE.)
 //   - release, by this watcher: on the conntrack update event that shows a
 //     connection closed (both bits, TIME_WAIT/CLOSE) or its destroy event
-//     (UDP, timeouts), the id is deleted from the set by a netlink batch,
-//     which frees the slot at once. So a closed connection stops counting
-//     after the watcher's latency (measured: see BENCHMARKS.md).
-//   - a sweep removes ids that stay in a set without a conntrack entry (a
-//     SYN dropped before its entry was confirmed), only after seeing them
-//     stale twice, because a just-admitted connection is briefly in the set
-//     before its entry is confirmed.
+//     (UDP, timeouts), the member is deleted by a netlink batch, which frees
+//     the slot at once. So a closed connection stops counting after the
+//     watcher's latency (~2 ms measured: see BENCHMARKS.md).
+//   - a sweep (every 5 s, for exposures that refused someone, and after
+//     lost events) removes members whose connection has no conntrack entry
+//     or has closed, one conntrack GET per member and no dump: e.g. a SYN
+//     dropped before its entry was confirmed. A member is removed only after
+//     it was found stale twice, because a just-admitted connection is in the
+//     set a moment before its entry is confirmed.
 //   - across converges: an incremental update never touches a set's
 //     elements; a set that is (re)created (whole-table replace, repaired
 //     drift, a new size) is seeded in the same batch from conntrack's open
@@ -181,7 +188,7 @@ func (t *Table) releaseLocked(pending map[string][][]byte) {
 	}
 }
 
-// sweep removes ids that stay in a cap set without a conntrack entry. all:
+// sweep removes members of cap sets whose connection is gone. all:
 // every capped exposure (after lost events); otherwise only those that
 // refused someone since the last sweep (a leaked slot only matters then).
 func (c *capWatcher) sweep(all bool) {
