@@ -36,9 +36,10 @@ import (
 //   - a sweep (every 5 s, for exposures that refused someone, and after
 //     lost events) removes members whose connection has no conntrack entry
 //     or has closed, one conntrack GET per member and no dump: e.g. a SYN
-//     dropped before its entry was confirmed. A member is removed only after
-//     it was found stale twice, because a just-admitted connection is in the
-//     set a moment before its entry is confirmed.
+//     dropped before its entry was confirmed. A member without an entry is
+//     looked up again 2 ms later before it is removed, because a
+//     just-admitted connection is in the set a moment before its entry is
+//     confirmed.
 //   - across converges: an incremental update never touches a set's
 //     elements; a set that is (re)created (whole-table replace, repaired
 //     drift, a new size) is seeded in the same batch from conntrack's open
@@ -51,9 +52,9 @@ type capWatcher struct {
 	wg    sync.WaitGroup
 	ended map[string][2]uint64 // bytes in/out of ended connections, per exposure
 
-	released map[string]bool            // connections freed before their entry was destroyed
-	suspects map[string]map[string]bool // ids found stale once, per exposure
-	refused  map[string]uint64          // refused count at the last sweep
+	kick     chan struct{}     // a full sweep is due (first converge)
+	released map[string]bool   // connections freed before their entry was destroyed
+	refused  map[string]uint64 // refused count at the last sweep
 }
 
 const sweepEvery = 5 * time.Second
@@ -63,8 +64,8 @@ func startCapWatcher(t *Table) (*capWatcher, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &capWatcher{t: t, w: w, done: make(chan struct{}), ended: map[string][2]uint64{},
-		suspects: map[string]map[string]bool{}, released: map[string]bool{}, refused: map[string]uint64{}}
+	c := &capWatcher{t: t, w: w, done: make(chan struct{}), kick: make(chan struct{}, 1), ended: map[string][2]uint64{},
+		released: map[string]bool{}, refused: map[string]uint64{}}
 	c.wg.Add(1)
 	go c.run()
 	return c, nil
@@ -97,6 +98,10 @@ func (c *capWatcher) run() {
 			}
 			c.release(pending)
 		case <-c.w.Lost():
+			c.sweep(true)
+		case <-c.kick:
+			// After a (re)start: connections that closed while no watcher
+			// was listening may still hold slots.
 			c.sweep(true)
 		case <-tick.C:
 			c.sweep(false)
@@ -222,7 +227,7 @@ func (c *capWatcher) sweep(all bool) {
 	pending := map[string][][]byte{}
 	for _, e := range capped {
 		r := counters[refusedCounter(e.Name)].packets
-		if !all && r == c.refused[e.Name] && len(c.suspects[e.Name]) == 0 {
+		if !all && r == c.refused[e.Name] {
 			continue
 		}
 		c.refused[e.Name] = r
@@ -232,18 +237,9 @@ func (c *capWatcher) sweep(all bool) {
 		if err != nil {
 			continue
 		}
-		// Seen stale twice: a connection admitted a moment ago is in the
-		// set before conntrack confirms its entry.
-		prev := c.suspects[e.Name]
-		now := map[string]bool{}
-		for _, k := range stale {
-			if prev[string(k)] {
-				pending[e.Name] = append(pending[e.Name], k)
-			} else {
-				now[string(k)] = true
-			}
+		if len(stale) > 0 {
+			pending[e.Name] = stale
 		}
-		c.suspects[e.Name] = now
 	}
 	c.release(pending)
 }
