@@ -345,6 +345,18 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 		}
 		out[e.Name] = ec
 	}
+	// Bytes are live entries plus ended ones; an entry that just ended is
+	// briefly in neither (its destroy event not yet counted). Never report
+	// less than before: a reader taking the difference would read a drop as
+	// a reset.
+	hw := make(map[string][2]uint64, len(out))
+	for n, ec := range out {
+		prev := t.bytesHW[n]
+		ec.BytesIn, ec.BytesOut = max(ec.BytesIn, prev[0]), max(ec.BytesOut, prev[1])
+		hw[n] = [2]uint64{ec.BytesIn, ec.BytesOut}
+		out[n] = ec
+	}
+	t.bytesHW = hw
 	return out, nil
 }
 

@@ -50,6 +50,7 @@ type Table struct {
 
 	caps      *capWatcher
 	closeOnce sync.Once
+	bytesHW   map[string][2]uint64 // bytes last reported per exposure (monotonic)
 }
 
 // Option configures Open.
