@@ -146,7 +146,9 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 	inet.addChain(&chainSpec{name: chainFromGuests, rules: fg})
 
 	for _, e := range r.Exposures {
-		addExposure(inet, e, ids[e.Name])
+		if !e.loopbackOnly() {
+			addExposure(inet, e, ids[e.Name])
+		}
 	}
 
 	return inet, desiredBridge(r)
@@ -175,7 +177,7 @@ type unitKey struct {
 func unitOf(k *unitKey) *tableSpec {
 	t := newTableSpec(nftables.TableFamilyINet)
 	addSharedMaps(t)
-	if k != nil {
+	if k != nil && !k.e.loopbackOnly() {
 		addExposure(t, k.e, k.id)
 	}
 	return t
@@ -208,7 +210,11 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 	proto := protoNum(e.Protocol)
 	inet := func(exprs ...expr.Any) []expr.Any { return exprs }
 	t.counters[acceptedCounter(e.Name)] = counterSpec{name: acceptedCounter(e.Name), exposure: e.Name}
-	t.counters[refusedCounter(e.Name)] = counterSpec{name: refusedCounter(e.Name), exposure: e.Name}
+	if e.MaxConns > 0 {
+		// Only a cap refuses: an uncapped exposure has no refused counter
+		// (one object less per exposure in a 10,000-exposure batch).
+		t.counters[refusedCounter(e.Name)] = counterSpec{name: refusedCounter(e.Name), exposure: e.Name}
+	}
 
 	admit := l4proto(proto)
 	if e.MaxConns > 0 {

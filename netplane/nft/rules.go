@@ -50,6 +50,11 @@ type Exposure struct {
 	MaxConns  int // 0 = unlimited
 }
 
+// loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
+// alone (DNAT from loopback would need route_localnet, which brokkr never
+// sets); it is valid and gets no rules here.
+func (e Exposure) loopbackOnly() bool { return e.HostAddr.IsValid() && e.HostAddr.IsLoopback() }
+
 // wildcard reports whether the exposure answers on every local address.
 func (e Exposure) wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
 
@@ -149,8 +154,6 @@ func (r Rules) Validate() []error {
 			switch {
 			case !e.HostAddr.Is4():
 				bad(f+".hostAddr", "%s: only IPv4 host addresses are published by the kernel path", e.HostAddr)
-			case e.HostAddr.IsLoopback():
-				bad(f+".hostAddr", "%s: loopback callers are served by the userspace proxy, not nftables", e.HostAddr)
 			}
 		}
 		if !e.GuestAddr.Is4() || e.GuestAddr.IsUnspecified() || e.GuestAddr.IsLoopback() {

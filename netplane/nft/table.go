@@ -1,6 +1,7 @@
 package nft
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -47,7 +48,9 @@ type Table struct {
 	byID                   map[uint32]Exposure
 	acctOn                 bool
 
-	caps *capWatcher
+	caps      *capWatcher
+	closeOnce sync.Once
+	bytesHW   map[string][2]uint64 // bytes last reported per exposure (monotonic)
 }
 
 // Option configures Open.
@@ -162,12 +165,14 @@ func (t *Table) closeFiles() {
 
 // Close stops the cap watcher and closes the sockets; the tables stay.
 func (t *Table) Close() error {
-	if t.caps != nil {
-		t.caps.stop()
-	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.closeFiles()
+	t.closeOnce.Do(func() {
+		if t.caps != nil {
+			t.caps.stop()
+		}
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		t.closeFiles()
+	})
 	return nil
 }
 
@@ -304,7 +309,14 @@ func (t *Table) Converge(r Rules) (Result, error) {
 			t.units[n] = unitEntry{key: k, spec: unitOf(&k)}
 		}
 	}
+	first := !t.applied
 	t.prevGlobal, t.prevGlobalFP, t.prevBridge, t.ids, t.applied = dGlobal, globalFP, dBridge, ids, true
+	if first && t.caps != nil {
+		select {
+		case t.caps.kick <- struct{}{}:
+		default:
+		}
+	}
 	t.byID = make(map[uint32]Exposure, len(r.Exposures))
 	for _, e := range r.Exposures {
 		t.byID[ids[e.Name]] = e
@@ -453,6 +465,11 @@ func (t *Table) observe(d *tableSpec) (*observed, error) {
 			os.elems = make(map[string]elemSpec, len(elems))
 			for _, e := range elems {
 				es := elemSpec{key: e.Key, val: e.Val, comment: e.Comment}
+				if e.VerdictData == nil && ds.isMap && ds.data.Name == nftables.TypeVerdict.Name {
+					// google/nftables v0.3.0 hands a vmap element's verdict
+					// back as raw attributes.
+					e.VerdictData = parseVerdict(e.Val)
+				}
 				if e.VerdictData != nil {
 					es.val = nil
 					if e.VerdictData.Kind == expr.VerdictGoto {
@@ -478,6 +495,29 @@ func (t *Table) observe(d *tableSpec) (*observed, error) {
 		}
 	}
 	return o, nil
+}
+
+// parseVerdict decodes NFTA_VERDICT_CODE / NFTA_VERDICT_CHAIN attributes.
+func parseVerdict(b []byte) *expr.Verdict {
+	ad, err := netlink.NewAttributeDecoder(b)
+	if err != nil {
+		return nil
+	}
+	ad.ByteOrder = binary.BigEndian
+	v := &expr.Verdict{}
+	ok := false
+	for ad.Next() {
+		switch ad.Type() {
+		case unix.NFTA_VERDICT_CODE:
+			v.Kind, ok = expr.VerdictKind(int32(ad.Uint32())), true
+		case unix.NFTA_VERDICT_CHAIN:
+			v.Chain = ad.String()
+		}
+	}
+	if !ok || ad.Err() != nil {
+		return nil
+	}
+	return v
 }
 
 type counterValue struct{ packets, bytes uint64 }

@@ -107,12 +107,15 @@ func TestCapRefusesAndCounts(t *testing.T) {
 	assert.Equal(t, uint64(1), c["web"].Refused)
 	assert.Equal(t, uint64(3), c["web"].Active)
 	closeA()
-	// Closing is seen in the kernel on the FINs: the next caller is let in.
+	// The watcher frees the slots once conntrack shows the connections
+	// closed: the next caller is let in.
+	t0 := time.Now()
 	require.Eventually(t, func() bool {
 		ok, _, cl := openConns(t, tp.client, dst, 1)
 		cl()
 		return ok == 1
-	}, 2*time.Second, 20*time.Millisecond)
+	}, 2*time.Second, time.Millisecond)
+	t.Logf("a slot was free again %v after the close", time.Since(t0))
 }
 
 // 1,000 sequential short connections under a cap of 2 all pass when the
@@ -120,7 +123,7 @@ func TestCapRefusesAndCounts(t *testing.T) {
 // connection's slot is freed by the watcher from the conntrack event of its
 // last FIN/RST. With no gap at all the watcher lags (measured and logged,
 // not asserted; see BENCHMARKS.md).
-const capGap = 2 * time.Millisecond
+const capGap = 15 * time.Millisecond
 
 func TestCapSequentialShortConnections(t *testing.T) {
 	tp := newTopo(t, 1)
@@ -239,6 +242,14 @@ func TestDriftRepaired(t *testing.T) {
 		works()
 		res = tp.converge(t, r)
 		assert.Empty(t, res.Repaired, tc.name+": second converge")
+		// The same, read back from the kernel instead of trusted: the
+		// repaired tables compare equal object by object.
+		tp.table.mu.Lock()
+		tp.table.genValid = false
+		tp.table.mu.Unlock()
+		res = tp.converge(t, r)
+		assert.Empty(t, res.Repaired, tc.name+": full re-read")
+		assert.Empty(t, res.Changed, tc.name+": full re-read")
 	}
 }
 
@@ -270,8 +281,14 @@ func TestGoldenJSON(t *testing.T) {
 	r.Guests[0].MAC = []byte{0x52, 0x54, 0, 0, 0, 1}
 	r.Guests[1].MAC = []byte{0x52, 0x54, 0, 0, 0, 2}
 	tp.converge(t, r)
-	tp.host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
-	tp.host.MustRun(t, "nft", "list", "table", "bridge", "brokkr")
+	// Printed back, the tables parse and would load again (nft -c, check
+	// only, in a namespace that does not have them).
+	for _, fam := range []string{"inet", "bridge"} {
+		text := tp.host.MustRun(t, "nft", "list", "table", fam, TableName)
+		f := t.TempDir() + "/" + fam + ".nft"
+		require.NoError(t, os.WriteFile(f, []byte(text), 0o644))
+		tp.client.MustRun(t, "nft", "-c", "-f", f) // a namespace without the tables
+	}
 	var got bytes.Buffer
 	for _, fam := range []string{"inet", "bridge"} {
 		out := tp.host.MustRun(t, "nft", "-j", "list", "table", fam, TableName)
@@ -474,4 +491,47 @@ func TestCountersActiveAndBytes(t *testing.T) {
 		c, err := tp.table.Counters()
 		return err == nil && c["web"].Active == 0 && c["web"].BytesIn >= 30000 && c["web"].Accepted == 3
 	}, 3*time.Second, 50*time.Millisecond)
+}
+
+// A daemon restart: connections that close while no watcher listens keep
+// their slots only until the next Table's first Converge, which sweeps every
+// cap set against conntrack. Connections still open keep theirs.
+func TestCapAfterRestart(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	r := tp.rules(web(2))
+	tp.converge(t, r)
+	dst := netip.MustParseAddrPort("10.99.0.1:8080")
+	ok, _, closeA := openConns(t, tp.client, dst, 1)
+	require.Equal(t, 1, ok)
+	ok, _, closeB := openConns(t, tp.client, dst, 1)
+	require.Equal(t, 1, ok)
+	defer closeB()
+	require.NoError(t, tp.table.Close()) // the daemon stops; its watcher with it
+	closeA()                             // closes unseen
+	time.Sleep(50 * time.Millisecond)
+	ok, _, cl := openConns(t, tp.client, dst, 1)
+	cl()
+	require.Zero(t, ok, "without a watcher the closed connection still holds its slot")
+
+	tb, err := Open(tp.host.Path)
+	require.NoError(t, err)
+	defer tb.Close()
+	tp.table = tb
+	res := tp.converge(t, r)
+	assert.Empty(t, res.Changed, "a restart changes nothing in the tables")
+	var closeC func()
+	require.Eventually(t, func() bool {
+		ok, _, cl := openConns(t, tp.client, dst, 1)
+		if ok != 1 {
+			cl()
+			return false
+		}
+		closeC = cl // held open: with B it fills the cap again
+		return true
+	}, 2*time.Second, 20*time.Millisecond, "the slot of the connection closed during the restart is free again")
+	defer closeC()
+	ok, _, cl = openConns(t, tp.client, dst, 1)
+	cl()
+	assert.Zero(t, ok, "the connection still open (B) kept its slot")
 }
