@@ -38,6 +38,10 @@ type Options struct {
 	Tick       time.Duration // default 1 s
 	Timeout    time.Duration // per engine pass; default 10 s
 	Warnings   []string      // conditions found while opening (shown in status)
+	// IPv6Loopback makes auto exposures also listen on ::1 (the Proxy must
+	// then carry ::1 specs next to 127.0.0.1 ones under the same name; see
+	// ProxyPair).
+	IPv6Loopback bool
 }
 
 // Daemon is one running brokkrd.
@@ -202,7 +206,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	errs = append(errs, err)
 
 	t0 = time.Now()
-	pspecs := proxySpecs(want)
+	pspecs := proxySpecs(want, d.opts.IPv6Loopback)
 	pst, err := d.pxRun.run(ctx, d.opts.Timeout, func(context.Context) []proxy.Status {
 		return d.px.Converge(pspecs)
 	})
@@ -499,7 +503,7 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 				parts = append(parts, part{"nat", proxy.StatePending, "the network plane has not reported it yet"})
 			}
 		}
-		if binds := proxyBinds(e); len(binds) > 0 {
+		if binds := proxyBinds(e, d.opts.IPv6Loopback); len(binds) > 0 {
 			if p := ps[e.Name]; len(p) > 0 {
 				for _, s := range p {
 					parts = append(parts, part{"proxy", s.State, s.Reason})
