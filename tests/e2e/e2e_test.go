@@ -582,6 +582,44 @@ func TestEndToEnd(t *testing.T) {
 		echoProxyRemoved = true
 	})
 
+	t.Run("a target exposure reaches a guest brokkr does not run", func(t *testing.T) {
+		// A namespace on the bridge stands in for a guest managed elsewhere.
+		ext := nstest.New(t, "ext")
+		nstest.Link(t, e.host, "brk-e2e-x", "", ext, "eth0", "10.213.7.200/24")
+		e.host.MustRun(t, "ip", "link", "set", "brk-e2e-x", "master", "brk-e2e0")
+		ext.MustRun(t, "ip", "route", "add", "default", "via", "10.213.7.1")
+		srv := ext.Command("socat", "TCP-LISTEN:9000,fork,reuseaddr", "EXEC:cat")
+		require.NoError(t, srv.Start())
+		defer func() { _ = srv.Process.Kill(); _ = srv.Wait() }()
+
+		withTarget := filepath.Join(e.state, "target.yaml")
+		e.writeConfig(withTarget, `  - {name: web-nat, vm: e2e, guestPort: 8080, hostPort: 8080, mode: nat}
+  - {name: web-auto, vm: e2e, guestPort: 8080, hostPort: 8081, mode: auto}
+  - {name: ext-nat, target: 10.213.7.200, guestPort: 9000, hostPort: 9000, mode: nat}
+  - {name: ext-proxy, target: 10.213.7.200, guestPort: 9000, hostPort: 9100, mode: proxy}
+`)
+		_, errs, code := e.brokkr("apply", "-f", withTarget, "--wait", "--timeout", "1m")
+		require.Equal(t, 0, code, errs)
+		for _, addr := range []string{hostIP + ":9000", hostIP + ":9100"} {
+			var c net.Conn
+			var err error
+			deadline := time.Now().Add(10 * time.Second)
+			for time.Now().Before(deadline) {
+				if c, err = dial(e.client, addr, 2*time.Second); err == nil {
+					break
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+			require.NoError(t, err, addr)
+			got, err := echo(c, "outside")
+			c.Close()
+			require.NoError(t, err, addr)
+			assert.Equal(t, "outside", got, addr)
+		}
+		// The explicit target is never handed to a brokkr guest.
+		assert.NotEqual(t, "10.213.7.200", vm(e.status(), vmName).Address)
+	})
+
 	t.Run("an invalid config is rejected with field-named errors and nothing changes", func(t *testing.T) {
 		desiredBefore, err := os.ReadFile(filepath.Join(e.state, "desired.json"))
 		require.NoError(t, err)
@@ -656,6 +694,19 @@ func TestEndToEnd(t *testing.T) {
 			return vm(st, vmName).Phase == "running" && x.State == "active"
 		})
 		assert.NotEqual(t, oldPID, vm(st, vmName).PID)
+		e.waitGuestServing(hostIP + ":8080")
+	})
+
+	t.Run("vm restart boots the VM again", func(t *testing.T) {
+		old := vm(e.status(), vmName)
+		_, errs, code := e.brokkr("vm", "restart", vmName)
+		require.Equal(t, 0, code, errs)
+		st := e.waitStatus("restarted", 3*time.Minute, func(st api.Status) bool {
+			v := vm(st, vmName)
+			return v.Phase == "running" && v.PID != 0 && v.PID != old.PID
+		})
+		assert.True(t, gone(old.PID, 5*time.Second), "the old hypervisor process is gone")
+		assert.Equal(t, []int{vm(st, vmName).PID}, e.vmmPIDs(), "one hypervisor process")
 		e.waitGuestServing(hostIP + ":8080")
 	})
 
