@@ -125,12 +125,18 @@ func (c *Config) Validate() Errors {
 	}
 
 	names := map[string]int{}
-	type bindKey struct {
-		addr  netip.Addr
+	// Host binds by (protocol, port), in file order: an overlap is only
+	// possible within one such list, so the check stays linear in the number
+	// of exposures and names the first clash in the file.
+	type portKey struct {
 		proto string
 		port  int
 	}
-	binds := map[bindKey]int{}
+	type bind struct {
+		addr netip.Addr
+		i    int
+	}
+	binds := map[portKey][]bind{}
 	for i, e := range c.Exposures {
 		p := fmt.Sprintf("exposures[%d]", i)
 		switch {
@@ -193,17 +199,15 @@ func (c *Config) Validate() Errors {
 		}
 		if err == nil && portOK && (e.Protocol == "tcp" || e.Protocol == "udp") {
 			ha = ha.Unmap()
-			k := bindKey{ha, e.Protocol, e.HostPort}
-			for other, j := range binds {
-				if other.proto == k.proto && other.port == k.port && addrsOverlap(other.addr, k.addr) {
+			k := portKey{e.Protocol, e.HostPort}
+			for _, other := range binds[k] {
+				if addrsOverlap(other.addr, ha) {
 					add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%s/%s on %s)", e.HostPort, e.Protocol, e.HostAddress,
-						j, strconv.Itoa(other.port), other.proto, c.Exposures[j].HostAddress)
+						other.i, strconv.Itoa(k.port), k.proto, c.Exposures[other.i].HostAddress)
 					break
 				}
 			}
-			if _, dup := binds[k]; !dup {
-				binds[k] = i
-			}
+			binds[k] = append(binds[k], bind{ha, i})
 		}
 	}
 	return errs
