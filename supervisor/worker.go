@@ -58,8 +58,13 @@ type exitEvent struct {
 // watch follows one running instance: a pidfd waiter and the console copier.
 type watch struct {
 	pfd    *Pidfd
-	cancel context.CancelFunc
-	done   chan struct{}
+	cancel context.CancelFunc // ends the exit waiter
+	done   chan struct{}      // closed when the exit waiter has returned
+	// The console copier has a lifetime of its own: a stop ends the waiter
+	// first (so the exit is not taken for a crash) but the guest's shutdown
+	// messages must still reach console.log.
+	consoleCancel context.CancelFunc
+	consoleDone   chan struct{}
 }
 
 func newWorker(e *Engine, name string) *worker {
@@ -574,23 +579,22 @@ func (w *worker) startWatch(inst Instance) error {
 		return err
 	}
 	ctx, cancel := context.WithCancel(w.e.ctx)
-	wt := &watch{pfd: pfd, cancel: cancel, done: make(chan struct{})}
+	cctx, ccancel := context.WithCancel(w.e.ctx)
+	wt := &watch{pfd: pfd, cancel: cancel, done: make(chan struct{}), consoleCancel: ccancel, consoleDone: make(chan struct{})}
 	w.inst, w.watch = &inst, wt
-	consoleDone := make(chan struct{})
 	if inst.ConsoleSocket != "" {
 		go func() {
-			defer close(consoleDone)
-			err := copyConsole(ctx, inst.ConsoleSocket, filepath.Join(w.e.vmDir(w.name), "console.log"), w.e.cfg.ConsoleMaxBytes)
-			if err != nil && ctx.Err() == nil {
+			defer close(wt.consoleDone)
+			err := copyConsole(cctx, inst.ConsoleSocket, filepath.Join(w.e.vmDir(w.name), "console.log"), w.e.cfg.ConsoleMaxBytes)
+			if err != nil && cctx.Err() == nil {
 				w.e.cfg.Logger.Warn("console copy", "vm", w.name, "err", err)
 			}
 		}()
 	} else {
-		close(consoleDone)
+		close(wt.consoleDone)
 	}
 	go func() {
 		defer close(wt.done)
-		defer func() { <-consoleDone }()
 		if pfd.Wait(ctx) != nil {
 			return
 		}
@@ -611,8 +615,22 @@ func (w *worker) stopWatch() {
 	}
 	w.watch.cancel()
 	<-w.watch.done
+	w.watch.endConsole(0)
 	w.watch.pfd.Close()
 	w.watch = nil
+}
+
+// endConsole gives the console copier up to linger to drain what the guest
+// wrote last (its socket closes when the VMM exits), then ends it.
+func (wt *watch) endConsole(linger time.Duration) {
+	if linger > 0 {
+		select {
+		case <-wt.consoleDone:
+		case <-time.After(linger):
+		}
+	}
+	wt.consoleCancel()
+	<-wt.consoleDone
 }
 
 // onExit handles the death of the running instance.
@@ -643,11 +661,18 @@ func (w *worker) onExit(ev exitEvent) {
 func (w *worker) stopVM(ctx context.Context) bool {
 	inst := *w.inst
 	w.publish(PhaseStopping, "")
-	pfd := w.watch.pfd
-	// Keep the pidfd: stop only the waiter, so the exit is not taken for a crash.
-	w.watch.cancel()
-	<-w.watch.done
+	wt := w.watch
+	pfd := wt.pfd
+	// Keep the pidfd and the console copier: stop only the waiter, so the
+	// exit is not taken for a crash while the shutdown still reaches the log.
+	wt.cancel()
+	<-wt.done
 	err := w.e.cfg.Hypervisor.Stop(ctx, inst, w.e.cfg.StopGrace)
+	if pfd.Exited() {
+		wt.endConsole(2 * time.Second)
+	} else {
+		wt.endConsole(0)
+	}
 	if !pfd.Exited() {
 		if err == nil {
 			err = errors.New("process still running")

@@ -20,6 +20,7 @@ import (
 
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/supervisor"
+	"github.com/brokkr/brokkr/supervisor/images"
 )
 
 // guestImage is the kernel and initramfs from tests/guest/build.sh.
@@ -144,11 +145,18 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	run, err := os.MkdirTemp("", "brkqm")
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(run) })
+	// A root disk made the way the engine makes one: a sparse copy of a
+	// base image, grown.
+	base := filepath.Join(dir, "base.raw")
+	require.NoError(t, os.WriteFile(base, []byte("brokkr disk\n"), 0o644))
+	disk := filepath.Join(dir, "disk.raw")
+	_, err = images.CloneDisk(t.Context(), base, disk, 64<<20)
+	require.NoError(t, err)
 	cfg := supervisor.LaunchConfig{
 		Name: "boot1", Dir: filepath.Join(dir, "vm"), RunDir: run,
 		CPUs: 1, MemoryMiB: 256,
 		Kernel: img.Kernel, Initramfs: img.Initramfs,
-		Tap: gn.Tap, MAC: gn.MAC,
+		Tap: gn.Tap, MAC: gn.MAC, DiskPath: disk,
 		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
@@ -190,6 +198,7 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	t.Logf("guest answered HTTP %s after Start was called", time.Since(t0).Round(time.Millisecond))
 	assert.Contains(t, page, "name=boot1", "the VM name reaches the guest")
 	assert.Contains(t, page, "addr=10.213.77.10/24")
+	assert.Contains(t, page, "disks=vda", "the disk is attached as virtio-blk")
 	assert.Contains(t, readFile(cfg.ConsoleLog), "BROKKR-GUEST-READY", "the serial console goes to ConsoleLog")
 
 	// Echo services: TCP holds the connection, UDP answers datagrams.
@@ -352,4 +361,48 @@ func TestGuestStaticAddressFromCmdline(t *testing.T) {
 	assert.Contains(t, page, "addr=10.213.77.21/24")
 	assert.Contains(t, readFile(cfg.ConsoleLog), "no DHCP lease; using")
 	require.NoError(t, b.Stop(t.Context(), inst, 20*time.Second))
+}
+
+// The microvm machine (virtio-mmio devices found through ACPI, the host TSC
+// rate on the cmdline) boots the same guest, which serves and powers off on
+// the ACPI power button (microvm's GED).
+func TestMicroVMBootAndPowerButton(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots a real VM (-short)")
+	}
+	nstest.RequireRoot(t)
+	requireQEMU(t)
+	img := findGuestImage(t)
+	gn := newGuestNet(t)
+	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithMachine(MachineMicroVM), WithConsoleFile())
+	if b.tscKHz == 0 {
+		t.Skip("no host TSC rate in /proc/cpuinfo: microvm under TCG may hang calibrating")
+	}
+	dir := t.TempDir()
+	run, err := os.MkdirTemp("", "brkqm")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(run) })
+	cfg := supervisor.LaunchConfig{
+		Name: "micro", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 256,
+		Kernel: img.Kernel, Initramfs: img.Initramfs, Tap: gn.Tap, MAC: gn.MAC,
+		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
+	}
+	inst, err := b.Start(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+	})
+	require.Eventually(t, func() bool {
+		return gn.dialGuest("tcp", "8080", func(c net.Conn) error { _, err := httpGet(c); return err }) == nil
+	}, 90*time.Second, 50*time.Millisecond, "guest never answered; console:\n%s", readFile(cfg.ConsoleLog))
+	assert.Contains(t, readFile(cfg.ConsoleLog), "tsc_early_khz=", "the TSC hint reached the kernel")
+	t0 := time.Now()
+	require.NoError(t, b.Stop(t.Context(), inst, 20*time.Second))
+	assert.Less(t, time.Since(t0), 10*time.Second, "the power button, not the escalation, stopped it")
+	var ws syscall.WaitStatus
+	_, err = syscall.Wait4(inst.PID, &ws, 0, nil)
+	require.NoError(t, err)
+	assert.True(t, ws.Exited() && ws.ExitStatus() == 0, "qemu exits 0 after a guest power-off, got %v", ws)
+	assert.Contains(t, readFile(cfg.ConsoleLog), "power button, powering off")
 }

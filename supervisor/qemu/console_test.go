@@ -58,9 +58,14 @@ func TestConsoleSocketProbeThenHandOver(t *testing.T) {
 	// The next reader gets the rest, up to the guest's init starting.
 	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
 	defer cancel()
+	// Retried like the engine's reader does: QEMU listens with a backlog of
+	// one and re-arms its listener only after it has seen the last client go.
 	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", inst.ConsoleSocket)
-	require.NoError(t, err)
+	var c net.Conn
+	require.Eventually(t, func() bool {
+		c, err = d.DialContext(ctx, "unix", inst.ConsoleSocket)
+		return err == nil
+	}, 5*time.Second, 20*time.Millisecond, "console socket: %v", err)
 	defer c.Close()
 	_ = c.SetReadDeadline(time.Now().Add(90 * time.Second))
 	sc := bufio.NewScanner(c)

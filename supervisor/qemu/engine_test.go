@@ -130,4 +130,7 @@ func TestEngineWithRealGuest(t *testing.T) {
 	// The default grace is 30 s: a stop well inside it was the guest
 	// powering off on the button, not the escalation.
 	assert.Less(t, time.Since(t0), 10*time.Second)
+	// The console copier outlives the stop request, so the guest's last
+	// words reach the log.
+	assert.Contains(t, readFile(filepath.Join(state, "vms", "web", "console.log")), "power button, powering off")
 }

@@ -75,3 +75,41 @@ func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
 	assert.Error(t, b.Adopt(t.Context(), inst), "the old instance is not adoptable")
 	assert.Equal(t, "previous boot\n", readFile(cfg.ConsoleLog+".1"), "the previous boot's console is kept")
 }
+
+// A wedged qemu (SIGSTOPped here: QMP never answers, SIGTERM stays pending)
+// is still ended: the QMP steps time out, SIGKILL follows, and Stop returns
+// without hanging.
+func TestStopWedgedQEMUEndsWithSIGKILL(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a real qemu (-short)")
+	}
+	requireQEMU(t)
+	img := findGuestImage(t)
+	dir := t.TempDir()
+	run, err := os.MkdirTemp("", "brkqm")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(run) })
+	cfg := supervisor.LaunchConfig{
+		Name: "wedged", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
+		Kernel: img.Kernel, Initramfs: img.Initramfs,
+	}
+	b := New("", WithAccel(AccelTCG))
+	b.qmpTimeout, b.stopStepMax = 300*time.Millisecond, 300*time.Millisecond
+	inst, err := b.Start(t.Context(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+	})
+	require.NoError(t, syscall.Kill(inst.PID, syscall.SIGSTOP))
+	_, err = b.Info(t.Context(), inst)
+	require.Error(t, err, "a wedged qemu does not answer QMP")
+
+	t0 := time.Now()
+	require.NoError(t, b.Stop(t.Context(), inst, 300*time.Millisecond))
+	t.Logf("Stop took %s", time.Since(t0).Round(time.Millisecond))
+	var ws syscall.WaitStatus
+	_, err = syscall.Wait4(inst.PID, &ws, 0, nil)
+	require.NoError(t, err)
+	assert.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "ended by SIGKILL, got %v", ws)
+}
