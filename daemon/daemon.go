@@ -197,13 +197,30 @@ func (d *Daemon) Pass(ctx context.Context) {
 	}
 	facts := d.updateFacts(want, nrep)
 
-	t0 = time.Now()
-	specs := vmSpecs(want, facts)
-	srep, err := d.supRun.run(ctx, d.opts.Timeout, func(ctx context.Context) supervisor.Report {
-		return d.sup.Step(ctx, specs)
-	})
-	d.m.observe("supervisor", time.Since(t0), err == nil)
-	errs = append(errs, err)
+	// A VM whose tap netplane has never reported (it failed or stalled
+	// since this process started) must not reach the supervisor without
+	// one: to the supervisor a spec without the tap is a different machine,
+	// and an adopted VM would be recreated. Hold the supervisor for this
+	// pass instead; VMs keep running as they are.
+	var untapped []string
+	for _, v := range want.VMs {
+		if f, ok := facts[v.Name]; !ok || f.Tap == "" {
+			untapped = append(untapped, v.Name)
+		}
+	}
+	var srep supervisor.Report
+	if len(untapped) > 0 {
+		srep = d.supRun.lastResult()
+		errs = append(errs, fmt.Errorf("supervisor: held this pass: the network plane has not reported the taps of %v", untapped))
+	} else {
+		t0 = time.Now()
+		specs := vmSpecs(want, facts)
+		srep, err = d.supRun.run(ctx, d.opts.Timeout, func(ctx context.Context) supervisor.Report {
+			return d.sup.Step(ctx, specs)
+		})
+		d.m.observe("supervisor", time.Since(t0), err == nil)
+		errs = append(errs, err)
+	}
 
 	t0 = time.Now()
 	pspecs := proxySpecs(want, d.opts.IPv6Loopback)
@@ -245,10 +262,15 @@ func (d *Daemon) updateFacts(want *config.Config, rep netplane.Report) map[strin
 	for _, g := range rep.Guests {
 		seen[g.Name] = true
 		f := guestFacts{Tap: g.Tap, MAC: g.MAC, Address: g.Address, Leased: g.Leased, Error: g.Error}
-		if old, ok := d.facts[g.Name]; ok && f.Tap == "" {
+		if old, ok := d.facts[g.Name]; ok {
 			// A failed pass for this guest keeps its last known tap and MAC
 			// rather than telling the supervisor it has none.
-			f.Tap, f.MAC = old.Tap, old.MAC
+			if f.Tap == "" {
+				f.Tap = old.Tap
+			}
+			if f.MAC == nil {
+				f.MAC = old.MAC
+			}
 		}
 		d.facts[g.Name] = f
 	}

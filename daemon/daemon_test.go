@@ -230,6 +230,50 @@ func TestTapsAndMACsFlowFromNetplaneIntoVMSpecs(t *testing.T) {
 	assert.False(t, r.net.desired().Guests[1].MultiQueue)
 }
 
+// failingNet fails whole passes while fail is set (a broken bridge, a
+// netlink error) and reports nothing about the guests.
+type failingNet struct {
+	*recNet
+	fail bool
+}
+
+func (n *failingNet) Converge(ctx context.Context, d netplane.Desired) netplane.Report {
+	if n.fail {
+		n.calls.add("netplane")
+		return netplane.Report{Err: errors.New("network.bridge: operation not permitted")}
+	}
+	return n.recNet.Converge(ctx, d)
+}
+
+func TestTheSupervisorIsHeldUntilEveryVMHasItsTap(t *testing.T) {
+	host, err := config.Parse([]byte(rigConfig))
+	require.NoError(t, err)
+	host.StateDir, host.RunDir = t.TempDir(), shortDir(t)
+	c := &calls{}
+	sup := &recSup{calls: c}
+	net := &failingNet{recNet: &recNet{calls: c}, fail: true}
+	store := bpf.NewInMemory("test")
+	defer store.Close()
+	d, err := New(Options{Host: host, Store: store, Supervisor: sup, Network: net, Proxy: &recProxy{calls: c, resolve: NewAddressBook().Resolve},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.NoError(t, err)
+
+	d.Pass(context.Background())
+	assert.Equal(t, []string{"netplane", "proxy"}, c.get(), "no Step with specs that lack their taps: an adopted VM would look like another machine")
+	assert.Contains(t, strings.Join(d.Status().Warnings, "\n"), "supervisor: held this pass")
+
+	net.fail = false
+	d.Pass(context.Background())
+	require.Len(t, sup.specs(), 2)
+	assert.Equal(t, "brk-web", sup.specs()[0].Tap)
+
+	// Once known, a tap and MAC survive a failed netplane pass.
+	net.fail = true
+	d.Pass(context.Background())
+	assert.Equal(t, "brk-web", sup.specs()[0].Tap)
+	assert.Equal(t, "52:54:00:00:00:01", sup.specs()[0].MAC.String())
+}
+
 func TestWithoutDHCPTheGuestGetsItsAddressOnTheCommandLine(t *testing.T) {
 	r := newRig(t, "network: {dhcp: false}\nvms: [{name: web, kernel: /k}]\n")
 	r.d.Pass(context.Background())
@@ -325,6 +369,7 @@ func expo(st api.Status, name string) api.Exposure {
 
 func TestAStalledEngineDoesNotStallTheOthers(t *testing.T) {
 	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background()) // taps known
 	block := make(chan struct{})
 	r.net.mu.Lock()
 	r.net.block = block
@@ -334,12 +379,13 @@ func TestAStalledEngineDoesNotStallTheOthers(t *testing.T) {
 	start := time.Now()
 	r.d.Pass(context.Background())
 	assert.Less(t, time.Since(start), 2*time.Second)
-	assert.Equal(t, []string{"netplane", "supervisor", "proxy"}, r.calls.get())
+	pass := []string{"netplane", "supervisor", "proxy"}
+	assert.Equal(t, append(pass, pass...), r.calls.get())
 	st := r.d.Status()
 	assert.Contains(t, strings.Join(st.Warnings, "\n"), "netplane: pass took longer than")
 
 	r.d.Pass(context.Background())
-	assert.Equal(t, []string{"netplane", "supervisor", "proxy", "supervisor", "proxy"}, r.calls.get(),
+	assert.Equal(t, append(append(pass, pass...), "supervisor", "proxy"), r.calls.get(),
 		"the stalled engine is skipped, not called again behind itself")
 	assert.Contains(t, strings.Join(r.d.Status().Warnings, "\n"), "netplane: still busy")
 }

@@ -85,6 +85,13 @@ func (b *bounded[T]) run(parent context.Context, timeout time.Duration, fn func(
 	}
 }
 
+// lastResult is the result of the last call that returned.
+func (b *bounded[T]) lastResult() T {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.last
+}
+
 // wait blocks until no call is in flight or ctx ends.
 func (b *bounded[T]) wait(ctx context.Context) {
 	b.mu.Lock()
