@@ -3,11 +3,13 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -707,6 +709,43 @@ func TestEndToEnd(t *testing.T) {
 		})
 		assert.True(t, gone(old.PID, 5*time.Second), "the old hypervisor process is gone")
 		assert.Equal(t, []int{vm(st, vmName).PID}, e.vmmPIDs(), "one hypervisor process")
+		e.waitGuestServing(hostIP + ":8080")
+	})
+
+	t.Run("a kernel and initramfs from URLs are downloaded, checked and booted", func(t *testing.T) {
+		// The image server runs in the host namespace, on its loopback,
+		// where brokkrd fetches from.
+		var ln net.Listener
+		require.NoError(t, e.host.Do(func() error {
+			var err error
+			ln, err = net.Listen("tcp", "127.0.0.1:0")
+			return err
+		}))
+		srv := &http.Server{Handler: http.FileServer(http.Dir(e.guest))}
+		go func() { _ = srv.Serve(ln) }()
+		defer srv.Close()
+		base := "http://" + ln.Addr().String()
+		sum := func(name string) string {
+			b, err := os.ReadFile(filepath.Join(e.guest, name))
+			require.NoError(t, err)
+			return fmt.Sprintf("%x", sha256.Sum256(b))
+		}
+		cfg := e.config(`  - {name: web-nat, vm: e2e, guestPort: 8080, hostPort: 8080, mode: nat}
+`)
+		cfg = strings.Replace(cfg, "kernel: "+e.guest+"/vmlinuz",
+			"kernel: "+base+"/vmlinuz\n    kernelSha256: "+sum("vmlinuz"), 1)
+		cfg = strings.Replace(cfg, "initramfs: "+e.guest+"/initramfs.cpio.gz",
+			"initramfs: "+base+"/initramfs.cpio.gz\n    initramfsSha256: "+sum("initramfs.cpio.gz"), 1)
+		require.Contains(t, cfg, "kernelSha256")
+		fromURL := filepath.Join(e.state, "url.yaml")
+		require.NoError(t, os.WriteFile(fromURL, []byte(cfg), 0o600))
+
+		old := vm(e.status(), vmName).PID
+		out, errs, code := e.brokkr("apply", "-f", fromURL, "--wait", "--timeout", "4m")
+		require.Equal(t, 0, code, "%s %s", out, errs)
+		assert.Contains(t, out, "~ vm e2e")
+		st := e.status()
+		assert.NotEqual(t, old, vm(st, vmName).PID, "a changed kernel source is a new machine")
 		e.waitGuestServing(hostIP + ":8080")
 	})
 
