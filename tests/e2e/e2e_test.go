@@ -494,6 +494,21 @@ func TestEndToEnd(t *testing.T) {
 		assert.Contains(t, out, "echo-nat")
 	})
 
+	t.Run("readable tables: status, vm ls, expose ls", func(t *testing.T) {
+		out, _, code := e.brokkr("status")
+		require.Equal(t, 0, code)
+		assert.Regexp(t, `(?m)^e2e\s+running\s+\d+\s+10\.213\.7\.`, out)
+		assert.Regexp(t, `(?m)^echo-proxy\s+active\s+proxy\s+0\.0\.0\.0:7100/tcp\s+e2e:7000\s+2\s`, out)
+		out, _, code = e.brokkr("vm", "ls")
+		require.Equal(t, 0, code)
+		assert.Regexp(t, `(?m)^e2e\s+running`, out)
+		out, _, code = e.brokkr("expose", "ls", "-o", "json")
+		require.Equal(t, 0, code)
+		var xs []api.Exposure
+		require.NoError(t, json.Unmarshal([]byte(out), &xs))
+		assert.Len(t, xs, 4)
+	})
+
 	t.Run("metrics carry the exposures, the VM and the loop", func(t *testing.T) {
 		text, err := api.NewClient(e.sock).Metrics(context.Background())
 		require.NoError(t, err)
