@@ -68,7 +68,8 @@ type Daemon struct {
 	facts   map[string]guestFacts
 	passes  uint64
 
-	wake chan struct{}
+	wake   chan struct{}
+	logged map[string]bool // problems of the last pass, logged once
 
 	supRun bounded[supervisor.Report]
 	netRun bounded[netplane.Report]
@@ -245,11 +246,22 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.status = st
 	d.passes++
 	d.mu.Unlock()
+	// Log a problem when it appears and when it clears, not every second.
+	now := map[string]bool{}
 	for _, e := range errs {
 		if e != nil {
-			d.log.Warn("converge", "err", e)
+			now[e.Error()] = true
+			if !d.logged[e.Error()] {
+				d.log.Warn("converge", "err", e)
+			}
 		}
 	}
+	for msg := range d.logged {
+		if !now[msg] {
+			d.log.Info("converge: cleared", "was", msg)
+		}
+	}
+	d.logged = now
 }
 
 // updateFacts records what netplane said about each guest and publishes the
