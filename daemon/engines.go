@@ -55,7 +55,7 @@ func (b *bounded[T]) run(parent context.Context, timeout time.Duration, fn func(
 	if b.busy {
 		res, since := b.last, b.since
 		b.mu.Unlock()
-		return res, fmt.Errorf("%s: still busy with a pass started %s ago", b.name, time.Since(since).Round(time.Second))
+		return res, fmt.Errorf("%s: still busy with a pass started at %s", b.name, since.UTC().Format(time.TimeOnly))
 	}
 	b.busy, b.since = true, time.Now()
 	done := make(chan struct{})
