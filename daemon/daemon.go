@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"log/slog"
 	"reflect"
+	"slices"
 	"sync"
 	"time"
 
@@ -588,8 +589,8 @@ func mergeParts(parts []part) (string, string) {
 		if rank[p.state] > rank[state] {
 			state = p.state
 		}
-		if p.reason != "" {
-			reasons = append(reasons, p.path+": "+p.reason)
+		if r := p.path + ": " + p.reason; p.reason != "" && !slices.Contains(reasons, r) {
+			reasons = append(reasons, r) // the 127.0.0.1 and ::1 listeners often say the same
 		}
 	}
 	if len(parts) == 0 {

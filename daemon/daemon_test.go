@@ -550,6 +550,8 @@ func TestMergeParts(t *testing.T) {
 	assert.Equal(t, "proxy: bind: address already in use", why)
 	s, _ = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "active", ""}})
 	assert.Equal(t, "pending", s)
+	_, why = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "pending", "no address"}, {"proxy", "pending", "no address"}})
+	assert.Equal(t, "nat: no lease; proxy: no address", why, "one reason once")
 	s, _ = mergeParts([]part{{"nat", "active", ""}})
 	assert.Equal(t, "active", s)
 }
