@@ -199,15 +199,25 @@ func (c *Config) Validate() Errors {
 		}
 		if err == nil && portOK && (e.Protocol == "tcp" || e.Protocol == "udp") {
 			ha = ha.Unmap()
+			// auto on 0.0.0.0 also listens on ::1 for IPv6 loopback callers.
+			claims := []netip.Addr{ha}
+			if e.Mode == ModeAuto && ha == netip.IPv4Unspecified() {
+				claims = append(claims, netip.IPv6Loopback())
+			}
 			k := portKey{e.Protocol, e.HostPort}
-			for _, other := range binds[k] {
-				if addrsOverlap(other.addr, ha) {
-					add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%s/%s on %s)", e.HostPort, e.Protocol, e.HostAddress,
-						other.i, strconv.Itoa(k.port), k.proto, c.Exposures[other.i].HostAddress)
-					break
+		check:
+			for _, a := range claims {
+				for _, other := range binds[k] {
+					if addrsOverlap(other.addr, a) {
+						add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%s/%s on %s)", e.HostPort, e.Protocol, e.HostAddress,
+							other.i, strconv.Itoa(k.port), k.proto, c.Exposures[other.i].HostAddress)
+						break check
+					}
 				}
 			}
-			binds[k] = append(binds[k], bind{ha, i})
+			for _, a := range claims {
+				binds[k] = append(binds[k], bind{a, i})
+			}
 		}
 	}
 	return errs
