@@ -68,6 +68,8 @@ const allExposures = `  - {name: web-nat, vm: e2e, guestPort: 8080, hostPort: 80
   - {name: web-auto, vm: e2e, guestPort: 8080, hostPort: 8081, mode: auto}
   - {name: echo-nat, vm: e2e, guestPort: 7000, hostPort: 7000, mode: nat, maxConns: 2}
   - {name: echo-proxy, vm: e2e, guestPort: 7000, hostPort: 7100, mode: proxy, maxConns: 2}
+  - {name: udp-nat, vm: e2e, protocol: udp, guestPort: 7001, hostPort: 7001, mode: nat}
+  - {name: udp-proxy, vm: e2e, protocol: udp, guestPort: 7001, hostPort: 7101, mode: proxy}
 `
 
 func newEnv(t *testing.T) *env {
@@ -448,6 +450,34 @@ func TestEndToEnd(t *testing.T) {
 		assert.Contains(t, body, "brokkr-guest name=e2e")
 	})
 
+	t.Run("udp exposures carry datagrams both ways in nat and proxy mode", func(t *testing.T) {
+		for _, addr := range []string{hostIP + ":7001", hostIP + ":7101"} {
+			var got string
+			err := e.client.Do(func() error {
+				c, err := net.Dial("udp", addr)
+				if err != nil {
+					return err
+				}
+				defer c.Close()
+				buf := make([]byte, 64)
+				for try := 0; try < 10; try++ { // UDP: a datagram may be lost; ask again
+					if _, err := c.Write([]byte("datagram")); err != nil {
+						return err
+					}
+					_ = c.SetReadDeadline(time.Now().Add(time.Second))
+					n, err := c.Read(buf)
+					if err == nil {
+						got = string(buf[:n])
+						return nil
+					}
+				}
+				return fmt.Errorf("no answer from %s", addr)
+			})
+			require.NoError(t, err)
+			assert.Equal(t, "datagram", got, addr)
+		}
+	})
+
 	t.Run("callers past the cap are refused and counted", func(t *testing.T) {
 		for _, x := range []struct{ name, addr string }{{"echo-nat", hostIP + ":7000"}, {"echo-proxy", hostIP + ":7100"}} {
 			// Earlier subtests' connections must have drained: the cap
@@ -492,7 +522,7 @@ func TestEndToEnd(t *testing.T) {
 		require.Equal(t, 0, code)
 		var xs []api.Exposure
 		require.NoError(t, json.Unmarshal([]byte(out), &xs))
-		assert.Len(t, xs, 4)
+		assert.Len(t, xs, 6)
 	})
 
 	t.Run("metrics carry the exposures, the VM and the loop", func(t *testing.T) {
