@@ -672,6 +672,21 @@ func TestAPIConsoleFollows(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "login: ", string(buf[:n]))
 
+	// The supervisor rotates a full log (console.log -> console.log.1, a new
+	// console.log): the follower starts again at the new file's top.
+	// What the old file got just before the rotation is not lost.
+	f, err = os.OpenFile(log, os.O_APPEND|os.O_WRONLY, 0)
+	require.NoError(t, err)
+	_, _ = f.WriteString("last words\n")
+	f.Close()
+	require.NoError(t, os.Rename(log, log+".1"))
+	require.NoError(t, os.WriteFile(log, []byte("new\n"), 0o600))
+	want := "last words\nnew\n"
+	got := make([]byte, len(want))
+	_, err = io.ReadFull(body, got)
+	require.NoError(t, err)
+	assert.Equal(t, want, string(got))
+
 	var he *api.HTTPError
 	_, err = c.Console(ctx, "ghost", false)
 	require.ErrorAs(t, err, &he)
