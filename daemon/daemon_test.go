@@ -407,6 +407,12 @@ func TestCountersComeFromTheSharedSlot(t *testing.T) {
 	slot.Release(false)
 }
 
+func TestCountersInMemoryAreAWarningInStatus(t *testing.T) {
+	r := newRig(t, rigConfig) // its store is in memory, with reason "test"
+	r.d.Pass(context.Background())
+	assert.Contains(t, r.d.Status().Warnings, "test")
+}
+
 func TestSlotsOfRemovedExposuresArePruned(t *testing.T) {
 	r := newRig(t, rigConfig)
 	s, err := r.store.Attach("gone-before-restart", bpf.ProtoTCP, 1)
