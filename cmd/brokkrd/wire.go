@@ -102,10 +102,16 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 		return fail(err)
 	}
 	addrs := daemon.NewAddressBook()
-	px := proxy.NewManager(addrs.Resolve, store)
+	var px daemon.Proxy = proxy.NewManager(addrs.Resolve, store)
+	ipv6 := daemon.HaveIPv6Loopback()
+	if ipv6 {
+		px = daemon.ProxyPair{Main: px, Loopback6: proxy.NewManager(addrs.Resolve, store)}
+	} else {
+		log.Info("no IPv6 loopback here: auto exposures serve local callers on 127.0.0.1 only")
+	}
 	dd, err := daemon.New(daemon.Options{
 		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
-		Logger: log, Warnings: warnings,
+		Logger: log, Warnings: warnings, IPv6Loopback: ipv6,
 	})
 	if err != nil {
 		eng.Stop()
