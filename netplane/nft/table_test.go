@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/google/nftables"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -538,4 +540,133 @@ func TestCapAfterRestart(t *testing.T) {
 	ok, _, cl = openConns(t, tp.client, dst, 1)
 	cl()
 	assert.Zero(t, ok, "the connection still open (B) kept its slot")
+}
+
+// membersOf counts the cap set's members.
+func membersOf(t *testing.T, tb *Table, name string) int {
+	t.Helper()
+	tb.mu.Lock()
+	defer tb.mu.Unlock()
+	inet, _ := tb.tables()
+	els, err := tb.conn.GetSetElements(&nftables.Set{Table: inet, Name: connsSet(name), KeyType: connKeyType})
+	require.NoError(t, err)
+	return len(els)
+}
+
+// With the watcher stopped, nothing frees a closed connection's slot in the
+// kernel: every caller after the first reaches the slow path, which must
+// still admit exactly. Callers of every kind get there: from outside, from
+// the host itself (output hook: redirected to 127.0.0.1) and from a guest
+// (hairpin: redirected to the bridge address, past the host isolation).
+// A connection held open fills the cap (the next caller is reset and
+// counted refused); once it closes, the next is admitted. A direct
+// connection to the slow-path listener is reset and counted nowhere.
+func TestCapSlowPathAlone(t *testing.T) {
+	tp := newTopo(t, 2)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	tp.converge(t, tp.rules(web(1)))
+	tp.table.caps.stop()
+	tp.table.mu.Lock()
+	tp.table.caps = nil
+	tp.table.mu.Unlock()
+
+	require.NoError(t, tp.client.Do(func() error {
+		for i := 0; i < 20; i++ {
+			if err := shortConn("10.99.0.1:8080"); err != nil {
+				return fmt.Errorf("connection %d: %w", i, err)
+			}
+		}
+		return nil
+	}))
+	for _, ns := range []*nstest.NS{tp.host, tp.guests[1]} {
+		var tag string
+		require.Eventually(t, func() bool { // the previous one's last FIN may still be on its way
+			var err error
+			tag, err = dialTag(ns, "10.99.0.1:8080")
+			return err == nil
+		}, 2*time.Second, 10*time.Millisecond, ns.Name)
+		assert.Equal(t, "g1", tag)
+	}
+	dst := netip.MustParseAddrPort("10.99.0.1:8080")
+	var closeA func()
+	require.Eventually(t, func() bool {
+		ok, _, cl := openConns(t, tp.client, dst, 1)
+		if ok != 1 {
+			cl()
+			return false
+		}
+		closeA = cl
+		return true
+	}, 2*time.Second, 10*time.Millisecond)
+	before, err := tp.table.Counters()
+	require.NoError(t, err)
+	ok, refused, cl := openConns(t, tp.client, dst, 1)
+	cl()
+	assert.Equal(t, 0, ok, "the cap is full")
+	assert.Equal(t, 1, refused, "reset by the slow path")
+	closeA()
+	require.Eventually(t, func() bool {
+		ok, _, cl := openConns(t, tp.client, dst, 1)
+		cl()
+		return ok == 1
+	}, 2*time.Second, 10*time.Millisecond, "admitted once the holder closed")
+
+	c, err := tp.table.Counters()
+	require.NoError(t, err)
+	assert.Equal(t, before["web"].Refused+1, c["web"].Refused, "the slow path's refusal is counted")
+	assert.GreaterOrEqual(t, c["web"].Accepted, uint64(20+2+1+1))
+	assert.LessOrEqual(t, membersOf(t, tp.table, "web"), 1)
+
+	_, err = dialTag(tp.client, fmt.Sprintf("10.99.0.1:%d", tp.table.overflowPort()))
+	assert.Error(t, err, "a direct connection to the listener is not carried")
+	c2, err := tp.table.Counters()
+	require.NoError(t, err)
+	assert.Equal(t, c["web"].Refused, c2["web"].Refused)
+}
+
+// A connection admitted by the slow path holds its slot while open (the
+// next caller is refused) and the watcher frees it when it closes, from
+// the conntrack event of the redirected flow, as for a DNATed one.
+func TestCapSlowPathSlotReleasedOnClose(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	tp.converge(t, tp.rules(web(1)))
+	dst := netip.MustParseAddrPort("10.99.0.1:8080")
+	// A lives and closes while no watcher listens: its slot stays taken in
+	// the kernel. (The kernel only gives a connection conntrack events if a
+	// listener existed when it was created.)
+	tp.table.caps.stop()
+	tp.table.mu.Lock()
+	tp.table.caps = nil
+	tp.table.mu.Unlock()
+	ok, _, closeA := openConns(t, tp.client, dst, 1)
+	require.Equal(t, 1, ok)
+	closeA()
+	w, err := startCapWatcher(tp.table)
+	require.NoError(t, err)
+	tp.table.mu.Lock()
+	tp.table.caps = w
+	tp.table.mu.Unlock()
+
+	var closeB func()
+	require.Eventually(t, func() bool {
+		ok, _, cl := openConns(t, tp.client, dst, 1)
+		if ok != 1 {
+			cl()
+			return false
+		}
+		closeB = cl
+		return true
+	}, 2*time.Second, 10*time.Millisecond)
+	require.Equal(t, uint64(1), tp.table.ov.countsOf("web").accepted, "B came through the slow path")
+	ok, refused, cl := openConns(t, tp.client, dst, 1)
+	cl()
+	assert.Equal(t, 0, ok, "B holds the only slot")
+	assert.Equal(t, 1, refused)
+	require.Equal(t, 1, membersOf(t, tp.table, "web"))
+	closeB()
+	t0 := time.Now()
+	require.Eventually(t, func() bool { return membersOf(t, tp.table, "web") == 0 }, 2*time.Second, time.Millisecond,
+		"the watcher frees the slot of the redirected flow")
+	t.Logf("slot of the slow-path connection freed %v after its close", time.Since(t0))
 }
