@@ -83,8 +83,8 @@ type overflow struct {
 	freed   chan struct{}        // closed (and replaced) whenever slots are freed
 	sweptAt map[string]time.Time // start of the last full check, per exposure
 
-	// Decision latency (accept to admitted or refused), for tests and the
-	// record in BENCHMARKS.md.
+	// Latency of admitted callers (accepted to guest dialed), for tests and
+	// the record in BENCHMARKS.md.
 	decisions atomic.Int64
 	decideNs  atomic.Int64
 	maxNs     atomic.Int64
@@ -173,7 +173,6 @@ func (o *overflow) handle(c *net.TCPConn) {
 	if !o.admit(e, key, src, dst, t0) {
 		o.t.notMember(e.Name, key)
 		o.count(e.Name, false)
-		o.record(t0)
 		reset(c)
 		return
 	}

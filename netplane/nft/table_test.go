@@ -156,7 +156,7 @@ func TestCapSequentialShortConnections(t *testing.T) {
 	if n > 0 {
 		mean = time.Duration(ov.decideNs.Load() / n)
 	}
-	t.Logf("1000 back to back in %v: %d refused; %d went through the slow path (decision mean %v, max %v)",
+	t.Logf("1000 back to back in %v: %d refused; %d admitted by the slow path (accept to guest dialed: mean %v, max %v)",
 		elapsed, failed, n, mean, time.Duration(ov.maxNs.Load()))
 }
 
@@ -617,6 +617,9 @@ func TestCapSlowPathAlone(t *testing.T) {
 	assert.GreaterOrEqual(t, c["web"].Accepted, uint64(20+2+1+1))
 	assert.LessOrEqual(t, membersOf(t, tp.table, "web"), 1)
 
+	ov := tp.table.ov
+	t.Logf("%d admitted by the slow path alone: accept to guest dialed mean %v, max %v", ov.decisions.Load(),
+		time.Duration(ov.decideNs.Load()/max(1, ov.decisions.Load())), time.Duration(ov.maxNs.Load()))
 	_, err = dialTag(tp.client, fmt.Sprintf("10.99.0.1:%d", tp.table.overflowPort()))
 	assert.Error(t, err, "a direct connection to the listener is not carried")
 	c2, err := tp.table.Counters()
