@@ -66,6 +66,10 @@ const DefaultOverflowWait = 25 * time.Millisecond
 
 const guestDialTimeout = 2 * time.Second
 
+// recheckEvery: while a caller waits, the members are checked again this
+// often in case no release event comes.
+const recheckEvery = 5 * time.Millisecond
+
 type overflow struct {
 	t     *Table
 	ln    *net.TCPListener
@@ -217,13 +221,14 @@ func (o *overflow) admit(e Exposure, key []byte, src, dst netip.AddrPort, arrive
 		if since.After(deadline) {
 			return false // the last look, after the wait, found no slot either
 		}
-		tm := time.NewTimer(time.Until(deadline))
+		tm := time.NewTimer(min(time.Until(deadline), recheckEvery))
 		select {
 		case <-freed:
 			tm.Stop()
 		case <-tm.C:
-			// One last look, with a fresh check of the members: a close
-			// whose event was lost is found there.
+			// Look again with a fresh check of the members: a close whose
+			// event the watcher did not get (a connection older than the
+			// watcher has none) is found there.
 			since = time.Now()
 		case <-o.ctx.Done():
 			tm.Stop()
