@@ -18,10 +18,15 @@ import (
 // exposure's):
 //   - admission (nat prerouting/output, first packet only):
 //     `add @conns-NAME { ip saddr . ip daddr . tcp sport }` fails once the
-//     set is full, and the next rule counts the caller as refused and
-//     rejects it. The kernel's size check is an atomic compare-and-
+//     set is full. The kernel's size check is an atomic compare-and-
 //     increment, so parallel SYNs on several CPUs cannot overshoot: the
 //     upper bound is exact.
+//   - a full set, TCP: the caller goes to the slow path (overflow.go),
+//     which frees the slots of connections that have closed and admits it
+//     if one is free, or resets it and counts it refused; so nobody is
+//     refused while fewer than MaxConns are open. UDP (and TCP when the
+//     slow path is off): the next rule counts the caller as refused and
+//     rejects it.
 //   - closing, in the kernel, in packet order: a FIN in each direction (or
 //     one RST) sets both close bits of the ct mark. (Deleting the member in
 //     the datapath does not work: the kernel only marks the element dead
