@@ -45,6 +45,18 @@ import (
 //
 // UDP keeps the kernel-only cap: a datagram cannot wait for a decision, and
 // its flows end by timeout, not by a close that could race a new flow.
+//
+// What callers and operators see:
+//   - a caller refused by the slow path completes its TCP handshake (with
+//     the listener) and is then reset, like a caller the proxy refuses; a
+//     caller refused in the kernel gets the reset instead of a SYN-ACK;
+//   - the listener holds one TCP port (ephemeral, kept across restarts when
+//     still free) on every address of the managed namespace; a direct
+//     connection to it is reset and counted nowhere;
+//   - while no Table is open (the daemon is down) the overflow map still
+//     points at the port: a caller finding the cap full is reset by the
+//     kernel (no listener) and not counted; every other caller is admitted
+//     by the kernel as usual.
 
 // Carrier carries one connection admitted by the slow path: client is the
 // caller (accepted in the managed namespace), guest is already connected to
@@ -439,8 +451,26 @@ func (t *Table) dropMember(name string, key []byte) {
 // to delete a member that never was.
 func (t *Table) notMember(name string, key []byte) {
 	t.mu.Lock()
-	t.dropped[name+"\x00"+string(key)] = time.Now()
+	t.noteDroppedLocked(name, [][]byte{key})
 	t.mu.Unlock()
+}
+
+// noteDroppedLocked remembers keys the watcher must not delete. Their close
+// (or destroy) event removes them; those whose event never comes (no entry
+// left, a connection older than the watcher) are forgotten after a minute.
+func (t *Table) noteDroppedLocked(name string, keys [][]byte) {
+	now := time.Now()
+	if now.Sub(t.droppedPruned) > 10*time.Second {
+		t.droppedPruned = now
+		for k, at := range t.dropped {
+			if now.Sub(at) > time.Minute {
+				delete(t.dropped, k)
+			}
+		}
+	}
+	for _, k := range keys {
+		t.dropped[name+"\x00"+string(k)] = now
+	}
 }
 
 // dropLocked deletes members the slow path found closed (they are in the
@@ -451,15 +481,7 @@ func (t *Table) dropLocked(name string, keys [][]byte) {
 		delete(t.dropped, name+"\x00"+string(k)) // deleted before and back since: delete it now
 	}
 	t.releaseLocked(map[string][][]byte{name: keys})
-	now := time.Now()
-	for k, at := range t.dropped {
-		if now.Sub(at) > time.Minute { // its event never came (no entry left)
-			delete(t.dropped, k)
-		}
-	}
-	for _, k := range keys {
-		t.dropped[name+"\x00"+string(k)] = now
-	}
+	t.noteDroppedLocked(name, keys)
 }
 
 // overflowPort is the port the overflow map points at (0: no slow path).

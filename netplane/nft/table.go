@@ -51,11 +51,12 @@ type Table struct {
 	byHost                 map[hostSide]string // tcp/udp, host address (invalid = any), port -> exposure
 	acctOn                 bool
 
-	caps      *capWatcher
-	ov        *overflow            // the cap's slow path (TCP); nil without the watcher
-	dropped   map[string]time.Time // cap members the slow path deleted (exposure NUL key), so the watcher does not delete them again
-	closeOnce sync.Once
-	bytesHW   map[string][2]uint64 // bytes last reported per exposure (monotonic)
+	caps          *capWatcher
+	ov            *overflow // the cap's slow path (TCP); nil without the watcher
+	droppedPruned time.Time
+	dropped       map[string]time.Time // cap members the slow path deleted (exposure NUL key), so the watcher does not delete them again
+	closeOnce     sync.Once
+	bytesHW       map[string][2]uint64 // bytes last reported per exposure (monotonic)
 }
 
 // Option configures Open.
@@ -121,12 +122,13 @@ func Open(netnsPath string, opts ...Option) (*Table, error) {
 		return nil, err
 	}
 	if o.capWatcher {
-		if t.caps, err = startCapWatcher(t); err != nil {
+		// The slow path first: the watcher's goroutine reads t.ov.
+		if t.ov, err = startOverflow(t, t.readOverflowPort(), o.carrier, o.overflowWait); err != nil {
 			t.closeFiles()
 			return nil, err
 		}
-		if t.ov, err = startOverflow(t, t.readOverflowPort(), o.carrier, o.overflowWait); err != nil {
-			t.caps.stop()
+		if t.caps, err = startCapWatcher(t); err != nil {
+			t.ov.stop()
 			t.closeFiles()
 			return nil, err
 		}
