@@ -10,6 +10,7 @@ import (
 	"os"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -672,4 +673,40 @@ func TestCapSlowPathSlotReleasedOnClose(t *testing.T) {
 	require.Eventually(t, func() bool { return membersOf(t, tp.table, "web") == 0 }, 2*time.Second, time.Millisecond,
 		"the watcher frees the slot of the redirected flow")
 	t.Logf("slot of the slow-path connection freed %v after its close", time.Since(t0))
+}
+
+// WithOverflow hands each caller the slow path admits to the given Carrier,
+// with the exposure's name and a connection to its guest already open.
+func TestCapSlowPathCarrier(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	require.NoError(t, tp.table.Close())
+	var mu sync.Mutex
+	var got []string
+	tb, err := Open(tp.host.Path, WithOverflow(func(exposure string, client, guest *net.TCPConn) {
+		mu.Lock()
+		got = append(got, exposure+" -> "+guest.RemoteAddr().String())
+		mu.Unlock()
+		spliceBoth(exposure, client, guest)
+	}))
+	require.NoError(t, err)
+	defer tb.Close()
+	tp.table = tb
+	tp.converge(t, tp.rules(web(1)))
+	tb.caps.stop() // nothing frees slots in the kernel: every caller after the first takes the slow path
+	tb.mu.Lock()
+	tb.caps = nil
+	tb.mu.Unlock()
+	for i := 0; i < 3; i++ {
+		var tag string
+		require.Eventually(t, func() bool {
+			var err error
+			tag, err = dialTag(tp.client, "10.99.0.1:8080")
+			return err == nil
+		}, 2*time.Second, 10*time.Millisecond)
+		assert.Equal(t, "g1", tag)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, []string{"web -> 10.213.0.11:80", "web -> 10.213.0.11:80"}, got)
 }
