@@ -175,7 +175,10 @@ func (o *overflow) handle(c *net.TCPConn) {
 	t0 := time.Now()
 	src, dst, err := origTuple(c)
 	var e Exposure
-	ok := err == nil
+	// A redirected connection's original destination is the exposure's
+	// host side, not this socket's own address.
+	local, _ := c.LocalAddr().(*net.TCPAddr)
+	ok := err == nil && local != nil && local.AddrPort() != dst
 	if ok {
 		e, ok = o.t.exposureAt(dst)
 	}
