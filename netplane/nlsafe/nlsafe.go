@@ -117,7 +117,9 @@ func Do(nsPath string, fn func() error) error {
 		}
 		ferr := fn()
 		if err := netns.Set(orig); err != nil {
-			errc <- fmt.Errorf("leaving netns %s: %w (thread discarded)", nsPath, err)
+			// fn's own error is kept: fn may have done its work (started a
+			// process, made a socket) and the caller must hear of both.
+			errc <- errors.Join(ferr, fmt.Errorf("leaving netns %s: %w (thread discarded)", nsPath, err))
 			return
 		}
 		runtime.UnlockOSThread()

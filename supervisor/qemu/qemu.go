@@ -17,14 +17,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
-	"github.com/vishvananda/netns"
-
+	"github.com/brokkr/brokkr/netplane/nlsafe"
 	"github.com/brokkr/brokkr/supervisor"
 )
 
@@ -406,39 +404,7 @@ func consoleOnSerial(cmdline string) bool {
 // child inherits the namespace of the thread that forks it, so the fork
 // happens on a locked thread switched into the namespace.
 func startIn(path string, cmd *exec.Cmd) error {
-	if path == "" {
-		return cmd.Start()
-	}
-	target, err := netns.GetFromPath(path)
-	if err != nil {
-		return fmt.Errorf("netns %s: %w", path, err)
-	}
-	defer target.Close()
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		if err := netns.Set(target); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("entering netns %s: %w", path, err)
-			return
-		}
-		serr := cmd.Start()
-		if err := netns.Set(orig); err != nil {
-			// Leave the thread locked: the runtime ends it with this goroutine.
-			errc <- errors.Join(serr, fmt.Errorf("leaving netns %s: %w", path, err))
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- serr
-	}()
-	return <-errc
+	return nlsafe.Do(path, cmd.Start)
 }
 
 // logTail is the end of what qemu wrote to its log since offset, on one line.
