@@ -261,10 +261,10 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		}
 		return supervisor.Instance{}, err
 	}
-	st, err := readProcStat(pid)
+	st, err := supervisor.ReadProcStat(pid)
 	var exe string
 	if err == nil {
-		exe, err = procExe(pid) // a zombie has no exe link
+		exe, err = supervisor.ProcExe(pid) // a zombie has no exe link
 	}
 	if err != nil {
 		// qemu already exited: say why. Under KVM that may be KVM's doing
@@ -431,7 +431,7 @@ func logTail(path string, offset int64) string {
 // Adopt implements supervisor.Hypervisor: the recorded pid must still be the
 // same qemu (start time, executable) and serve the recorded QMP socket.
 func (b *Backend) Adopt(ctx context.Context, inst supervisor.Instance) error {
-	st, err := readProcStat(inst.PID)
+	st, err := supervisor.ReadProcStat(inst.PID)
 	if err != nil {
 		return fmt.Errorf("qemu: pid %d is gone: %w", inst.PID, err)
 	}
@@ -441,7 +441,7 @@ func (b *Backend) Adopt(ctx context.Context, inst supervisor.Instance) error {
 	if st.State == 'Z' || st.State == 'X' {
 		return fmt.Errorf("qemu: pid %d has exited", inst.PID)
 	}
-	exe, err := procExe(inst.PID)
+	exe, err := supervisor.ProcExe(inst.PID)
 	if err != nil {
 		return fmt.Errorf("qemu: pid %d: %w", inst.PID, err)
 	}
