@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+	"unicode"
 
 	"golang.org/x/sys/unix"
 )
@@ -42,8 +43,11 @@ func ParseProcStat(b []byte) (ProcStat, error) {
 	}
 	f := bytes.Fields(b[i+1:])
 	// f[0] is field 3 (state), so field 22 is f[19].
-	if len(f) < 20 || len(f[0]) != 1 {
+	if len(f) < 20 {
 		return ProcStat{}, fmt.Errorf("%d fields after the command name, want >= 20", len(f))
+	}
+	if len(f[0]) != 1 || !unicode.IsLetter(rune(f[0][0])) {
+		return ProcStat{}, fmt.Errorf("state %q is not one letter", f[0])
 	}
 	st, err := strconv.ParseUint(string(f[19]), 10, 64)
 	if err != nil {
