@@ -17,9 +17,9 @@ func running(pid int, startTime uint64) bool {
 	return err == nil && st.StartTime == startTime && !st.Exited()
 }
 
-// hostTSCKHz is the host's TSC frequency in kHz: the kernel's refined TSC
-// calibration when dmesg still holds it, else cpuinfo's "cpu MHz". Under
-// TCG the guest's TSC runs at the host's rate.
+// hostTSCKHz is the host's TSC frequency in kHz as /proc/cpuinfo's first
+// "cpu MHz" gives it (0 when absent). Under TCG the guest's TSC runs at the
+// host's rate.
 func hostTSCKHz() int64 {
 	f, err := os.Open("/proc/cpuinfo")
 	if err != nil {
