@@ -199,7 +199,9 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	assert.Contains(t, page, "name=boot1", "the VM name reaches the guest")
 	assert.Contains(t, page, "addr=10.213.77.10/24")
 	assert.Contains(t, page, "disks=vda", "the disk is attached as virtio-blk")
-	assert.Contains(t, readFile(cfg.ConsoleLog), "BROKKR-GUEST-READY", "the serial console goes to ConsoleLog")
+	// The guest's init starts httpd before it prints READY: wait for the line.
+	assert.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), "BROKKR-GUEST-READY") },
+		60*time.Second, 50*time.Millisecond, "the serial console goes to ConsoleLog")
 
 	// Echo services: TCP holds the connection, UDP answers datagrams.
 	require.NoError(t, gn.dialGuest("tcp", "7000", func(c net.Conn) error {

@@ -51,6 +51,10 @@ func TestConsoleSocketProbeThenHandOver(t *testing.T) {
 	w, err := watchConsole(t.Context(), inst.ConsoleSocket, cfg.ConsoleLog)
 	require.NoError(t, err)
 	require.Eventually(t, w.printed, 60*time.Second, 20*time.Millisecond, "no console output")
+	// The serial port trickles bytes in: printed() is true after the first
+	// one, so wait until the log holds the kernel's first line.
+	require.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), " Linux") },
+		60*time.Second, 20*time.Millisecond, "the probe never logged the kernel banner")
 	w.close()
 	assert.True(t, strings.HasPrefix(readFile(cfg.ConsoleLog), "[    0.000000] Linux"),
 		"the probe's bytes are in the console log: %q", readFile(cfg.ConsoleLog))
