@@ -56,11 +56,6 @@ func NeighList(h *netlink.Handle, linkIndex, family int) ([]netlink.Neigh, error
 	return Retry(func() ([]netlink.Neigh, error) { return h.NeighList(linkIndex, family) })
 }
 
-// LinkGetProtinfo reads a bridge port's settings (hairpin, learning, ...).
-func LinkGetProtinfo(h *netlink.Handle, link netlink.Link) (netlink.Protinfo, error) {
-	return Retry(func() (netlink.Protinfo, error) { return h.LinkGetProtinfo(link) })
-}
-
 // IsNotFound reports whether err says a link does not exist.
 func IsNotFound(err error) bool {
 	var nf netlink.LinkNotFoundError
