@@ -249,17 +249,6 @@ func (p *Pidfd) Reap() ExitStatus {
 // Close releases the pidfd.
 func (p *Pidfd) Close() error { return p.f.Close() }
 
-// WaitExit waits until the recorded process is gone or ctx ends; a process
-// that is already gone (or is now another process) counts as exited.
-func WaitExit(ctx context.Context, inst Instance) error {
-	pfd, err := OpenPidfd(inst)
-	if err != nil {
-		return nil
-	}
-	defer pfd.Close()
-	return pfd.Wait(ctx)
-}
-
 // RemoveStaleSocket removes a unix socket left behind by a dead process, and
 // only after proving nobody listens on it: connect must be refused. A socket
 // with a live listener, or a path that is not a socket, is an error and is
