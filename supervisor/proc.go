@@ -158,9 +158,7 @@ func (p *Pidfd) Wait(ctx context.Context) error {
 	defer stop()
 	var ready bool
 	err = rc.Read(func(fd uintptr) bool {
-		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		n, perr := unix.Poll(fds, 0)
-		ready = perr == nil && n > 0
+		ready = readable(fd)
 		return ready
 	})
 	if ready {
@@ -182,12 +180,16 @@ func (p *Pidfd) Exited() bool {
 		return true
 	}
 	var ready bool
-	_ = rc.Control(func(fd uintptr) {
-		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		n, perr := unix.Poll(fds, 0)
-		ready = perr == nil && n > 0
-	})
+	_ = rc.Control(func(fd uintptr) { ready = readable(fd) })
 	return ready
+}
+
+// readable polls fd without blocking: a pidfd turns readable when its
+// process exits.
+func readable(fd uintptr) bool {
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n > 0
 }
 
 // Signal sends sig through the pidfd, so it can only reach this process.
