@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -28,9 +27,7 @@ func TestConsoleSocketProbeThenHandOver(t *testing.T) {
 	requireQEMU(t)
 	img := findGuestImage(t)
 	dir := t.TempDir()
-	run, err := os.MkdirTemp("", "brkqm")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(run) })
+	run := shortRunDir(t)
 	cfg := supervisor.LaunchConfig{
 		Name: "cons", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
 		Kernel: img.Kernel, Initramfs: img.Initramfs,
@@ -39,10 +36,7 @@ func TestConsoleSocketProbeThenHandOver(t *testing.T) {
 	b := New("", WithAccel(AccelTCG))
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
-		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
-	})
+	killAtCleanup(t, inst.PID)
 	require.Equal(t, filepath.Join(run, "console.sock"), inst.ConsoleSocket)
 
 	// The probe's reader, as a KVM launch runs it.
