@@ -35,7 +35,6 @@ type worker struct {
 	// Owned by the worker goroutine.
 	lock      *os.File
 	rec       *record // nil until load succeeds (and again after destroy)
-	spec      *VMSpec // the desired spec of the current pass
 	inst      *Instance
 	watch     *watch
 	exits     chan exitEvent
@@ -222,7 +221,6 @@ func (w *worker) shutdown() {
 func (w *worker) pass(ctx context.Context) {
 	spec, seen, restartReq := w.take()
 	defer w.endPass()
-	w.spec = spec
 
 	if err := w.acquireLock(); err != nil {
 		w.publish(PhaseFailed, err.Error())
