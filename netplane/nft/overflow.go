@@ -8,11 +8,11 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/brokkr/brokkr/netplane/nlsafe"
 	"github.com/google/nftables"
 	"golang.org/x/sys/unix"
 )
@@ -540,33 +540,7 @@ func (t *Table) dialGuest(ctx context.Context, a netip.AddrPort) (*net.TCPConn, 
 
 // inNS runs fn on a thread in the table's namespace (sockets keep the
 // namespace they were made in).
-func (t *Table) inNS(fn func() error) error {
-	if t.nsFd < 0 {
-		return fn()
-	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			errc <- err
-			return // the thread stays locked and is discarded
-		}
-		defer unix.Close(orig)
-		if err := unix.Setns(t.nsFd, unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns: %w", err)
-			return
-		}
-		ferr := fn()
-		if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
-			errc <- errors.Join(ferr, err) // thread stays locked and is discarded
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
-}
+func (t *Table) inNS(fn func() error) error { return nlsafe.Do(t.nsPath, fn) }
 
 // spliceBoth is the default Carrier: both directions, each half-closed at
 // its EOF; any error ends the whole connection.

@@ -2,12 +2,10 @@ package nft
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
 	"os"
-	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -19,7 +17,6 @@ import (
 	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 	"github.com/mdlayher/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
 
@@ -28,7 +25,6 @@ type Table struct {
 	mu     sync.Mutex
 	nsPath string
 	nsFile *os.File // keeps the namespace fd for the netlink sockets
-	nsFd   int      // its descriptor, -1 for the caller's namespace
 	conn   *nftables.Conn
 	raw    *netlink.Conn
 	ct     *conntrack.Conn
@@ -89,7 +85,7 @@ func Open(netnsPath string, opts ...Option) (*Table, error) {
 	for _, f := range opts {
 		f(&o)
 	}
-	t := &Table{nsPath: netnsPath, nsFd: -1, log: o.log, ids: map[string]uint32{}, byID: map[uint32]Exposure{},
+	t := &Table{nsPath: netnsPath, log: o.log, ids: map[string]uint32{}, byID: map[uint32]Exposure{},
 		byHost: map[hostSide]string{}, dropped: map[string]time.Time{}, units: map[string]unitEntry{}}
 	ncfg := &netlink.Config{}
 	nopts := []nftables.ConnOption{nftables.AsLasting(), nftables.WithSockOptions(forceBuffers)}
@@ -99,7 +95,6 @@ func Open(netnsPath string, opts ...Option) (*Table, error) {
 			return nil, fmt.Errorf("nft: open netns: %w", err)
 		}
 		t.nsFile = f
-		t.nsFd = int(f.Fd())
 		ncfg.NetNS = int(f.Fd())
 		nopts = append(nopts, nftables.WithNetNSFd(int(f.Fd())))
 	}
@@ -834,40 +829,10 @@ func (t *Table) Delete() error {
 	return nil
 }
 
-// setSysctl writes a per-namespace sysctl in the table's namespace.
+// setSysctl writes a per-namespace sysctl in the table's namespace
+// (/proc/sys/net follows the thread's network namespace).
 func (t *Table) setSysctl(path, value string) error {
-	if t.nsPath == "" {
-		return os.WriteFile(path, []byte(value), 0o644)
-	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		target, err := netns.GetFromPath(t.nsPath)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer target.Close()
-		if err := netns.Set(target); err != nil {
-			errc <- err
-			return
-		}
-		// /proc/sys/net follows the thread's network namespace.
-		werr := os.WriteFile(path, []byte(value), 0o644)
-		if err := netns.Set(orig); err != nil {
-			errc <- errors.Join(werr, err) // thread stays locked and is discarded
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- werr
-	}()
-	return <-errc
+	return t.inNS(func() error { return os.WriteFile(path, []byte(value), 0o644) })
 }
 
 // timer prints where a Converge spends its time when NFT_TIMING is set
