@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"log/slog"
 	"reflect"
+	"slices"
 	"sync"
 	"time"
 
@@ -38,6 +39,10 @@ type Options struct {
 	Tick       time.Duration // default 1 s
 	Timeout    time.Duration // per engine pass; default 10 s
 	Warnings   []string      // conditions found while opening (shown in status)
+	// IPv6Loopback makes auto exposures also listen on ::1 (the Proxy must
+	// then carry ::1 specs next to 127.0.0.1 ones under the same name; see
+	// ProxyPair).
+	IPv6Loopback bool
 }
 
 // Daemon is one running brokkrd.
@@ -64,7 +69,8 @@ type Daemon struct {
 	facts   map[string]guestFacts
 	passes  uint64
 
-	wake chan struct{}
+	wake   chan struct{}
+	logged map[string]bool // problems of the last pass, logged once
 
 	supRun bounded[supervisor.Report]
 	netRun bounded[netplane.Report]
@@ -193,16 +199,33 @@ func (d *Daemon) Pass(ctx context.Context) {
 	}
 	facts := d.updateFacts(want, nrep)
 
-	t0 = time.Now()
-	specs := vmSpecs(want, facts)
-	srep, err := d.supRun.run(ctx, d.opts.Timeout, func(ctx context.Context) supervisor.Report {
-		return d.sup.Step(ctx, specs)
-	})
-	d.m.observe("supervisor", time.Since(t0), err == nil)
-	errs = append(errs, err)
+	// A VM whose tap netplane has never reported (it failed or stalled
+	// since this process started) must not reach the supervisor without
+	// one: to the supervisor a spec without the tap is a different machine,
+	// and an adopted VM would be recreated. Hold the supervisor for this
+	// pass instead; VMs keep running as they are.
+	var untapped []string
+	for _, v := range want.VMs {
+		if f, ok := facts[v.Name]; !ok || f.Tap == "" {
+			untapped = append(untapped, v.Name)
+		}
+	}
+	var srep supervisor.Report
+	if len(untapped) > 0 {
+		srep = d.supRun.lastResult()
+		errs = append(errs, fmt.Errorf("supervisor: held this pass: the network plane has not reported the taps of %v", untapped))
+	} else {
+		t0 = time.Now()
+		specs := vmSpecs(want, facts)
+		srep, err = d.supRun.run(ctx, d.opts.Timeout, func(ctx context.Context) supervisor.Report {
+			return d.sup.Step(ctx, specs)
+		})
+		d.m.observe("supervisor", time.Since(t0), err == nil)
+		errs = append(errs, err)
+	}
 
 	t0 = time.Now()
-	pspecs := proxySpecs(want)
+	pspecs := proxySpecs(want, d.opts.IPv6Loopback)
 	pst, err := d.pxRun.run(ctx, d.opts.Timeout, func(context.Context) []proxy.Status {
 		return d.px.Converge(pspecs)
 	})
@@ -224,11 +247,22 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.status = st
 	d.passes++
 	d.mu.Unlock()
+	// Log a problem when it appears and when it clears, not every second.
+	now := map[string]bool{}
 	for _, e := range errs {
 		if e != nil {
-			d.log.Warn("converge", "err", e)
+			now[e.Error()] = true
+			if !d.logged[e.Error()] {
+				d.log.Warn("converge", "err", e)
+			}
 		}
 	}
+	for msg := range d.logged {
+		if !now[msg] {
+			d.log.Info("converge: cleared", "was", msg)
+		}
+	}
+	d.logged = now
 }
 
 // updateFacts records what netplane said about each guest and publishes the
@@ -241,10 +275,15 @@ func (d *Daemon) updateFacts(want *config.Config, rep netplane.Report) map[strin
 	for _, g := range rep.Guests {
 		seen[g.Name] = true
 		f := guestFacts{Tap: g.Tap, MAC: g.MAC, Address: g.Address, Leased: g.Leased, Error: g.Error}
-		if old, ok := d.facts[g.Name]; ok && f.Tap == "" {
+		if old, ok := d.facts[g.Name]; ok {
 			// A failed pass for this guest keeps its last known tap and MAC
 			// rather than telling the supervisor it has none.
-			f.Tap, f.MAC = old.Tap, old.MAC
+			if f.Tap == "" {
+				f.Tap = old.Tap
+			}
+			if f.MAC == nil {
+				f.MAC = old.MAC
+			}
 		}
 		d.facts[g.Name] = f
 	}
@@ -499,7 +538,7 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 				parts = append(parts, part{"nat", proxy.StatePending, "the network plane has not reported it yet"})
 			}
 		}
-		if binds := proxyBinds(e); len(binds) > 0 {
+		if binds := proxyBinds(e, d.opts.IPv6Loopback); len(binds) > 0 {
 			if p := ps[e.Name]; len(p) > 0 {
 				for _, s := range p {
 					parts = append(parts, part{"proxy", s.State, s.Reason})
@@ -550,8 +589,8 @@ func mergeParts(parts []part) (string, string) {
 		if rank[p.state] > rank[state] {
 			state = p.state
 		}
-		if p.reason != "" {
-			reasons = append(reasons, p.path+": "+p.reason)
+		if r := p.path + ": " + p.reason; p.reason != "" && !slices.Contains(reasons, r) {
+			reasons = append(reasons, r) // the 127.0.0.1 and ::1 listeners often say the same
 		}
 	}
 	if len(parts) == 0 {

@@ -230,6 +230,50 @@ func TestTapsAndMACsFlowFromNetplaneIntoVMSpecs(t *testing.T) {
 	assert.False(t, r.net.desired().Guests[1].MultiQueue)
 }
 
+// failingNet fails whole passes while fail is set (a broken bridge, a
+// netlink error) and reports nothing about the guests.
+type failingNet struct {
+	*recNet
+	fail bool
+}
+
+func (n *failingNet) Converge(ctx context.Context, d netplane.Desired) netplane.Report {
+	if n.fail {
+		n.calls.add("netplane")
+		return netplane.Report{Err: errors.New("network.bridge: operation not permitted")}
+	}
+	return n.recNet.Converge(ctx, d)
+}
+
+func TestTheSupervisorIsHeldUntilEveryVMHasItsTap(t *testing.T) {
+	host, err := config.Parse([]byte(rigConfig))
+	require.NoError(t, err)
+	host.StateDir, host.RunDir = t.TempDir(), shortDir(t)
+	c := &calls{}
+	sup := &recSup{calls: c}
+	net := &failingNet{recNet: &recNet{calls: c}, fail: true}
+	store := bpf.NewInMemory("test")
+	defer store.Close()
+	d, err := New(Options{Host: host, Store: store, Supervisor: sup, Network: net, Proxy: &recProxy{calls: c, resolve: NewAddressBook().Resolve},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.NoError(t, err)
+
+	d.Pass(context.Background())
+	assert.Equal(t, []string{"netplane", "proxy"}, c.get(), "no Step with specs that lack their taps: an adopted VM would look like another machine")
+	assert.Contains(t, strings.Join(d.Status().Warnings, "\n"), "supervisor: held this pass")
+
+	net.fail = false
+	d.Pass(context.Background())
+	require.Len(t, sup.specs(), 2)
+	assert.Equal(t, "brk-web", sup.specs()[0].Tap)
+
+	// Once known, a tap and MAC survive a failed netplane pass.
+	net.fail = true
+	d.Pass(context.Background())
+	assert.Equal(t, "brk-web", sup.specs()[0].Tap)
+	assert.Equal(t, "52:54:00:00:00:01", sup.specs()[0].MAC.String())
+}
+
 func TestWithoutDHCPTheGuestGetsItsAddressOnTheCommandLine(t *testing.T) {
 	r := newRig(t, "network: {dhcp: false}\nvms: [{name: web, kernel: /k}]\n")
 	r.d.Pass(context.Background())
@@ -262,6 +306,34 @@ func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
 			assert.Equal(t, 256, s.MaxConns)
 		}
 	}
+}
+
+func TestAutoAlsoListensOnIPv6LoopbackThroughASecondManager(t *testing.T) {
+	host, err := config.Parse([]byte(rigConfig))
+	require.NoError(t, err)
+	host.StateDir, host.RunDir = t.TempDir(), shortDir(t)
+	c := &calls{}
+	addrs := NewAddressBook()
+	v4, v6 := &recProxy{calls: c, resolve: addrs.Resolve}, &recProxy{calls: c, resolve: addrs.Resolve}
+	store := bpf.NewInMemory("test")
+	defer store.Close()
+	d, err := New(Options{Host: host, Store: store, Supervisor: &recSup{calls: c}, Network: &recNet{calls: c, leased: true},
+		Proxy: ProxyPair{Main: v4, Loopback6: v6}, Addresses: addrs, IPv6Loopback: true,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.NoError(t, err)
+	d.Pass(context.Background())
+	main, _ := v4.specs()
+	six, _ := v6.specs()
+	var got4, got6 []string
+	for _, s := range main {
+		got4 = append(got4, s.ID+"@"+s.HostAddress)
+	}
+	for _, s := range six {
+		got6 = append(got6, s.ID+"@"+s.HostAddress)
+	}
+	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0"}, got4)
+	assert.Equal(t, []string{"web-auto@::1"}, got6, "only auto on an unspecified address adds ::1; one name per manager")
+	assert.Equal(t, "active", expo(d.Status(), "web-auto").State, "the two listeners merge into one row")
 }
 
 func TestProxyResolvesOnlyLeasedAddresses(t *testing.T) {
@@ -297,6 +369,7 @@ func expo(st api.Status, name string) api.Exposure {
 
 func TestAStalledEngineDoesNotStallTheOthers(t *testing.T) {
 	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background()) // taps known
 	block := make(chan struct{})
 	r.net.mu.Lock()
 	r.net.block = block
@@ -306,12 +379,13 @@ func TestAStalledEngineDoesNotStallTheOthers(t *testing.T) {
 	start := time.Now()
 	r.d.Pass(context.Background())
 	assert.Less(t, time.Since(start), 2*time.Second)
-	assert.Equal(t, []string{"netplane", "supervisor", "proxy"}, r.calls.get())
+	pass := []string{"netplane", "supervisor", "proxy"}
+	assert.Equal(t, append(pass, pass...), r.calls.get())
 	st := r.d.Status()
 	assert.Contains(t, strings.Join(st.Warnings, "\n"), "netplane: pass took longer than")
 
 	r.d.Pass(context.Background())
-	assert.Equal(t, []string{"netplane", "supervisor", "proxy", "supervisor", "proxy"}, r.calls.get(),
+	assert.Equal(t, append(append(pass, pass...), "supervisor", "proxy"), r.calls.get(),
 		"the stalled engine is skipped, not called again behind itself")
 	assert.Contains(t, strings.Join(r.d.Status().Warnings, "\n"), "netplane: still busy")
 }
@@ -331,6 +405,12 @@ func TestCountersComeFromTheSharedSlot(t *testing.T) {
 	assert.Equal(t, uint64(10), e.BytesIn)
 	assert.Equal(t, uint64(20), e.BytesOut)
 	slot.Release(false)
+}
+
+func TestCountersInMemoryAreAWarningInStatus(t *testing.T) {
+	r := newRig(t, rigConfig) // its store is in memory, with reason "test"
+	r.d.Pass(context.Background())
+	assert.Contains(t, r.d.Status().Warnings, "test")
 }
 
 func TestSlotsOfRemovedExposuresArePruned(t *testing.T) {
@@ -476,6 +556,8 @@ func TestMergeParts(t *testing.T) {
 	assert.Equal(t, "proxy: bind: address already in use", why)
 	s, _ = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "active", ""}})
 	assert.Equal(t, "pending", s)
+	_, why = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "pending", "no address"}, {"proxy", "pending", "no address"}})
+	assert.Equal(t, "nat: no lease; proxy: no address", why, "one reason once")
 	s, _ = mergeParts([]part{{"nat", "active", ""}})
 	assert.Equal(t, "active", s)
 }
@@ -595,6 +677,21 @@ func TestAPIConsoleFollows(t *testing.T) {
 	n, err = io.ReadAtLeast(body, buf, len("login: "))
 	require.NoError(t, err)
 	assert.Equal(t, "login: ", string(buf[:n]))
+
+	// The supervisor rotates a full log (console.log -> console.log.1, a new
+	// console.log): the follower starts again at the new file's top.
+	// What the old file got just before the rotation is not lost.
+	f, err = os.OpenFile(log, os.O_APPEND|os.O_WRONLY, 0)
+	require.NoError(t, err)
+	_, _ = f.WriteString("last words\n")
+	f.Close()
+	require.NoError(t, os.Rename(log, log+".1"))
+	require.NoError(t, os.WriteFile(log, []byte("new\n"), 0o600))
+	want := "last words\nnew\n"
+	got := make([]byte, len(want))
+	_, err = io.ReadFull(body, got)
+	require.NoError(t, err)
+	assert.Equal(t, want, string(got))
 
 	var he *api.HTTPError
 	_, err = c.Console(ctx, "ghost", false)

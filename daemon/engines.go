@@ -55,7 +55,7 @@ func (b *bounded[T]) run(parent context.Context, timeout time.Duration, fn func(
 	if b.busy {
 		res, since := b.last, b.since
 		b.mu.Unlock()
-		return res, fmt.Errorf("%s: still busy with a pass started %s ago", b.name, time.Since(since).Round(time.Second))
+		return res, fmt.Errorf("%s: still busy with a pass started at %s", b.name, since.UTC().Format(time.TimeOnly))
 	}
 	b.busy, b.since = true, time.Now()
 	done := make(chan struct{})
@@ -83,6 +83,13 @@ func (b *bounded[T]) run(parent context.Context, timeout time.Duration, fn func(
 		b.mu.Unlock()
 		return res, fmt.Errorf("%s: pass took longer than %s; skipped until it returns", b.name, grace)
 	}
+}
+
+// lastResult is the result of the last call that returned.
+func (b *bounded[T]) lastResult() T {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.last
 }
 
 // wait blocks until no call is in flight or ctx ends.

@@ -149,10 +149,21 @@ func (d *Daemon) handleConsole(w http.ResponseWriter, r *http.Request) {
 	buf := make([]byte, 32<<10)
 	for {
 		if f != nil {
-			// A log rotated or truncated under us starts again from its top.
-			if fi, err := os.Stat(path); err == nil && fi.Size() < off {
-				f.Close()
-				f, off = nil, 0
+			// A log rotated (renamed away, a new file in its place) or
+			// truncated under us: finish the old file, then start again at
+			// the top of the current one.
+			cur, err1 := os.Stat(path)
+			old, err2 := f.Stat()
+			if err1 == nil && err2 == nil && (!os.SameFile(cur, old) || cur.Size() < off) {
+				if os.SameFile(cur, old) {
+					off = 0 // truncated in place
+				} else if !copyFrom(w, f, off, buf) {
+					f.Close()
+					return
+				} else {
+					f.Close()
+					f, off = nil, 0
+				}
 			}
 		}
 		if f == nil {
@@ -160,17 +171,12 @@ func (d *Daemon) handleConsole(w http.ResponseWriter, r *http.Request) {
 				f = nil
 			}
 		}
-		for f != nil {
-			n, err := f.ReadAt(buf, off)
-			if n > 0 {
-				if _, werr := w.Write(buf[:n]); werr != nil {
-					f.Close()
-					return
-				}
-				off += int64(n)
-			}
-			if err != nil {
-				break
+		if f != nil {
+			n, ok := copyFromN(w, f, off, buf)
+			off += n
+			if !ok {
+				f.Close()
+				return
 			}
 		}
 		if flusher != nil {
@@ -191,6 +197,28 @@ func (d *Daemon) handleConsole(w http.ResponseWriter, r *http.Request) {
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
+}
+
+// copyFromN writes f's content from off to w; ok is false when the
+// caller has gone away.
+func copyFromN(w io.Writer, f *os.File, off int64, buf []byte) (n int64, ok bool) {
+	for {
+		k, err := f.ReadAt(buf, off+n)
+		if k > 0 {
+			if _, werr := w.Write(buf[:k]); werr != nil {
+				return n, false
+			}
+			n += int64(k)
+		}
+		if err != nil {
+			return n, true
+		}
+	}
+}
+
+func copyFrom(w io.Writer, f *os.File, off int64, buf []byte) bool {
+	_, ok := copyFromN(w, f, off, buf)
+	return ok
 }
 
 // Serve listens on runDir/brokkr.sock (mode 0600: the API can start VMs and

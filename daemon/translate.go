@@ -31,8 +31,9 @@ func usesKernel(e config.Exposure) bool {
 
 // proxyBinds lists the addresses the userspace proxy binds for an exposure:
 // proxy mode binds hostAddress; auto binds loopback (which DNAT cannot serve)
-// when hostAddress covers it.
-func proxyBinds(e config.Exposure) []string {
+// when hostAddress covers it: 127.0.0.1, and ::1 when the host has IPv6
+// loopback (ipv6).
+func proxyBinds(e config.Exposure, ipv6 bool) []string {
 	a, err := netip.ParseAddr(e.HostAddress)
 	if err != nil {
 		return nil
@@ -44,6 +45,8 @@ func proxyBinds(e config.Exposure) []string {
 		switch {
 		case a.IsLoopback():
 			return []string{e.HostAddress}
+		case a.IsUnspecified() && ipv6:
+			return []string{"127.0.0.1", "::1"}
 		case a.IsUnspecified():
 			return []string{"127.0.0.1"}
 		}
@@ -85,10 +88,10 @@ func netDesired(c *config.Config) netplane.Desired {
 	return d
 }
 
-func proxySpecs(c *config.Config) []proxy.Spec {
+func proxySpecs(c *config.Config, ipv6 bool) []proxy.Spec {
 	var out []proxy.Spec
 	for _, e := range c.Exposures {
-		for _, addr := range proxyBinds(e) {
+		for _, addr := range proxyBinds(e, ipv6) {
 			vm := e.VM
 			if e.Target != "" {
 				vm = targetPrefix + e.Target
@@ -164,4 +167,44 @@ func resolveTarget(vm string) (string, bool) {
 		return strings.TrimPrefix(vm, targetPrefix), true
 	}
 	return "", false
+}
+
+// ProxyPair carries the IPv6-loopback listeners on a second proxy.Manager.
+// An auto exposure listens on 127.0.0.1 and ::1 under one name, and one
+// Manager holds one listener per name; both Managers attach the exposure's
+// counter slot by that name in the same Store, so the two listeners add
+// into one entry and share nothing else.
+type ProxyPair struct {
+	Main, Loopback6 Proxy
+}
+
+// Converge hands ::1 specs to Loopback6 and the rest to Main.
+func (p ProxyPair) Converge(specs []proxy.Spec) []proxy.Status {
+	var main, v6 []proxy.Spec
+	for _, s := range specs {
+		if s.HostAddress == "::1" {
+			v6 = append(v6, s)
+		} else {
+			main = append(main, s)
+		}
+	}
+	return append(p.Main.Converge(main), p.Loopback6.Converge(v6)...)
+}
+
+// StopAll stops both.
+func (p ProxyPair) StopAll() {
+	p.Main.StopAll()
+	p.Loopback6.StopAll()
+}
+
+// HaveIPv6Loopback reports whether ::1 can be bound in this namespace (IPv6
+// may be disabled; then auto exposures serve loopback callers on 127.0.0.1
+// only).
+func HaveIPv6Loopback() bool {
+	ln, err := net.Listen("tcp6", "[::1]:0")
+	if err != nil {
+		return false
+	}
+	ln.Close()
+	return true
 }

@@ -51,3 +51,9 @@ func TestOneDaemonPerRunDir(t *testing.T) {
 	require.NoError(t, err, "the lock goes with the process that held it")
 	b.Close()
 }
+
+func TestABPFDirOffBPFFSIsAnError(t *testing.T) {
+	_, err := openStore(t.TempDir())
+	require.Error(t, err, "a bpfDir that is not on a bpffs is never silently a plain directory")
+	assert.Contains(t, err.Error(), "not on a bpffs")
+}

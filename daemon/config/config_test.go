@@ -211,6 +211,7 @@ func TestHostPortOverlap(t *testing.T) {
 		{"wildcard overlaps a specific address", ex("x", "0.0.0.0", "tcp", 80) + ex("y", "127.0.0.1", "tcp", 80), false},
 		{"specific then wildcard", ex("x", "10.0.0.1", "tcp", 80) + ex("y", "0.0.0.0", "tcp", 80), false},
 		{"ipv6 wildcard overlaps ipv4", ex("x", "10.0.0.1", "tcp", 80) + ex("y", "'::'", "tcp", 80), false},
+		{"auto on 0.0.0.0 also takes ::1", ex("x", "'::1'", "tcp", 80) + "  - {name: y, vm: a, guestPort: 1, hostPort: 80, mode: auto}\n", false},
 		{"different protocols", ex("x", "0.0.0.0", "tcp", 80) + ex("y", "0.0.0.0", "udp", 80), true},
 		{"different addresses", ex("x", "127.0.0.1", "tcp", 80) + ex("y", "127.0.0.2", "tcp", 80), true},
 		{"different ports", ex("x", "0.0.0.0", "tcp", 80) + ex("y", "0.0.0.0", "tcp", 81), true},

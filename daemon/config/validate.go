@@ -125,12 +125,18 @@ func (c *Config) Validate() Errors {
 	}
 
 	names := map[string]int{}
-	type bindKey struct {
-		addr  netip.Addr
+	// Host binds by (protocol, port), in file order: an overlap is only
+	// possible within one such list, so the check stays linear in the number
+	// of exposures and names the first clash in the file.
+	type portKey struct {
 		proto string
 		port  int
 	}
-	binds := map[bindKey]int{}
+	type bind struct {
+		addr netip.Addr
+		i    int
+	}
+	binds := map[portKey][]bind{}
 	for i, e := range c.Exposures {
 		p := fmt.Sprintf("exposures[%d]", i)
 		switch {
@@ -193,16 +199,24 @@ func (c *Config) Validate() Errors {
 		}
 		if err == nil && portOK && (e.Protocol == "tcp" || e.Protocol == "udp") {
 			ha = ha.Unmap()
-			k := bindKey{ha, e.Protocol, e.HostPort}
-			for other, j := range binds {
-				if other.proto == k.proto && other.port == k.port && addrsOverlap(other.addr, k.addr) {
-					add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%s/%s on %s)", e.HostPort, e.Protocol, e.HostAddress,
-						j, strconv.Itoa(other.port), other.proto, c.Exposures[j].HostAddress)
-					break
+			// auto on 0.0.0.0 also listens on ::1 for IPv6 loopback callers.
+			claims := []netip.Addr{ha}
+			if e.Mode == ModeAuto && ha == netip.IPv4Unspecified() {
+				claims = append(claims, netip.IPv6Loopback())
+			}
+			k := portKey{e.Protocol, e.HostPort}
+		check:
+			for _, a := range claims {
+				for _, other := range binds[k] {
+					if addrsOverlap(other.addr, a) {
+						add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%s/%s on %s)", e.HostPort, e.Protocol, e.HostAddress,
+							other.i, strconv.Itoa(k.port), k.proto, c.Exposures[other.i].HostAddress)
+						break check
+					}
 				}
 			}
-			if _, dup := binds[k]; !dup {
-				binds[k] = i
+			for _, a := range claims {
+				binds[k] = append(binds[k], bind{a, i})
 			}
 		}
 	}

@@ -13,25 +13,38 @@ import (
 )
 
 // The cap. Each capped exposure has a set `conns-NAME` of size MaxConns
-// holding the conntrack ids of its open connections:
-//   - admission (nat prerouting/output, first packet only): `add @conns-NAME
-//     { ct id }` fails once the set is full, and the next rule counts the
-//     caller as refused and rejects it. The kernel's size check is an atomic
-//     compare-and-increment, so parallel SYNs on several CPUs cannot
-//     overshoot: the upper bound is exact.
+// holding its open connections, each as its original tuple (source address
+// . destination address . source port; protocol and host port are the
+// exposure's):
+//   - admission (nat prerouting/output, first packet only):
+//     `add @conns-NAME { ip saddr . ip daddr . tcp sport }` fails once the
+//     set is full. The kernel's size check is an atomic compare-and-
+//     increment, so parallel SYNs on several CPUs cannot overshoot: the
+//     upper bound is exact.
+//   - a full set, TCP: the caller goes to the slow path (overflow.go),
+//     which frees the slots of connections that have closed and admits it
+//     if one is free, or resets it and counts it refused; so nobody is
+//     refused while fewer than MaxConns are open. UDP (and TCP when the
+//     slow path is off): the next rule counts the caller as refused and
+//     rejects it.
 //   - closing, in the kernel, in packet order: a FIN in each direction (or
-//     one RST) sets both close bits of the ct mark. (Deleting the id from the
-//     set in the datapath does not work: the kernel only marks the element
-//     dead and gives the slot back at the set's next GC, ~1 s later.)
+//     one RST) sets both close bits of the ct mark. (Deleting the member in
+//     the datapath does not work: the kernel only marks the element dead
+//     and gives the slot back at the set's next GC, ~1 s later. A
+//     synchronous check through NFQUEUE is impossible here: this kernel has
+//     no CONFIG_NFT_QUEUE.)
 //   - release, by this watcher: on the conntrack update event that shows a
 //     connection closed (both bits, TIME_WAIT/CLOSE) or its destroy event
-//     (UDP, timeouts), the id is deleted from the set by a netlink batch,
-//     which frees the slot at once. So a closed connection stops counting
-//     after the watcher's latency (measured: see BENCHMARKS.md).
-//   - a sweep removes ids that stay in a set without a conntrack entry (a
-//     SYN dropped before its entry was confirmed), only after seeing them
-//     stale twice, because a just-admitted connection is briefly in the set
-//     before its entry is confirmed.
+//     (UDP, timeouts), the member is deleted by a netlink batch, which frees
+//     the slot at once. So a closed connection stops counting after the
+//     watcher's latency (~2 ms measured: see BENCHMARKS.md).
+//   - a sweep (every 5 s, for exposures that refused someone, and after
+//     lost events) removes members whose connection has no conntrack entry
+//     or has closed, one conntrack GET per member and no dump: e.g. a SYN
+//     dropped before its entry was confirmed. A member without an entry is
+//     looked up again 2 ms later before it is removed, because a
+//     just-admitted connection is in the set a moment before its entry is
+//     confirmed.
 //   - across converges: an incremental update never touches a set's
 //     elements; a set that is (re)created (whole-table replace, repaired
 //     drift, a new size) is seeded in the same batch from conntrack's open
@@ -44,9 +57,9 @@ type capWatcher struct {
 	wg    sync.WaitGroup
 	ended map[string][2]uint64 // bytes in/out of ended connections, per exposure
 
-	released map[string]bool            // connections freed before their entry was destroyed
-	suspects map[string]map[string]bool // ids found stale once, per exposure
-	refused  map[string]uint64          // refused count at the last sweep
+	kick     chan struct{}     // a full sweep is due (first converge)
+	released map[string]bool   // connections freed before their entry was destroyed
+	refused  map[string]uint64 // refused count at the last sweep
 }
 
 const sweepEvery = 5 * time.Second
@@ -56,8 +69,8 @@ func startCapWatcher(t *Table) (*capWatcher, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &capWatcher{t: t, w: w, done: make(chan struct{}), ended: map[string][2]uint64{},
-		suspects: map[string]map[string]bool{}, released: map[string]bool{}, refused: map[string]uint64{}}
+	c := &capWatcher{t: t, w: w, done: make(chan struct{}), kick: make(chan struct{}, 1), ended: map[string][2]uint64{},
+		released: map[string]bool{}, refused: map[string]uint64{}}
 	c.wg.Add(1)
 	go c.run()
 	return c, nil
@@ -90,6 +103,10 @@ func (c *capWatcher) run() {
 			}
 			c.release(pending)
 		case <-c.w.Lost():
+			c.sweep(true)
+		case <-c.kick:
+			// After a (re)start: connections that closed while no watcher
+			// was listening may still hold slots.
 			c.sweep(true)
 		case <-tick.C:
 			c.sweep(false)
@@ -137,9 +154,15 @@ func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
 // release deletes ids from cap sets. A batch fails as a whole when one id
 // is already gone, so it is retried id by id.
 func (c *capWatcher) release(pending map[string][][]byte) {
+	if len(pending) == 0 {
+		return
+	}
 	c.t.mu.Lock()
-	defer c.t.mu.Unlock()
 	c.t.releaseLocked(pending)
+	c.t.mu.Unlock()
+	if c.t.ov != nil {
+		c.t.ov.signalFreed() // callers waiting in the slow path look again
+	}
 }
 
 // releaseLocked deletes connections from cap sets (t.mu held).
@@ -173,6 +196,19 @@ func (t *Table) releaseLocked(pending map[string][][]byte) {
 		if u, ok := t.units[name]; !ok || u.key.e.MaxConns <= 0 {
 			continue
 		}
+		// A key the slow path deleted already would fail the batch, and a
+		// failed batch costs the kernel's abort (~10 ms measured).
+		keep := keys[:0:0]
+		for _, k := range keys {
+			if _, ok := t.dropped[name+"\x00"+string(k)]; ok {
+				delete(t.dropped, name+"\x00"+string(k))
+				continue
+			}
+			keep = append(keep, k)
+		}
+		if keys = keep; len(keys) == 0 {
+			continue
+		}
 		if err := send(connsSet(name), keys); err != nil && len(keys) > 1 {
 			for _, k := range keys {
 				_ = send(connsSet(name), [][]byte{k})
@@ -181,7 +217,7 @@ func (t *Table) releaseLocked(pending map[string][][]byte) {
 	}
 }
 
-// sweep removes ids that stay in a cap set without a conntrack entry. all:
+// sweep removes members of cap sets whose connection is gone. all:
 // every capped exposure (after lost events); otherwise only those that
 // refused someone since the last sweep (a leaked slot only matters then).
 func (c *capWatcher) sweep(all bool) {
@@ -215,44 +251,39 @@ func (c *capWatcher) sweep(all bool) {
 	pending := map[string][][]byte{}
 	for _, e := range capped {
 		r := counters[refusedCounter(e.Name)].packets
-		if !all && r == c.refused[e.Name] && len(c.suspects[e.Name]) == 0 {
+		if t.ov != nil {
+			r += t.ov.countsOf(e.Name).refused
+		}
+		if !all && r == c.refused[e.Name] {
 			continue
 		}
 		c.refused[e.Name] = r
 		t.mu.Lock()
-		stale, err := t.staleLocked(e)
+		stale, _, err := t.staleLocked(e)
 		t.mu.Unlock()
 		if err != nil {
 			continue
 		}
-		// Seen stale twice: a connection admitted a moment ago is in the
-		// set before conntrack confirms its entry.
-		prev := c.suspects[e.Name]
-		now := map[string]bool{}
-		for _, k := range stale {
-			if prev[string(k)] {
-				pending[e.Name] = append(pending[e.Name], k)
-			} else {
-				now[string(k)] = true
-			}
+		if len(stale) > 0 {
+			pending[e.Name] = stale
 		}
-		c.suspects[e.Name] = now
 	}
 	c.release(pending)
 }
 
 // staleLocked lists the members of e's cap set whose connection has no
 // conntrack entry or has closed: one GET per member, no dump (t.mu held).
-func (t *Table) staleLocked(e Exposure) ([][]byte, error) {
+// members is how many the set holds.
+func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error) {
 	if t.conn == nil {
-		return nil, errors.New("closed")
+		return nil, 0, errors.New("closed")
 	}
 	inet, _ := t.tables()
 	els, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: connsSet(e.Name), KeyType: connKeyType})
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	var stale, missing [][]byte
+	var missing [][]byte
 	check := func(k []byte) (gone, closed bool, err error) {
 		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
 		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
@@ -266,9 +297,10 @@ func (t *Table) staleLocked(e Exposure) ([][]byte, error) {
 		if len(el.Key) != 12 {
 			continue
 		}
+		members++
 		gone, closed, err := check(el.Key)
 		if err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		switch {
 		case closed:
@@ -288,7 +320,7 @@ func (t *Table) staleLocked(e Exposure) ([][]byte, error) {
 			}
 		}
 	}
-	return stale, nil
+	return stale, members, nil
 }
 
 // endedBytes returns (and keeps) the bytes of ended connections.
@@ -299,8 +331,8 @@ func (c *capWatcher) endedBytes(name string) (uint64, uint64) {
 
 // ExposureCounters are one exposure's kernel-path numbers.
 type ExposureCounters struct {
-	Accepted uint64 // connections admitted (named counter NAME-accepted)
-	Refused  uint64 // connections refused by the cap (named counter NAME-refused)
+	Accepted uint64 // connections admitted (named counter NAME-accepted + the cap slow path's)
+	Refused  uint64 // connections refused by the cap (named counter NAME-refused + the slow path's)
 	BytesIn  uint64 // caller -> guest, conntrack accounting (live + ended)
 	BytesOut uint64 // guest -> caller
 	Active   uint64 // conntrack entries with the exposure's mark that are still open
@@ -320,6 +352,13 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 	}
 	for _, e := range t.byID {
 		ec := ExposureCounters{Accepted: cv[acceptedCounter(e.Name)].packets, Refused: cv[refusedCounter(e.Name)].packets}
+		if t.ov != nil {
+			// The slow path decides in userspace: a named counter cannot
+			// be bumped from there.
+			oc := t.ov.countsOf(e.Name)
+			ec.Accepted += oc.accepted
+			ec.Refused += oc.refused
+		}
 		if t.caps != nil {
 			ec.BytesIn, ec.BytesOut = t.caps.endedBytes(e.Name)
 		}
@@ -342,6 +381,18 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 		}
 		out[e.Name] = ec
 	}
+	// Bytes are live entries plus ended ones; an entry that just ended is
+	// briefly in neither (its destroy event not yet counted). Never report
+	// less than before: a reader taking the difference would read a drop as
+	// a reset.
+	hw := make(map[string][2]uint64, len(out))
+	for n, ec := range out {
+		prev := t.bytesHW[n]
+		ec.BytesIn, ec.BytesOut = max(ec.BytesIn, prev[0]), max(ec.BytesOut, prev[1])
+		hw[n] = [2]uint64{ec.BytesIn, ec.BytesOut}
+		out[n] = ec
+	}
+	t.bytesHW = hw
 	return out, nil
 }
 

@@ -39,7 +39,7 @@ func TestPlanOneExposureAdded(t *testing.T) {
 	assert.Len(t, p.addElems[mapExpAny], 1)
 	assert.Empty(t, p.flushChains, "no other chain is rewritten")
 	assert.Empty(t, p.delChains)
-	assert.ElementsMatch(t, []string{"ssh-accepted", "ssh-refused"}, p.addCounters)
+	assert.ElementsMatch(t, []string{"ssh-accepted"}, p.addCounters, "uncapped: no refused counter")
 }
 
 func TestPlanRemovedAndDrift(t *testing.T) {
@@ -117,9 +117,20 @@ func TestValidateNamesFields(t *testing.T) {
 		msgs = append(msgs, e.Error())
 	}
 	all := strings.Join(msgs, "\n")
-	for _, f := range []string{"bridge:", "subnet:", "exposures[web].name: duplicate", "exposures[web].hostPort:", "exposures[lo].hostAddr:"} {
+	for _, f := range []string{"bridge:", "subnet:", "exposures[web].name: duplicate", "exposures[web].hostPort:"} {
 		assert.Contains(t, all, f)
 	}
+	assert.NotContains(t, all, "exposures[lo]", "loopback-bound exposures are valid (the proxy serves them)")
+}
+
+func TestLoopbackExposureGetsNoRules(t *testing.T) {
+	r := refRules()
+	r.Exposures = append(r.Exposures, Exposure{Name: "lo", Protocol: "tcp", HostAddr: netip.MustParseAddr("127.0.0.1"), HostPort: 1,
+		GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 1})
+	require.Empty(t, r.Validate())
+	d, _ := desired(r, assignIDs(r.Exposures, nil))
+	assert.NotContains(t, d.chains, "exp-lo")
+	assert.Nil(t, unitOf(&unitKey{e: r.Exposures[2], id: 1}).chains["exp-lo"])
 }
 
 func FuzzValidate(f *testing.F) {

@@ -28,6 +28,8 @@ type Rules struct {
 	DNS           bool         // guests may reach udp+tcp/53 on the host
 	Guests        []Guest      // ports under anti-spoof
 	Exposures     []Exposure
+
+	overflowPort uint16 // the cap slow path's listener (set by Table.Converge; 0 = none)
 }
 
 // Guest is one bridge port that may only send frames from its own MAC and
@@ -49,6 +51,11 @@ type Exposure struct {
 	GuestPort uint16
 	MaxConns  int // 0 = unlimited
 }
+
+// loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
+// alone (DNAT from loopback would need route_localnet, which brokkr never
+// sets); it is valid and gets no rules here.
+func (e Exposure) loopbackOnly() bool { return e.HostAddr.IsValid() && e.HostAddr.IsLoopback() }
 
 // wildcard reports whether the exposure answers on every local address.
 func (e Exposure) wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
@@ -149,8 +156,6 @@ func (r Rules) Validate() []error {
 			switch {
 			case !e.HostAddr.Is4():
 				bad(f+".hostAddr", "%s: only IPv4 host addresses are published by the kernel path", e.HostAddr)
-			case e.HostAddr.IsLoopback():
-				bad(f+".hostAddr", "%s: loopback callers are served by the userspace proxy, not nftables", e.HostAddr)
 			}
 		}
 		if !e.GuestAddr.Is4() || e.GuestAddr.IsUnspecified() || e.GuestAddr.IsLoopback() {

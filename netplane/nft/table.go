@@ -1,11 +1,11 @@
 package nft
 
 import (
-	"errors"
+	"encoding/binary"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
-	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -17,7 +17,6 @@ import (
 	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 	"github.com/mdlayher/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
 
@@ -45,24 +44,33 @@ type Table struct {
 	pendingIDs             map[string]uint32 // ids of the Converge in progress
 	nopts                  []nftables.ConnOption
 	byID                   map[uint32]Exposure
+	byHost                 map[hostSide]string // tcp/udp, host address (invalid = any), port -> exposure
 	acctOn                 bool
 
-	caps *capWatcher
+	caps          *capWatcher
+	ov            *overflow // the cap's slow path (TCP); nil without the watcher
+	droppedPruned time.Time
+	dropped       map[string]time.Time // cap members the slow path deleted (exposure NUL key), so the watcher does not delete them again
+	closeOnce     sync.Once
+	bytesHW       map[string][2]uint64 // bytes last reported per exposure (monotonic)
 }
 
 // Option configures Open.
 type Option func(*options)
 
 type options struct {
-	log        *slog.Logger
-	capWatcher bool
+	log          *slog.Logger
+	capWatcher   bool
+	carrier      Carrier
+	overflowWait time.Duration
 }
 
 // WithLogger sets the logger (default: slog.Default()).
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 
 // WithoutCapWatcher disables the goroutine that frees cap slots of
-// connections that ended without FIN/RST (timeouts, UDP). Only for
+// connections that ended without FIN/RST (timeouts, UDP), and with it the
+// cap's slow path (the kernel then refuses over the cap by itself). Only for
 // benchmarks of the rule path; a cap is not honest without it.
 func WithoutCapWatcher() Option { return func(o *options) { o.capWatcher = false } }
 
@@ -73,11 +81,12 @@ const sockBuf = 64 << 20
 
 // Open binds to the namespace at netnsPath ("" = the caller's namespace).
 func Open(netnsPath string, opts ...Option) (*Table, error) {
-	o := options{log: slog.Default(), capWatcher: true}
+	o := options{log: slog.Default(), capWatcher: true, overflowWait: DefaultOverflowWait}
 	for _, f := range opts {
 		f(&o)
 	}
-	t := &Table{nsPath: netnsPath, log: o.log, ids: map[string]uint32{}, byID: map[uint32]Exposure{}, units: map[string]unitEntry{}}
+	t := &Table{nsPath: netnsPath, log: o.log, ids: map[string]uint32{}, byID: map[uint32]Exposure{},
+		byHost: map[hostSide]string{}, dropped: map[string]time.Time{}, units: map[string]unitEntry{}}
 	ncfg := &netlink.Config{}
 	nopts := []nftables.ConnOption{nftables.AsLasting(), nftables.WithSockOptions(forceBuffers)}
 	if netnsPath != "" {
@@ -108,7 +117,13 @@ func Open(netnsPath string, opts ...Option) (*Table, error) {
 		return nil, err
 	}
 	if o.capWatcher {
+		// The slow path first: the watcher's goroutine reads t.ov.
+		if t.ov, err = startOverflow(t, t.readOverflowPort(), o.carrier, o.overflowWait); err != nil {
+			t.closeFiles()
+			return nil, err
+		}
 		if t.caps, err = startCapWatcher(t); err != nil {
+			t.ov.stop()
 			t.closeFiles()
 			return nil, err
 		}
@@ -162,12 +177,17 @@ func (t *Table) closeFiles() {
 
 // Close stops the cap watcher and closes the sockets; the tables stay.
 func (t *Table) Close() error {
-	if t.caps != nil {
-		t.caps.stop()
-	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.closeFiles()
+	t.closeOnce.Do(func() {
+		if t.ov != nil {
+			t.ov.stop()
+		}
+		if t.caps != nil {
+			t.caps.stop()
+		}
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		t.closeFiles()
+	})
 	return nil
 }
 
@@ -204,7 +224,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		keys[e.Name] = unitKey{e, ids[e.Name]}
 	}
 	dGlobal, dBridge := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: r.Masquerade,
-		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests}, nil)
+		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests, overflowPort: t.overflowPort()}, nil)
 	globalFP := fpString(fingerprints(dGlobal))
 	var dInet *tableSpec // the whole inet table, assembled only when needed
 	whole := func() *tableSpec {
@@ -304,10 +324,26 @@ func (t *Table) Converge(r Rules) (Result, error) {
 			t.units[n] = unitEntry{key: k, spec: unitOf(&k)}
 		}
 	}
+	first := !t.applied
 	t.prevGlobal, t.prevGlobalFP, t.prevBridge, t.ids, t.applied = dGlobal, globalFP, dBridge, ids, true
+	if first && t.caps != nil {
+		select {
+		case t.caps.kick <- struct{}{}:
+		default:
+		}
+	}
 	t.byID = make(map[uint32]Exposure, len(r.Exposures))
+	t.byHost = make(map[hostSide]string, len(r.Exposures))
 	for _, e := range r.Exposures {
 		t.byID[ids[e.Name]] = e
+		a := e.HostAddr
+		if e.wildcard() {
+			a = netip.Addr{}
+		}
+		t.byHost[hostSide{protoNum(e.Protocol), a, e.HostPort}] = e.Name
+	}
+	if t.ov != nil {
+		t.ov.forget(keys)
 	}
 	if !t.acctOn {
 		// Bytes per direction come from conntrack accounting, which is per
@@ -453,6 +489,11 @@ func (t *Table) observe(d *tableSpec) (*observed, error) {
 			os.elems = make(map[string]elemSpec, len(elems))
 			for _, e := range elems {
 				es := elemSpec{key: e.Key, val: e.Val, comment: e.Comment}
+				if e.VerdictData == nil && ds.isMap && ds.data.Name == nftables.TypeVerdict.Name {
+					// google/nftables v0.3.0 hands a vmap element's verdict
+					// back as raw attributes.
+					e.VerdictData = parseVerdict(e.Val)
+				}
 				if e.VerdictData != nil {
 					es.val = nil
 					if e.VerdictData.Kind == expr.VerdictGoto {
@@ -478,6 +519,29 @@ func (t *Table) observe(d *tableSpec) (*observed, error) {
 		}
 	}
 	return o, nil
+}
+
+// parseVerdict decodes NFTA_VERDICT_CODE / NFTA_VERDICT_CHAIN attributes.
+func parseVerdict(b []byte) *expr.Verdict {
+	ad, err := netlink.NewAttributeDecoder(b)
+	if err != nil {
+		return nil
+	}
+	ad.ByteOrder = binary.BigEndian
+	v := &expr.Verdict{}
+	ok := false
+	for ad.Next() {
+		switch ad.Type() {
+		case unix.NFTA_VERDICT_CODE:
+			v.Kind, ok = expr.VerdictKind(int32(ad.Uint32())), true
+		case unix.NFTA_VERDICT_CHAIN:
+			v.Chain = ad.String()
+		}
+	}
+	if !ok || ad.Err() != nil {
+		return nil
+	}
+	return v
 }
 
 type counterValue struct{ packets, bytes uint64 }
@@ -765,40 +829,10 @@ func (t *Table) Delete() error {
 	return nil
 }
 
-// setSysctl writes a per-namespace sysctl in the table's namespace.
+// setSysctl writes a per-namespace sysctl in the table's namespace
+// (/proc/sys/net follows the thread's network namespace).
 func (t *Table) setSysctl(path, value string) error {
-	if t.nsPath == "" {
-		return os.WriteFile(path, []byte(value), 0o644)
-	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		target, err := netns.GetFromPath(t.nsPath)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer target.Close()
-		if err := netns.Set(target); err != nil {
-			errc <- err
-			return
-		}
-		// /proc/sys/net follows the thread's network namespace.
-		werr := os.WriteFile(path, []byte(value), 0o644)
-		if err := netns.Set(orig); err != nil {
-			errc <- errors.Join(werr, err) // thread stays locked and is discarded
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- werr
-	}()
-	return <-errc
+	return t.inNS(func() error { return os.WriteFile(path, []byte(value), 0o644) })
 }
 
 // timer prints where a Converge spends its time when NFT_TIMING is set

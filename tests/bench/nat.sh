@@ -50,13 +50,13 @@ $NS apply -ns /run/netns/$HOST -guest 10.213.0.11 -map 20001:5201,20002:7000
 sleep 0.3
 
 echo "# $(date -u +%FT%TZ) kernel $(uname -r), $(nproc) cores (shared with other work), iperf3 ${DUR}s"
-# One iperf3 run; the single-client server may still be closing the last
-# test, so a "busy" answer is retried.
+# One iperf3 run (Gbit/s received); the single-client server may still be
+# closing the last test, so a "busy" answer is retried.
 gbps() {
   for try in 1 2 3; do
     sleep 1
-    if ip netns exec $CLI iperf3 -c "$1" -p "$2" -t "$DUR" -P "$3" -J > /tmp/brk-nf-iperf.json 2>/dev/null; then
-      python3 -c 'import json,sys; print("%.2f" % (json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_per_second"]/1e9))' /tmp/brk-nf-iperf.json && return
+    if out=$(ip netns exec $CLI iperf3 -c "$1" -p "$2" -t "$DUR" -P "$3" -f g 2>/dev/null); then
+      echo "$out" | awk '/receiver/ {v=$(NF-2)} END {print v}' && return
     fi
   done
   echo "nan"
@@ -64,7 +64,7 @@ gbps() {
 for round in $(seq 1 "${ROUNDS:-3}"); do
   for P1 in 1 8; do
     d=$(gbps 10.213.0.11 5201 $P1); n=$(gbps 10.99.0.1 20001 $P1)
-    echo "iperf3 round=$round P=$P1 direct=${d}Gbit/s nat=${n}Gbit/s ratio=$(python3 -c "print('%.3f' % (float('$n')/float('$d')))")"
+    echo "iperf3 round=$round P=$P1 direct=${d}Gbit/s nat=${n}Gbit/s ratio=$(awk -v n="$n" -v d="$d" 'BEGIN {if (d > 0) printf "%.3f", n/d; else print "nan"}')"
   done
   $NS connrate -ns /run/netns/$CLI -addr 10.213.0.11:7000 -n "$CONNS" | sed "s/^/round=$round direct /"
   $NS connrate -ns /run/netns/$CLI -addr 10.99.0.1:20002 -n "$CONNS" | sed "s/^/round=$round nat    /"

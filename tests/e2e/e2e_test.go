@@ -3,11 +3,13 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -66,13 +68,15 @@ const allExposures = `  - {name: web-nat, vm: e2e, guestPort: 8080, hostPort: 80
   - {name: web-auto, vm: e2e, guestPort: 8080, hostPort: 8081, mode: auto}
   - {name: echo-nat, vm: e2e, guestPort: 7000, hostPort: 7000, mode: nat, maxConns: 2}
   - {name: echo-proxy, vm: e2e, guestPort: 7000, hostPort: 7100, mode: proxy, maxConns: 2}
+  - {name: udp-nat, vm: e2e, protocol: udp, guestPort: 7001, hostPort: 7001, mode: nat}
+  - {name: udp-proxy, vm: e2e, protocol: udp, guestPort: 7001, hostPort: 7101, mode: proxy}
 `
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
 	nstest.RequireRoot(t)
-	if bin == "" {
-		t.Skip("cmd/brokkrd is not in this tree yet")
+	if testing.Short() {
+		t.Skip("-short: boots a real VM")
 	}
 	guest := filepath.Join(repoRoot(t), ".cache", "guest")
 	for _, f := range []string{"vmlinuz", "initramfs.cpio.gz"} {
@@ -355,17 +359,6 @@ func gone(pid int, timeout time.Duration) bool {
 	}
 }
 
-// kernelPathMissing skips the nat parts while netplane's nftables half is
-// not in this build; once it is, a failed nat exposure fails the test.
-func kernelPathMissing(st api.Status) string {
-	for _, x := range st.Exposures {
-		if x.State == "failed" && strings.Contains(x.Reason, "not wired in") {
-			return x.Reason
-		}
-	}
-	return ""
-}
-
 type bpftoolEntry struct {
 	Name     string `json:"name"`
 	HostPort uint32 `json:"host_port"`
@@ -421,11 +414,8 @@ func TestEndToEnd(t *testing.T) {
 	// apply --wait reports convergence: the VM is running and the
 	// exposures are active.
 	out, errs, code := e.brokkr("apply", "-f", e.cfgPath, "--wait", "--timeout", "4m")
-	st := e.status()
-	if reason := kernelPathMissing(st); reason != "" {
-		t.Skipf("the nftables path is not in this build yet: %s", reason)
-	}
 	require.Equal(t, 0, code, "apply --wait: %s %s", out, errs)
+	st := e.status()
 	assert.Contains(t, out, "converged")
 	v := vm(st, vmName)
 	require.Equal(t, "running", v.Phase)
@@ -452,9 +442,40 @@ func TestEndToEnd(t *testing.T) {
 		body, err := httpGet(e.host, "127.0.0.1:8081")
 		require.NoError(t, err, "loopback callers are served by the proxy")
 		assert.Contains(t, body, "brokkr-guest name=e2e")
+		body, err = httpGet(e.host, "[::1]:8081")
+		require.NoError(t, err, "IPv6 loopback callers too")
+		assert.Contains(t, body, "brokkr-guest name=e2e")
 		body, err = httpGet(e.client, hostIP+":8081")
 		require.NoError(t, err, "outside callers by nftables")
 		assert.Contains(t, body, "brokkr-guest name=e2e")
+	})
+
+	t.Run("udp exposures carry datagrams both ways in nat and proxy mode", func(t *testing.T) {
+		for _, addr := range []string{hostIP + ":7001", hostIP + ":7101"} {
+			var got string
+			err := e.client.Do(func() error {
+				c, err := net.Dial("udp", addr)
+				if err != nil {
+					return err
+				}
+				defer c.Close()
+				buf := make([]byte, 64)
+				for try := 0; try < 10; try++ { // UDP: a datagram may be lost; ask again
+					if _, err := c.Write([]byte("datagram")); err != nil {
+						return err
+					}
+					_ = c.SetReadDeadline(time.Now().Add(time.Second))
+					n, err := c.Read(buf)
+					if err == nil {
+						got = string(buf[:n])
+						return nil
+					}
+				}
+				return fmt.Errorf("no answer from %s", addr)
+			})
+			require.NoError(t, err)
+			assert.Equal(t, "datagram", got, addr)
+		}
 	})
 
 	t.Run("callers past the cap are refused and counted", func(t *testing.T) {
@@ -487,6 +508,21 @@ func TestEndToEnd(t *testing.T) {
 		out, _, code := e.brokkr("stats", "--bpf-dir", e.bpfDir)
 		require.Equal(t, 0, code)
 		assert.Contains(t, out, "echo-nat")
+	})
+
+	t.Run("readable tables: status, vm ls, expose ls", func(t *testing.T) {
+		out, _, code := e.brokkr("status")
+		require.Equal(t, 0, code)
+		assert.Regexp(t, `(?m)^e2e\s+running\s+\d+\s+10\.213\.7\.`, out)
+		assert.Regexp(t, `(?m)^echo-proxy\s+active\s+proxy\s+0\.0\.0\.0:7100/tcp\s+e2e:7000\s+2\s`, out)
+		out, _, code = e.brokkr("vm", "ls")
+		require.Equal(t, 0, code)
+		assert.Regexp(t, `(?m)^e2e\s+running`, out)
+		out, _, code = e.brokkr("expose", "ls", "-o", "json")
+		require.Equal(t, 0, code)
+		var xs []api.Exposure
+		require.NoError(t, json.Unmarshal([]byte(out), &xs))
+		assert.Len(t, xs, 6)
 	})
 
 	t.Run("metrics carry the exposures, the VM and the loop", func(t *testing.T) {
@@ -579,6 +615,44 @@ func TestEndToEnd(t *testing.T) {
 		echoProxyRemoved = true
 	})
 
+	t.Run("a target exposure reaches a guest brokkr does not run", func(t *testing.T) {
+		// A namespace on the bridge stands in for a guest managed elsewhere.
+		ext := nstest.New(t, "ext")
+		nstest.Link(t, e.host, "brk-e2e-x", "", ext, "eth0", "10.213.7.200/24")
+		e.host.MustRun(t, "ip", "link", "set", "brk-e2e-x", "master", "brk-e2e0")
+		ext.MustRun(t, "ip", "route", "add", "default", "via", "10.213.7.1")
+		srv := ext.Command("socat", "TCP-LISTEN:9000,fork,reuseaddr", "EXEC:cat")
+		require.NoError(t, srv.Start())
+		defer func() { _ = srv.Process.Kill(); _ = srv.Wait() }()
+
+		withTarget := filepath.Join(e.state, "target.yaml")
+		e.writeConfig(withTarget, `  - {name: web-nat, vm: e2e, guestPort: 8080, hostPort: 8080, mode: nat}
+  - {name: web-auto, vm: e2e, guestPort: 8080, hostPort: 8081, mode: auto}
+  - {name: ext-nat, target: 10.213.7.200, guestPort: 9000, hostPort: 9000, mode: nat}
+  - {name: ext-proxy, target: 10.213.7.200, guestPort: 9000, hostPort: 9100, mode: proxy}
+`)
+		_, errs, code := e.brokkr("apply", "-f", withTarget, "--wait", "--timeout", "1m")
+		require.Equal(t, 0, code, errs)
+		for _, addr := range []string{hostIP + ":9000", hostIP + ":9100"} {
+			var c net.Conn
+			var err error
+			deadline := time.Now().Add(10 * time.Second)
+			for time.Now().Before(deadline) {
+				if c, err = dial(e.client, addr, 2*time.Second); err == nil {
+					break
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+			require.NoError(t, err, addr)
+			got, err := echo(c, "outside")
+			c.Close()
+			require.NoError(t, err, addr)
+			assert.Equal(t, "outside", got, addr)
+		}
+		// The explicit target is never handed to a brokkr guest.
+		assert.NotEqual(t, "10.213.7.200", vm(e.status(), vmName).Address)
+	})
+
 	t.Run("an invalid config is rejected with field-named errors and nothing changes", func(t *testing.T) {
 		desiredBefore, err := os.ReadFile(filepath.Join(e.state, "desired.json"))
 		require.NoError(t, err)
@@ -653,6 +727,56 @@ func TestEndToEnd(t *testing.T) {
 			return vm(st, vmName).Phase == "running" && x.State == "active"
 		})
 		assert.NotEqual(t, oldPID, vm(st, vmName).PID)
+		e.waitGuestServing(hostIP + ":8080")
+	})
+
+	t.Run("vm restart boots the VM again", func(t *testing.T) {
+		old := vm(e.status(), vmName)
+		_, errs, code := e.brokkr("vm", "restart", vmName)
+		require.Equal(t, 0, code, errs)
+		st := e.waitStatus("restarted", 3*time.Minute, func(st api.Status) bool {
+			v := vm(st, vmName)
+			return v.Phase == "running" && v.PID != 0 && v.PID != old.PID
+		})
+		assert.True(t, gone(old.PID, 5*time.Second), "the old hypervisor process is gone")
+		assert.Equal(t, []int{vm(st, vmName).PID}, e.vmmPIDs(), "one hypervisor process")
+		e.waitGuestServing(hostIP + ":8080")
+	})
+
+	t.Run("a kernel and initramfs from URLs are downloaded, checked and booted", func(t *testing.T) {
+		// The image server runs in the host namespace, on its loopback,
+		// where brokkrd fetches from.
+		var ln net.Listener
+		require.NoError(t, e.host.Do(func() error {
+			var err error
+			ln, err = net.Listen("tcp", "127.0.0.1:0")
+			return err
+		}))
+		srv := &http.Server{Handler: http.FileServer(http.Dir(e.guest))}
+		go func() { _ = srv.Serve(ln) }()
+		defer srv.Close()
+		base := "http://" + ln.Addr().String()
+		sum := func(name string) string {
+			b, err := os.ReadFile(filepath.Join(e.guest, name))
+			require.NoError(t, err)
+			return fmt.Sprintf("%x", sha256.Sum256(b))
+		}
+		cfg := e.config(`  - {name: web-nat, vm: e2e, guestPort: 8080, hostPort: 8080, mode: nat}
+`)
+		cfg = strings.Replace(cfg, "kernel: "+e.guest+"/vmlinuz",
+			"kernel: "+base+"/vmlinuz\n    kernelSha256: "+sum("vmlinuz"), 1)
+		cfg = strings.Replace(cfg, "initramfs: "+e.guest+"/initramfs.cpio.gz",
+			"initramfs: "+base+"/initramfs.cpio.gz\n    initramfsSha256: "+sum("initramfs.cpio.gz"), 1)
+		require.Contains(t, cfg, "kernelSha256")
+		fromURL := filepath.Join(e.state, "url.yaml")
+		require.NoError(t, os.WriteFile(fromURL, []byte(cfg), 0o600))
+
+		old := vm(e.status(), vmName).PID
+		out, errs, code := e.brokkr("apply", "-f", fromURL, "--wait", "--timeout", "4m")
+		require.Equal(t, 0, code, "%s %s", out, errs)
+		assert.Contains(t, out, "~ vm e2e")
+		st := e.status()
+		assert.NotEqual(t, old, vm(st, vmName).PID, "a changed kernel source is a new machine")
 		e.waitGuestServing(hostIP + ":8080")
 	})
 

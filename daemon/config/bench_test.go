@@ -1,0 +1,37 @@
+package config
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+)
+
+func configWith(n int) []byte {
+	var b strings.Builder
+	b.WriteString("network: {cidr: 10.0.0.1/16}\nvms:\n")
+	vms := max(1, n/10)
+	for i := 0; i < vms; i++ {
+		fmt.Fprintf(&b, "  - {name: vm-%d, kernel: /k}\n", i)
+	}
+	b.WriteString("exposures:\n")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&b, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%vms, 1+i%65000)
+	}
+	return []byte(b.String())
+}
+
+// BenchmarkParse measures parsing and validating a whole config; compare
+// the per-exposure cost at 100 and 10,000 exposures (it should stay flat).
+func BenchmarkParse(b *testing.B) {
+	for _, n := range []int{100, 10000} {
+		data := configWith(n)
+		b.Run(fmt.Sprintf("exposures=%d", n), func(b *testing.B) {
+			for i := 0; i < b.N; i++ {
+				if _, err := Parse(data); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(n), "ns/exposure")
+		})
+	}
+}
