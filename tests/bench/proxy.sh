@@ -42,7 +42,9 @@ DPDIR=.cache/docker-proxy
 DP=$DPDIR/usr/sbin/docker-proxy
 if [ ! -x "$DP" ]; then
   # Debian's docker.io, downloaded and unpacked only: never installed, no service.
-  (cd "$work" && apt-get download docker.io 2>/dev/null && dpkg -x docker.io_*.deb dx)
+  # (A fresh machine may have no package lists yet: update once and retry.)
+  (cd "$work" && { apt-get download docker.io 2>/dev/null || { apt-get update -qq && apt-get download docker.io; }; } \
+    && dpkg -x docker.io_*.deb dx)
   mkdir -p "$DPDIR/usr/sbin"
   cp "$work/dx/usr/sbin/docker-proxy" "$DP"
   dpkg-deb -f "$work"/docker.io_*.deb Version >"$DPDIR/VERSION"
