@@ -10,6 +10,7 @@
 package bpf
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -215,19 +216,10 @@ func (s *Store) u32(i, off int) *atomic.Uint32 {
 
 func (s *Store) nameAt(i int) string {
 	b := s.mem[s.base(i) : s.base(i)+NameLen]
-	if n := indexByte(b, 0); n >= 0 {
+	if n := bytes.IndexByte(b, 0); n >= 0 {
 		b = b[:n]
 	}
 	return string(b)
-}
-
-func indexByte(b []byte, c byte) int {
-	for i, x := range b {
-		if x == c {
-			return i
-		}
-	}
-	return -1
 }
 
 func (s *Store) read(i int) Counters {

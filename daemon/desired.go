@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/atomicfile"
 )
 
 // DesiredFile is the name of the persisted desired state under stateDir.
@@ -45,31 +46,7 @@ func saveDesired(stateDir string, c *config.Config) error {
 		return fmt.Errorf("persisting desired state: %w", err)
 	}
 	b = append(b, '\n')
-	tmp, err := os.CreateTemp(stateDir, ".desired-*.json")
-	if err != nil {
-		return fmt.Errorf("persisting desired state: %w", err)
-	}
-	defer os.Remove(tmp.Name()) // after a successful rename this finds nothing
-	if _, err := tmp.Write(b); err != nil {
-		tmp.Close()
-		return fmt.Errorf("persisting desired state: %w", err)
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return fmt.Errorf("persisting desired state: %w", err)
-	}
-	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("persisting desired state: %w", err)
-	}
-	if err := os.Rename(tmp.Name(), filepath.Join(stateDir, DesiredFile)); err != nil {
-		return fmt.Errorf("persisting desired state: %w", err)
-	}
-	d, err := os.Open(stateDir)
-	if err != nil {
-		return fmt.Errorf("persisting desired state: %w", err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
+	if err := atomicfile.Write(filepath.Join(stateDir, DesiredFile), b, 0o600); err != nil {
 		return fmt.Errorf("persisting desired state: %w", err)
 	}
 	return nil

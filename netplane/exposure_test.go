@@ -120,6 +120,38 @@ func TestExposureFromPendingToActiveWithCounters(t *testing.T) {
 	require.NoError(t, rep.Err)
 	assert.Equal(t, uint64(4), rep.Exposures[0].Counters.Accepted, "counting goes on across the repair")
 
+	// Four connections held open fill the cap of 4: the fifth caller is
+	// refused (by the cap's slow path, in userspace) and that refusal
+	// reaches the slot, which bpftool reads, like the kernel's own.
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	require.NoError(t, client.Do(func() error {
+		for i := 0; i < 4; i++ {
+			c, err := net.DialTimeout("tcp4", "10.99.0.1:8080", 2*time.Second)
+			if err != nil {
+				return err
+			}
+			held = append(held, c)
+			_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+			if _, err := io.ReadFull(c, make([]byte, len("hello from web"))); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	_, err = dial(client, "10.99.0.1:8080")
+	assert.Error(t, err, "the fifth caller is refused")
+	rep = p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	assert.Equal(t, uint64(1), rep.Exposures[0].Counters.Refused)
+	c, ok = store.Lookup("web-http")
+	require.True(t, ok)
+	assert.Equal(t, uint64(1), c.Refused, "the refusal is in the shared slot")
+
 	// The exposure leaves: its slot is released as deleted.
 	d.Exposures = d.Exposures[1:]
 	require.NoError(t, p.Converge(context.Background(), d).Err)

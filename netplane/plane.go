@@ -53,6 +53,11 @@ type Options struct {
 	// send on a channel) and must never call Converge, Close or Teardown
 	// itself, which wait for that goroutine.
 	OnLease func(vm string, addr netip.Addr)
+	// Overflow, if set, carries the connections the cap's slow path admits
+	// (a capped TCP exposure whose kernel set was full when the caller
+	// arrived, see netplane/nft): the daemon hands them to the proxy's
+	// splice code. nil: the network plane splices them itself.
+	Overflow func(exposure string, client, guest *net.TCPConn)
 }
 
 // Plane converges the guest network of one namespace: bridge, taps, IPAM,
@@ -456,9 +461,17 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 	return status, repaired
 }
 
+func (p *Plane) nftOptions() []nft.Option {
+	opts := []nft.Option{nft.WithLogger(p.log)}
+	if p.opts.Overflow != nil {
+		opts = append(opts, nft.WithOverflow(p.opts.Overflow))
+	}
+	return opts
+}
+
 func (p *Plane) applyTable(r nft.Rules, repaired *[]string) error {
 	if p.table == nil {
-		t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log))
+		t, err := nft.Open(p.opts.NetNS, p.nftOptions()...)
 		if err != nil {
 			return fmt.Errorf("opening nftables table: %w", err)
 		}
@@ -550,7 +563,7 @@ func (p *Plane) Teardown() error {
 	p.stopDHCP()
 	var errs []error
 	if p.table == nil {
-		if t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log)); err == nil {
+		if t, err := nft.Open(p.opts.NetNS, p.nftOptions()...); err == nil {
 			p.table = t
 		} else {
 			errs = append(errs, err)

@@ -131,15 +131,38 @@ func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string) {
 	guest := g.(*net.TCPConn)
 	slot.Opened()
 	defer slot.Closed()
+	splice(client, guest, func(n int64) { slot.AddBytes(uint64(n), 0) }, func(n int64) { slot.AddBytes(0, uint64(n)) })
+}
+
+// splice carries both directions until both ended, then closes both ends.
+func splice(client, guest *net.TCPConn, in, out func(int64)) {
 	errc := make(chan struct{})
 	go func() {
-		copyHalf(guest, client, func(n int64) { slot.AddBytes(uint64(n), 0) })
+		copyHalf(guest, client, in)
 		close(errc)
 	}()
-	copyHalf(client, guest, func(n int64) { slot.AddBytes(0, uint64(n)) })
+	copyHalf(client, guest, out)
 	<-errc
 	client.Close()
 	guest.Close()
+}
+
+// Carry splices a connection that the network plane admitted on its cap's
+// slow path (netplane/nft: the kernel's cap set was full, the plane found a
+// slot): client is the caller, guest is already connected. It returns at
+// once. The connection counts in no slot here: it carries its exposure's
+// conntrack mark, so the network plane counts it (accepted, active, bytes)
+// like every kernel-path connection. StopAll ends it like any carried one.
+func (m *Manager) Carry(exposure string, client, guest *net.TCPConn) {
+	if !m.track(client) {
+		reset(client)
+		guest.Close()
+		return
+	}
+	go func() {
+		defer m.untrack(client)
+		splice(client, guest, func(int64) {}, func(int64) {})
+	}()
 }
 
 // copyHalf moves one direction until the source says EOF, then half-closes

@@ -94,11 +94,7 @@ func TestWorkerSpawnedOnFirstSightAndReapedWhenGone(t *testing.T) {
 
 	// Removed from desired: the worker stops the VM, deletes the record,
 	// and is reaped on a later Step.
-	deadline := time.Now().Add(5 * time.Second)
-	for f.eng.workerCount() > 0 && time.Now().Before(deadline) {
-		f.eng.Step(context.Background(), nil)
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitReaped(t, f.eng)
 	assert.Equal(t, 0, f.eng.workerCount(), "reaped once gone from desired state and records")
 	assert.NoDirExists(t, filepath.Join(f.cfg.StateDir, "vms", "vm"))
 	assert.Error(t, CheckIdentity(Instance{PID: pid}), "the removed VM's process was stopped")
@@ -122,7 +118,7 @@ func TestStopEndsEveryWorker(t *testing.T) {
 	go func() { f.eng.Stop(); close(stopped) }()
 	select {
 	case <-stopped:
-	case <-time.After(3 * time.Second):
+	case <-time.After(testWait):
 		t.Fatal("Stop did not end a wedged worker")
 	}
 	assert.Equal(t, 0, f.eng.workerCount())
@@ -239,11 +235,7 @@ func TestBusyWorkerIsNeverReaped(t *testing.T) {
 	assert.Equal(t, 1, g.highWater("vm"))
 
 	// Once idle and gone from both desired state and records, it is reaped.
-	deadline := time.Now().Add(5 * time.Second)
-	for f.eng.workerCount() > 0 && time.Now().Before(deadline) {
-		f.eng.Step(context.Background(), nil)
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitReaped(t, f.eng)
 	assert.Equal(t, 0, f.eng.workerCount())
 }
 
@@ -294,7 +286,9 @@ func TestStepDoesNotKeepCallerSpecs(t *testing.T) {
 	f.eng.Step(context.Background(), desired)
 	desired[0].MAC[5] = 9
 	desired[0].CPUs = 7
-	time.Sleep(200 * time.Millisecond) // let the worker take what it was given
+	// Wait for the start without stepping again: a later Step would hand
+	// the worker a fresh copy and hide a kept reference.
+	require.Eventually(t, func() bool { return f.hv.startCount() >= 1 }, testWait, 10*time.Millisecond)
 	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm", func(s *VMSpec) { s.MAC = []byte{2, 0, 0, 0, 0, 1} }))
 	lc := f.hv.startList()[0]
 	assert.Equal(t, 1, lc.CPUs)

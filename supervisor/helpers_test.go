@@ -17,6 +17,10 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
+// testWait bounds every wait for something that must happen. Only a broken
+// run waits this long, so it is sized for a loaded CI, not for speed.
+const testWait = 30 * time.Second
+
 // gauge counts how many goroutines are inside operations for one VM at the
 // same moment and keeps the high-water mark: "one pass at a time" is
 // observed through it rather than assumed from the code's shape.
@@ -237,7 +241,7 @@ func stepNoWait(t *testing.T, e *Engine, desired ...VMSpec) Report {
 	select {
 	case r := <-done:
 		return r
-	case <-time.After(2 * time.Second):
+	case <-time.After(testWait):
 		t.Fatal("Step blocked on a busy VM")
 		return Report{}
 	}
@@ -253,11 +257,12 @@ func rowOf(r Report, name string) *VMStatus {
 }
 
 // waitRow steps until the VM's row satisfies ok (the daemon's 1 s tick,
-// compressed), or fails after a few seconds with the last row seen.
+// compressed), or fails with the last row seen. The deadline is generous:
+// it only bounds a failing run, and CI shares two cores.
 func waitRow(t *testing.T, e *Engine, name string, ok func(VMStatus) bool, desired ...VMSpec) VMStatus {
 	t.Helper()
 	var last VMStatus
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(testWait)
 	for time.Now().Before(deadline) {
 		if r := rowOf(e.Step(context.Background(), desired), name); r != nil {
 			last = *r
@@ -271,6 +276,16 @@ func waitRow(t *testing.T, e *Engine, name string, ok func(VMStatus) bool, desir
 	return last
 }
 
+// waitReaped steps with nothing desired until the engine holds no worker.
+func waitReaped(t *testing.T, e *Engine) {
+	t.Helper()
+	deadline := time.Now().Add(testWait)
+	for e.workerCount() > 0 && time.Now().Before(deadline) {
+		e.Step(context.Background(), nil)
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 func phaseIs(p string) func(VMStatus) bool { return func(s VMStatus) bool { return s.Phase == p } }
 
 func waitFor(t *testing.T, ch <-chan string, what string) string {
@@ -278,7 +293,7 @@ func waitFor(t *testing.T, ch <-chan string, what string) string {
 	select {
 	case v := <-ch:
 		return v
-	case <-time.After(3 * time.Second):
+	case <-time.After(testWait):
 		t.Fatalf("timed out waiting for %s", what)
 		return ""
 	}

@@ -10,30 +10,61 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+	"unicode"
 
 	"golang.org/x/sys/unix"
 )
+
+// ProcStat is what brokkr reads from /proc/<pid>/stat.
+type ProcStat struct {
+	State     byte   // field 3: R, S, D, Z, ...
+	StartTime uint64 // field 22: start time in clock ticks since boot
+}
+
+// ReadProcStat reads /proc/<pid>/stat.
+func ReadProcStat(pid int) (ProcStat, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return ProcStat{}, err
+	}
+	st, err := ParseProcStat(b)
+	if err != nil {
+		return ProcStat{}, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+	}
+	return st, nil
+}
+
+// ParseProcStat reads the fields after the command name (field 2), which
+// may itself hold spaces and parentheses, so it splits after the last ')'.
+func ParseProcStat(b []byte) (ProcStat, error) {
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return ProcStat{}, fmt.Errorf("no ')' in %q", b)
+	}
+	f := bytes.Fields(b[i+1:])
+	// f[0] is field 3 (state), so field 22 is f[19].
+	if len(f) < 20 {
+		return ProcStat{}, fmt.Errorf("%d fields after the command name, want >= 20", len(f))
+	}
+	if len(f[0]) != 1 || !unicode.IsLetter(rune(f[0][0])) {
+		return ProcStat{}, fmt.Errorf("state %q is not one letter", f[0])
+	}
+	st, err := strconv.ParseUint(string(f[19]), 10, 64)
+	if err != nil {
+		return ProcStat{}, fmt.Errorf("start time %q: %w", f[19], err)
+	}
+	return ProcStat{State: f[0][0], StartTime: st}, nil
+}
+
+// Exited says the process has ended and only waits to be reaped.
+func (s ProcStat) Exited() bool { return s.State == 'Z' || s.State == 'X' }
 
 // ProcStartTime returns field 22 of /proc/<pid>/stat: the process start time
 // in clock ticks since boot. Together with the pid it names one process for
 // the life of the host, which a bare pid (reused after exit) does not.
 func ProcStartTime(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	// comm (field 2) may hold spaces and parentheses: fields resume after
-	// the last ')'.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0, fmt.Errorf("/proc/%d/stat: no ')' in %q", pid, b)
-	}
-	fields := bytes.Fields(b[i+1:])
-	// fields[0] is field 3 (state), so field 22 is fields[19].
-	if len(fields) < 20 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields after comm, want >= 20", pid, len(fields))
-	}
-	return strconv.ParseUint(string(fields[19]), 10, 64)
+	st, err := ReadProcStat(pid)
+	return st.StartTime, err
 }
 
 // ProcExe returns the target of /proc/<pid>/exe.
@@ -65,12 +96,12 @@ func CheckIdentity(inst Instance) error {
 	if inst.PID <= 0 {
 		return fmt.Errorf("pid %d: %w", inst.PID, ErrNotSameProcess)
 	}
-	st, err := ProcStartTime(inst.PID)
+	st, err := ReadProcStat(inst.PID)
 	if err != nil {
 		return fmt.Errorf("pid %d: %w (%v)", inst.PID, ErrNotSameProcess, err)
 	}
-	if st != inst.StartTime {
-		return fmt.Errorf("pid %d: start time %d, recorded %d: %w", inst.PID, st, inst.StartTime, ErrNotSameProcess)
+	if st.StartTime != inst.StartTime {
+		return fmt.Errorf("pid %d: start time %d, recorded %d: %w", inst.PID, st.StartTime, inst.StartTime, ErrNotSameProcess)
 	}
 	if inst.Exe != "" {
 		exe, err := ProcExe(inst.PID)
@@ -81,22 +112,10 @@ func CheckIdentity(inst Instance) error {
 			return fmt.Errorf("pid %d: exe %q, recorded %q: %w", inst.PID, exe, inst.Exe, ErrNotSameProcess)
 		}
 	}
-	if isZombie(inst.PID) {
+	if st.Exited() {
 		return fmt.Errorf("pid %d: exited (zombie): %w", inst.PID, ErrNotSameProcess)
 	}
 	return nil
-}
-
-func isZombie(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return true
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || i+2 >= len(b) {
-		return false
-	}
-	return b[i+2] == 'Z' || b[i+2] == 'X'
 }
 
 // Pidfd is a pollable handle on one process (pidfd_open). It cannot be
@@ -139,9 +158,7 @@ func (p *Pidfd) Wait(ctx context.Context) error {
 	defer stop()
 	var ready bool
 	err = rc.Read(func(fd uintptr) bool {
-		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		n, perr := unix.Poll(fds, 0)
-		ready = perr == nil && n > 0
+		ready = readable(fd)
 		return ready
 	})
 	if ready {
@@ -163,12 +180,16 @@ func (p *Pidfd) Exited() bool {
 		return true
 	}
 	var ready bool
-	_ = rc.Control(func(fd uintptr) {
-		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		n, perr := unix.Poll(fds, 0)
-		ready = perr == nil && n > 0
-	})
+	_ = rc.Control(func(fd uintptr) { ready = readable(fd) })
 	return ready
+}
+
+// readable polls fd without blocking: a pidfd turns readable when its
+// process exits.
+func readable(fd uintptr) bool {
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n > 0
 }
 
 // Signal sends sig through the pidfd, so it can only reach this process.
@@ -229,17 +250,6 @@ func (p *Pidfd) Reap() ExitStatus {
 
 // Close releases the pidfd.
 func (p *Pidfd) Close() error { return p.f.Close() }
-
-// WaitExit waits until the recorded process is gone or ctx ends; a process
-// that is already gone (or is now another process) counts as exited.
-func WaitExit(ctx context.Context, inst Instance) error {
-	pfd, err := OpenPidfd(inst)
-	if err != nil {
-		return nil
-	}
-	defer pfd.Close()
-	return pfd.Wait(ctx)
-}
 
 // RemoveStaleSocket removes a unix socket left behind by a dead process, and
 // only after proving nobody listens on it: connect must be refused. A socket

@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/brokkr/brokkr/internal/atomicfile"
 )
 
 // recordVersion is bumped when the record layout changes incompatibly.
@@ -58,45 +60,5 @@ func writeRecord(vmDir string, r *record) error {
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(recordPath(vmDir), b)
-}
-
-// writeFileAtomic: temp file in the same directory, fsync, rename over the
-// target, fsync the directory so the rename itself is durable.
-func writeFileAtomic(path string, data []byte) error {
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".*.tmp")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	ok := false
-	defer func() {
-		if !ok {
-			f.Close()
-			os.Remove(tmp)
-		}
-	}()
-	if _, err := f.Write(data); err != nil {
-		return err
-	}
-	if err := f.Chmod(0o600); err != nil {
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return err
-	}
-	ok = true
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
+	return atomicfile.Write(recordPath(vmDir), b, 0o600)
 }

@@ -34,9 +34,7 @@ type worker struct {
 
 	// Owned by the worker goroutine.
 	lock      *os.File
-	rec       *record
-	loaded    bool
-	spec      *VMSpec // the desired spec of the current pass
+	rec       *record // nil until load succeeds (and again after destroy)
 	inst      *Instance
 	watch     *watch
 	exits     chan exitEvent
@@ -223,7 +221,6 @@ func (w *worker) shutdown() {
 func (w *worker) pass(ctx context.Context) {
 	spec, seen, restartReq := w.take()
 	defer w.endPass()
-	w.spec = spec
 
 	if err := w.acquireLock(); err != nil {
 		w.publish(PhaseFailed, err.Error())
@@ -343,7 +340,7 @@ func (w *worker) acquireLock() error {
 // load reads the record once (and again after a failure, so an operator's
 // fix is picked up), then adopts the process it names.
 func (w *worker) load(ctx context.Context) error {
-	if w.loaded {
+	if w.rec != nil {
 		return nil
 	}
 	rec, err := readRecord(w.e.vmDir(w.name), w.name)
@@ -353,7 +350,6 @@ func (w *worker) load(ctx context.Context) error {
 		w.mu.Unlock()
 		return err
 	}
-	w.loaded = true
 	w.rec = rec
 	if rec == nil {
 		w.rec = &record{Name: w.name}
@@ -714,7 +710,7 @@ func (w *worker) destroy(ctx context.Context) {
 		w.publish(PhaseFailed, "remove: "+err.Error())
 		return
 	}
-	w.rec, w.loaded, w.lastExit, w.failedFor, w.delay = nil, false, nil, nil, 0
+	w.rec, w.lastExit, w.failedFor, w.delay = nil, nil, nil, 0
 	w.mu.Lock()
 	w.hasRecord = false
 	w.mu.Unlock()

@@ -58,6 +58,8 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	}
 
 	var d atomic.Pointer[daemon.Daemon]
+	addrs := daemon.NewAddressBook()
+	pxMain := proxy.NewManager(addrs.Resolve, store)
 	plane, err := netplane.New(netplane.Options{
 		StateDir: cfg.StateDir,
 		Stats:    store,
@@ -67,6 +69,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 				dd.Wake() // publish the guest's port now, not at the next tick
 			}
 		},
+		// Callers a capped nat exposure admits on its slow path are spliced
+		// by the proxy's code (and ended by its StopAll).
+		Overflow: pxMain.Carry,
 	})
 	if err != nil {
 		store.Close()
@@ -101,8 +106,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 		store.Close()
 		return fail(err)
 	}
-	addrs := daemon.NewAddressBook()
-	var px daemon.Proxy = proxy.NewManager(addrs.Resolve, store)
+	var px daemon.Proxy = pxMain
 	ipv6 := daemon.HaveIPv6Loopback()
 	if ipv6 {
 		px = daemon.ProxyPair{Main: px, Loopback6: proxy.NewManager(addrs.Resolve, store)}

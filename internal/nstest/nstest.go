@@ -10,10 +10,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 
+	"github.com/brokkr/brokkr/netplane/nlsafe"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 )
@@ -111,38 +111,7 @@ func (n *NS) Netlink(t testing.TB) *netlink.Handle {
 // Do runs fn on a locked OS thread switched into the namespace. Sockets made
 // inside fn belong to the namespace and stay there after Do returns. If the
 // thread cannot be switched back it is left locked so the runtime discards it.
-func (n *NS) Do(fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		target, err := n.Handle()
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer target.Close()
-		if err := netns.Set(target); err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		ferr := fn()
-		if err := netns.Set(orig); err != nil {
-			errc <- fmt.Errorf("restoring netns: %w (thread discarded)", err)
-			return // thread stays locked and dies with the goroutine
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
-}
+func (n *NS) Do(fn func() error) error { return nlsafe.Do(n.Path, fn) }
 
 // Link joins two namespaces with a veth pair and addresses both ends
 // (CIDR form, e.g. "10.99.0.1/24"); either address may be "".

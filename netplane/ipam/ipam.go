@@ -22,6 +22,8 @@ import (
 	"path/filepath"
 	"sort"
 	"sync"
+
+	"github.com/brokkr/brokkr/internal/atomicfile"
 )
 
 // FileName is the leases file inside the pool's directory.
@@ -237,28 +239,8 @@ func (p *Pool) save(leases map[string]Lease) error {
 	if err != nil {
 		return err
 	}
-	f, err := os.CreateTemp(dir, FileName+".tmp*")
-	if err != nil {
+	if err := atomicfile.Write(p.path, b, 0o600); err != nil {
 		return fmt.Errorf("saving leases: %w", err)
-	}
-	tmp := f.Name()
-	_, err = f.Write(b)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, p.path)
-	}
-	if err != nil {
-		_ = os.Remove(tmp)
-		return fmt.Errorf("saving leases: %w", err)
-	}
-	if d, err := os.Open(dir); err == nil {
-		_ = d.Sync()
-		_ = d.Close()
 	}
 	return nil
 }

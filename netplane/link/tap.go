@@ -95,16 +95,12 @@ func (m *Manager) ensureTap(s TapSpec, byName map[string]netlink.Link, hairpin m
 		return r
 	}
 	if l == nil {
-		if err := m.createTap(s, alias); err != nil {
+		var err error
+		if l, err = m.createTap(s, alias); err != nil {
 			r.Err = err
 			return r
 		}
 		r.Created = true
-		var err error
-		if l, err = m.byName(s.Name); err != nil || l == nil {
-			r.Err = fmt.Errorf("tap %s vanished after creation: %v", s.Name, err)
-			return r
-		}
 	}
 	fix := func(what string) {
 		if !r.Created {
@@ -159,7 +155,9 @@ func (m *Manager) ensureTap(s TapSpec, byName map[string]netlink.Link, hairpin m
 	return r
 }
 
-func (m *Manager) createTap(s TapSpec, alias string) error {
+// createTap makes the tap, marks it with alias and returns it as the kernel
+// now reports it.
+func (m *Manager) createTap(s TapSpec, alias string) (netlink.Link, error) {
 	tap := &netlink.Tuntap{
 		LinkAttrs: netlink.LinkAttrs{Name: s.Name},
 		Mode:      netlink.TUNTAP_MODE_TAP,
@@ -177,7 +175,7 @@ func (m *Manager) createTap(s TapSpec, alias string) error {
 		return h.LinkAdd(tap)
 	})
 	if err != nil {
-		return fmt.Errorf("creating tap %s: %w", s.Name, err)
+		return nil, fmt.Errorf("creating tap %s: %w", s.Name, err)
 	}
 	l, err := m.byName(s.Name)
 	if err == nil && l == nil {
@@ -190,9 +188,9 @@ func (m *Manager) createTap(s TapSpec, alias string) error {
 		if l != nil {
 			_ = m.h.LinkDel(l)
 		}
-		return fmt.Errorf("marking tap %s: %w", s.Name, err)
+		return nil, fmt.Errorf("marking tap %s: %w", s.Name, err)
 	}
-	return nil
+	return l, nil
 }
 
 // OwnedTaps maps the name of every tap brokkr made in the namespace to its VM.

@@ -37,6 +37,7 @@ const (
 	mapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : goto exp-NAME
 	mapExpAny        = "exp-any"     // l4proto . dport : goto exp-NAME
 	mapClosers       = "closers"     // mark id : goto close-NAME
+	mapOverflow      = "overflow"    // l4proto : port of the cap's slow-path listener
 	setGuestPorts    = "guest-ports" // bridge table: ports under anti-spoof
 	setGuestAddrs    = "guest-addrs" // bridge table: port . mac . ipv4
 	setGuestMACs     = "guest-macs"  // bridge table: port . mac
@@ -109,6 +110,16 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 		rule(fam, "exposures bound to every local address", append(loadProtoPort(), lookupVmap(mapExpAny))...),
 	}})
 	addSharedMaps(inet)
+	// The cap's slow path: one element, the listener's port, so a new port
+	// (a restart that could not get the old one) is one element, not every
+	// capped chain.
+	ov := &setSpec{name: mapOverflow, key: nftables.TypeInetProto, data: nftables.TypeInetService, isMap: true,
+		comment: "cap slow path: listener port", elems: map[string]elemSpec{}}
+	if r.overflowPort != 0 {
+		k := []byte{unix.IPPROTO_TCP}
+		ov.elems[string(k)] = elemSpec{key: k, val: binaryutil.BigEndian.PutUint16(r.overflowPort), comment: "cap slow path"}
+	}
+	inet.addSet(ov)
 
 	// Cap bookkeeping: FIN/RST of a marked connection updates its mark bits
 	// and, once closed, frees its slot. Only FIN/RST packets get past the
@@ -142,6 +153,10 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 		fg = append(fg, rule(fam, "dns", append(l4Dport(unix.IPPROTO_UDP, 53), accept())...),
 			rule(fam, "dns", append(l4Dport(unix.IPPROTO_TCP, 53), accept())...))
 	}
+	// A guest calling a published port whose cap is full in the kernel is
+	// redirected to the slow-path listener on the host (only brokkr's
+	// redirect makes a connection to the host DNATed).
+	fg = append(fg, rule(fam, "redirected to the cap slow path", append(append(l4proto(unix.IPPROTO_TCP), ctStatusDNAT()...), accept())...))
 	fg = append(fg, rule(fam, "nothing else reaches the host", drop()))
 	inet.addChain(&chainSpec{name: chainFromGuests, rules: fg})
 
@@ -244,6 +259,17 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 		refuse := func(comment string, pre ...expr.Any) ruleSpec {
 			return rule(fam, e.Name+": "+comment, append(append(l4proto(proto), pre...),
 				&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: refusedCounter(e.Name)}, rej)...)
+		}
+		if proto == unix.IPPROTO_TCP {
+			// Full in the kernel: let the slow path decide exactly (see
+			// overflow.go). Without a listener (no element) the lookup fails
+			// and the next rule refuses.
+			rules = append(rules, rule(fam, e.Name+": full in the kernel, to the slow path", append(l4proto(proto),
+				&expr.Immediate{Register: 1, Data: binaryutil.NativeEndian.PutUint32(id)},
+				&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
+				&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+				&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: mapOverflow},
+				&expr.Redir{RegisterProtoMin: 1, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED})...))
 		}
 		rules = append(rules, refuse("over the cap"))
 		if proto == unix.IPPROTO_TCP {

@@ -18,10 +18,15 @@ import (
 // exposure's):
 //   - admission (nat prerouting/output, first packet only):
 //     `add @conns-NAME { ip saddr . ip daddr . tcp sport }` fails once the
-//     set is full, and the next rule counts the caller as refused and
-//     rejects it. The kernel's size check is an atomic compare-and-
+//     set is full. The kernel's size check is an atomic compare-and-
 //     increment, so parallel SYNs on several CPUs cannot overshoot: the
 //     upper bound is exact.
+//   - a full set, TCP: the caller goes to the slow path (overflow.go),
+//     which frees the slots of connections that have closed and admits it
+//     if one is free, or resets it and counts it refused; so nobody is
+//     refused while fewer than MaxConns are open. UDP (and TCP when the
+//     slow path is off): the next rule counts the caller as refused and
+//     rejects it.
 //   - closing, in the kernel, in packet order: a FIN in each direction (or
 //     one RST) sets both close bits of the ct mark. (Deleting the member in
 //     the datapath does not work: the kernel only marks the element dead
@@ -149,9 +154,15 @@ func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
 // release deletes ids from cap sets. A batch fails as a whole when one id
 // is already gone, so it is retried id by id.
 func (c *capWatcher) release(pending map[string][][]byte) {
+	if len(pending) == 0 {
+		return
+	}
 	c.t.mu.Lock()
-	defer c.t.mu.Unlock()
 	c.t.releaseLocked(pending)
+	c.t.mu.Unlock()
+	if c.t.ov != nil {
+		c.t.ov.signalFreed() // callers waiting in the slow path look again
+	}
 }
 
 // releaseLocked deletes connections from cap sets (t.mu held).
@@ -183,6 +194,19 @@ func (t *Table) releaseLocked(pending map[string][][]byte) {
 	}
 	for name, keys := range pending {
 		if u, ok := t.units[name]; !ok || u.key.e.MaxConns <= 0 {
+			continue
+		}
+		// A key the slow path deleted already would fail the batch, and a
+		// failed batch costs the kernel's abort (~10 ms measured).
+		keep := keys[:0:0]
+		for _, k := range keys {
+			if _, ok := t.dropped[name+"\x00"+string(k)]; ok {
+				delete(t.dropped, name+"\x00"+string(k))
+				continue
+			}
+			keep = append(keep, k)
+		}
+		if keys = keep; len(keys) == 0 {
 			continue
 		}
 		if err := send(connsSet(name), keys); err != nil && len(keys) > 1 {
@@ -227,12 +251,15 @@ func (c *capWatcher) sweep(all bool) {
 	pending := map[string][][]byte{}
 	for _, e := range capped {
 		r := counters[refusedCounter(e.Name)].packets
+		if t.ov != nil {
+			r += t.ov.countsOf(e.Name).refused
+		}
 		if !all && r == c.refused[e.Name] {
 			continue
 		}
 		c.refused[e.Name] = r
 		t.mu.Lock()
-		stale, err := t.staleLocked(e)
+		stale, _, err := t.staleLocked(e)
 		t.mu.Unlock()
 		if err != nil {
 			continue
@@ -246,16 +273,17 @@ func (c *capWatcher) sweep(all bool) {
 
 // staleLocked lists the members of e's cap set whose connection has no
 // conntrack entry or has closed: one GET per member, no dump (t.mu held).
-func (t *Table) staleLocked(e Exposure) ([][]byte, error) {
+// members is how many the set holds.
+func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error) {
 	if t.conn == nil {
-		return nil, errors.New("closed")
+		return nil, 0, errors.New("closed")
 	}
 	inet, _ := t.tables()
 	els, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: connsSet(e.Name), KeyType: connKeyType})
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	var stale, missing [][]byte
+	var missing [][]byte
 	check := func(k []byte) (gone, closed bool, err error) {
 		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
 		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
@@ -269,9 +297,10 @@ func (t *Table) staleLocked(e Exposure) ([][]byte, error) {
 		if len(el.Key) != 12 {
 			continue
 		}
+		members++
 		gone, closed, err := check(el.Key)
 		if err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		switch {
 		case closed:
@@ -291,7 +320,7 @@ func (t *Table) staleLocked(e Exposure) ([][]byte, error) {
 			}
 		}
 	}
-	return stale, nil
+	return stale, members, nil
 }
 
 // endedBytes returns (and keeps) the bytes of ended connections.
@@ -302,8 +331,8 @@ func (c *capWatcher) endedBytes(name string) (uint64, uint64) {
 
 // ExposureCounters are one exposure's kernel-path numbers.
 type ExposureCounters struct {
-	Accepted uint64 // connections admitted (named counter NAME-accepted)
-	Refused  uint64 // connections refused by the cap (named counter NAME-refused)
+	Accepted uint64 // connections admitted (named counter NAME-accepted + the cap slow path's)
+	Refused  uint64 // connections refused by the cap (named counter NAME-refused + the slow path's)
 	BytesIn  uint64 // caller -> guest, conntrack accounting (live + ended)
 	BytesOut uint64 // guest -> caller
 	Active   uint64 // conntrack entries with the exposure's mark that are still open
@@ -323,6 +352,13 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 	}
 	for _, e := range t.byID {
 		ec := ExposureCounters{Accepted: cv[acceptedCounter(e.Name)].packets, Refused: cv[refusedCounter(e.Name)].packets}
+		if t.ov != nil {
+			// The slow path decides in userspace: a named counter cannot
+			// be bumped from there.
+			oc := t.ov.countsOf(e.Name)
+			ec.Accepted += oc.accepted
+			ec.Refused += oc.refused
+		}
 		if t.caps != nil {
 			ec.BytesIn, ec.BytesOut = t.caps.endedBytes(e.Name)
 		}

@@ -28,6 +28,8 @@ type Rules struct {
 	DNS           bool         // guests may reach udp+tcp/53 on the host
 	Guests        []Guest      // ports under anti-spoof
 	Exposures     []Exposure
+
+	overflowPort uint16 // the cap slow path's listener (set by Table.Converge; 0 = none)
 }
 
 // Guest is one bridge port that may only send frames from its own MAC and

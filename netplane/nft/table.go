@@ -2,11 +2,10 @@ package nft
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
-	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -18,7 +17,6 @@ import (
 	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 	"github.com/mdlayher/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
 
@@ -46,26 +44,33 @@ type Table struct {
 	pendingIDs             map[string]uint32 // ids of the Converge in progress
 	nopts                  []nftables.ConnOption
 	byID                   map[uint32]Exposure
+	byHost                 map[hostSide]string // tcp/udp, host address (invalid = any), port -> exposure
 	acctOn                 bool
 
-	caps      *capWatcher
-	closeOnce sync.Once
-	bytesHW   map[string][2]uint64 // bytes last reported per exposure (monotonic)
+	caps          *capWatcher
+	ov            *overflow // the cap's slow path (TCP); nil without the watcher
+	droppedPruned time.Time
+	dropped       map[string]time.Time // cap members the slow path deleted (exposure NUL key), so the watcher does not delete them again
+	closeOnce     sync.Once
+	bytesHW       map[string][2]uint64 // bytes last reported per exposure (monotonic)
 }
 
 // Option configures Open.
 type Option func(*options)
 
 type options struct {
-	log        *slog.Logger
-	capWatcher bool
+	log          *slog.Logger
+	capWatcher   bool
+	carrier      Carrier
+	overflowWait time.Duration
 }
 
 // WithLogger sets the logger (default: slog.Default()).
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 
 // WithoutCapWatcher disables the goroutine that frees cap slots of
-// connections that ended without FIN/RST (timeouts, UDP). Only for
+// connections that ended without FIN/RST (timeouts, UDP), and with it the
+// cap's slow path (the kernel then refuses over the cap by itself). Only for
 // benchmarks of the rule path; a cap is not honest without it.
 func WithoutCapWatcher() Option { return func(o *options) { o.capWatcher = false } }
 
@@ -76,11 +81,12 @@ const sockBuf = 64 << 20
 
 // Open binds to the namespace at netnsPath ("" = the caller's namespace).
 func Open(netnsPath string, opts ...Option) (*Table, error) {
-	o := options{log: slog.Default(), capWatcher: true}
+	o := options{log: slog.Default(), capWatcher: true, overflowWait: DefaultOverflowWait}
 	for _, f := range opts {
 		f(&o)
 	}
-	t := &Table{nsPath: netnsPath, log: o.log, ids: map[string]uint32{}, byID: map[uint32]Exposure{}, units: map[string]unitEntry{}}
+	t := &Table{nsPath: netnsPath, log: o.log, ids: map[string]uint32{}, byID: map[uint32]Exposure{},
+		byHost: map[hostSide]string{}, dropped: map[string]time.Time{}, units: map[string]unitEntry{}}
 	ncfg := &netlink.Config{}
 	nopts := []nftables.ConnOption{nftables.AsLasting(), nftables.WithSockOptions(forceBuffers)}
 	if netnsPath != "" {
@@ -111,7 +117,13 @@ func Open(netnsPath string, opts ...Option) (*Table, error) {
 		return nil, err
 	}
 	if o.capWatcher {
+		// The slow path first: the watcher's goroutine reads t.ov.
+		if t.ov, err = startOverflow(t, t.readOverflowPort(), o.carrier, o.overflowWait); err != nil {
+			t.closeFiles()
+			return nil, err
+		}
 		if t.caps, err = startCapWatcher(t); err != nil {
+			t.ov.stop()
 			t.closeFiles()
 			return nil, err
 		}
@@ -166,6 +178,9 @@ func (t *Table) closeFiles() {
 // Close stops the cap watcher and closes the sockets; the tables stay.
 func (t *Table) Close() error {
 	t.closeOnce.Do(func() {
+		if t.ov != nil {
+			t.ov.stop()
+		}
 		if t.caps != nil {
 			t.caps.stop()
 		}
@@ -209,7 +224,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		keys[e.Name] = unitKey{e, ids[e.Name]}
 	}
 	dGlobal, dBridge := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: r.Masquerade,
-		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests}, nil)
+		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests, overflowPort: t.overflowPort()}, nil)
 	globalFP := fpString(fingerprints(dGlobal))
 	var dInet *tableSpec // the whole inet table, assembled only when needed
 	whole := func() *tableSpec {
@@ -318,8 +333,17 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		}
 	}
 	t.byID = make(map[uint32]Exposure, len(r.Exposures))
+	t.byHost = make(map[hostSide]string, len(r.Exposures))
 	for _, e := range r.Exposures {
 		t.byID[ids[e.Name]] = e
+		a := e.HostAddr
+		if e.wildcard() {
+			a = netip.Addr{}
+		}
+		t.byHost[hostSide{protoNum(e.Protocol), a, e.HostPort}] = e.Name
+	}
+	if t.ov != nil {
+		t.ov.forget(keys)
 	}
 	if !t.acctOn {
 		// Bytes per direction come from conntrack accounting, which is per
@@ -805,40 +829,10 @@ func (t *Table) Delete() error {
 	return nil
 }
 
-// setSysctl writes a per-namespace sysctl in the table's namespace.
+// setSysctl writes a per-namespace sysctl in the table's namespace
+// (/proc/sys/net follows the thread's network namespace).
 func (t *Table) setSysctl(path, value string) error {
-	if t.nsPath == "" {
-		return os.WriteFile(path, []byte(value), 0o644)
-	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		target, err := netns.GetFromPath(t.nsPath)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer target.Close()
-		if err := netns.Set(target); err != nil {
-			errc <- err
-			return
-		}
-		// /proc/sys/net follows the thread's network namespace.
-		werr := os.WriteFile(path, []byte(value), 0o644)
-		if err := netns.Set(orig); err != nil {
-			errc <- errors.Join(werr, err) // thread stays locked and is discarded
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- werr
-	}()
-	return <-errc
+	return t.inNS(func() error { return os.WriteFile(path, []byte(value), 0o644) })
 }
 
 // timer prints where a Converge spends its time when NFT_TIMING is set

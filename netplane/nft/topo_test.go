@@ -175,8 +175,11 @@ func udpAsk(ns *nstest.NS, laddr, raddr string) (string, error) {
 }
 
 // openConns opens n TCP connections from ns at once (non-blocking connects
-// issued back to back) and reports how many were established; the sockets
-// stay open until the returned func is called.
+// issued back to back) and reports how many reached the guest (its server's
+// first byte arrived) and how many were refused (connection refused, or
+// reset after the handshake: the cap's slow path completes the handshake
+// before it decides); the sockets stay open until the returned func is
+// called.
 func openConns(t *testing.T, ns *nstest.NS, addr netip.AddrPort, n int) (ok int, refused int, closeAll func()) {
 	t.Helper()
 	fds := make([]int, 0, n)
@@ -206,10 +209,25 @@ func openConns(t *testing.T, ns *nstest.NS, addr netip.AddrPort, n int) (ok int,
 		soerr, _ := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ERROR)
 		switch soerr {
 		case 0:
-			if _, err := unix.Getpeername(fd); err == nil {
-				ok++
+			if _, err := unix.Getpeername(fd); err != nil {
+				continue
 			}
-		case int(unix.ECONNREFUSED):
+			for {
+				pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+				_, _ = unix.Poll(pfd, 100)
+				if pfd[0].Revents != 0 || time.Now().After(deadline) {
+					break
+				}
+			}
+			var b [1]byte
+			n, _, err := unix.Recvfrom(fd, b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+			switch {
+			case n > 0:
+				ok++
+			case errors.Is(err, unix.ECONNRESET) || n == 0 && err == nil:
+				refused++
+			}
+		case int(unix.ECONNREFUSED), int(unix.ECONNRESET):
 			refused++
 		}
 	}

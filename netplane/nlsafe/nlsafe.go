@@ -56,11 +56,6 @@ func NeighList(h *netlink.Handle, linkIndex, family int) ([]netlink.Neigh, error
 	return Retry(func() ([]netlink.Neigh, error) { return h.NeighList(linkIndex, family) })
 }
 
-// LinkGetProtinfo reads a bridge port's settings (hairpin, learning, ...).
-func LinkGetProtinfo(h *netlink.Handle, link netlink.Link) (netlink.Protinfo, error) {
-	return Retry(func() (netlink.Protinfo, error) { return h.LinkGetProtinfo(link) })
-}
-
 // IsNotFound reports whether err says a link does not exist.
 func IsNotFound(err error) bool {
 	var nf netlink.LinkNotFoundError
@@ -117,7 +112,9 @@ func Do(nsPath string, fn func() error) error {
 		}
 		ferr := fn()
 		if err := netns.Set(orig); err != nil {
-			errc <- fmt.Errorf("leaving netns %s: %w (thread discarded)", nsPath, err)
+			// fn's own error is kept: fn may have done its work (started a
+			// process, made a socket) and the caller must hear of both.
+			errc <- errors.Join(ferr, fmt.Errorf("leaving netns %s: %w (thread discarded)", nsPath, err))
 			return
 		}
 		runtime.UnlockOSThread()

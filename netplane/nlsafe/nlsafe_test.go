@@ -1,4 +1,4 @@
-package nlsafe
+package nlsafe_test
 
 import (
 	"errors"
@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/netplane/nlsafe"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
@@ -16,7 +17,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func TestRetryStopsOnCleanDump(t *testing.T) {
 	calls := 0
-	v, err := Retry(func() (int, error) {
+	v, err := nlsafe.Retry(func() (int, error) {
 		calls++
 		if calls < 3 {
 			return -1, netlink.ErrDumpInterrupted
@@ -30,31 +31,31 @@ func TestRetryStopsOnCleanDump(t *testing.T) {
 
 func TestRetryGivesUpAfterMaxAttempts(t *testing.T) {
 	calls := 0
-	_, err := Retry(func() (int, error) { calls++; return 0, netlink.ErrDumpInterrupted })
+	_, err := nlsafe.Retry(func() (int, error) { calls++; return 0, netlink.ErrDumpInterrupted })
 	assert.ErrorIs(t, err, netlink.ErrDumpInterrupted)
-	assert.Equal(t, MaxAttempts, calls)
+	assert.Equal(t, nlsafe.MaxAttempts, calls)
 }
 
 func TestRetryPassesOtherErrorsAtOnce(t *testing.T) {
 	calls := 0
 	boom := errors.New("boom")
-	_, err := Retry(func() (int, error) { calls++; return 0, boom })
+	_, err := nlsafe.Retry(func() (int, error) { calls++; return 0, boom })
 	assert.ErrorIs(t, err, boom)
 	assert.Equal(t, 1, calls)
 }
 
 func TestHandleAndDoStayInTheNamespace(t *testing.T) {
 	ns := nstest.New(t, "nl")
-	h, err := Handle(ns.Path)
+	h, err := nlsafe.Handle(ns.Path)
 	require.NoError(t, err)
 	defer h.Close()
 	require.NoError(t, h.LinkAdd(&netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "brk-dummy0"}}))
 
-	_, err = LinkByName(h, "nope0")
-	assert.True(t, IsNotFound(err), "missing link must match LinkNotFoundError: %v", err)
+	_, err = nlsafe.LinkByName(h, "nope0")
+	assert.True(t, nlsafe.IsNotFound(err), "missing link must match LinkNotFoundError: %v", err)
 
 	var seen bool
-	require.NoError(t, Do(ns.Path, func() error {
+	require.NoError(t, nlsafe.Do(ns.Path, func() error {
 		_, err := os.Stat("/proc/sys/net/ipv4/conf/brk-dummy0")
 		seen = err == nil
 		return nil

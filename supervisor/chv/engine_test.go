@@ -49,7 +49,7 @@ func (e *env) spec(name string, mods ...func(*supervisor.VMSpec)) supervisor.VMS
 func waitRow(t *testing.T, eng *supervisor.Engine, name string, ok func(supervisor.VMStatus) bool, desired ...supervisor.VMSpec) supervisor.VMStatus {
 	t.Helper()
 	var last supervisor.VMStatus
-	deadline := time.Now().Add(15 * time.Second)
+	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
 		for _, r := range eng.Step(context.Background(), desired).VMs {
 			if r.Name == name {
@@ -79,7 +79,7 @@ func TestEngineAdoptsVMMAcrossRestart(t *testing.T) {
 	require.Eventually(t, func() bool {
 		b, _ := os.ReadFile(console)
 		return strings.Contains(string(b), "chfake: booting")
-	}, 5*time.Second, 20*time.Millisecond, "serial output never reached console.log")
+	}, 30*time.Second, 20*time.Millisecond, "serial output never reached console.log")
 
 	eng.Stop()
 	require.NoError(t, supervisor.CheckIdentity(supervisor.Instance{PID: up.PID, StartTime: mustStart(t, up.PID)}),
@@ -93,7 +93,7 @@ func TestEngineAdoptsVMMAcrossRestart(t *testing.T) {
 
 	// Removing the VM stops it through the API and deletes its state.
 	require.Eventually(t, func() bool { return len(eng2.Step(context.Background(), nil).VMs) == 0 },
-		10*time.Second, 20*time.Millisecond, "the removed VM's row and worker never went away")
+		30*time.Second, 20*time.Millisecond, "the removed VM's row and worker never went away")
 	assert.Empty(t, fakePIDs(e.dir))
 	assert.NoDirExists(t, filepath.Join(e.dir, "state", "vms", "web"))
 	assert.Contains(t, e.calls(), "PUT vm.power-button 204")
@@ -141,10 +141,12 @@ func TestEngineCrashLoopBacksOff(t *testing.T) {
 // A VMM whose boot hangs is cut off at StartTimeout with a detail saying so.
 func TestEngineReportsBootTimeout(t *testing.T) {
 	e := newEnv(t, "CHFAKE_HANG_BOOT=1")
-	eng := e.engine(func(c *supervisor.Config) { c.StartTimeout = 300 * time.Millisecond })
+	// Long enough for the fake to reach vm.boot on a loaded machine (it then
+	// hangs there), so the timeout always names that step.
+	eng := e.engine(func(c *supervisor.Config) { c.StartTimeout = 2 * time.Second })
 	s := e.spec("vm", func(s *supervisor.VMSpec) { s.Restart = supervisor.RestartNever })
 	r := waitRow(t, eng, "vm", func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseFailed }, s)
-	assert.Contains(t, r.Detail, "start: timed out after 300ms")
+	assert.Contains(t, r.Detail, "start: timed out after 2s")
 	assert.Contains(t, r.Detail, "vm.boot")
 	assert.Empty(t, fakePIDs(e.dir))
 }
@@ -160,7 +162,7 @@ func TestEngineCapsConsoleLog(t *testing.T) {
 		old, err1 := os.Stat(filepath.Join(dir, "console.log.1"))
 		cur, err2 := os.Stat(filepath.Join(dir, "console.log"))
 		return err1 == nil && err2 == nil && old.Size() == 1024 && cur.Size() > 0 && cur.Size() <= 1024
-	}, 5*time.Second, 20*time.Millisecond, "console.log was not capped and rotated")
+	}, 30*time.Second, 20*time.Millisecond, "console.log was not capped and rotated")
 }
 
 // Two engines over one StateDir (a second daemon started by mistake): the
@@ -189,12 +191,13 @@ func TestTwoEnginesNeverRunTwoVMMs(t *testing.T) {
 // and finishes the job.
 func TestEngineStopDuringVMStopLeavesVMM(t *testing.T) {
 	e := newEnv(t, "CHFAKE_IGNORE_POWER_BUTTON=1")
-	eng := e.engine(func(c *supervisor.Config) { c.StopGrace = 10 * time.Second })
+	// The grace outlasts any CI stall: the engine must be stopped inside it.
+	eng := e.engine(func(c *supervisor.Config) { c.StopGrace = time.Minute })
 	up := waitRow(t, eng, "vm", running, e.spec("vm"))
 	off := e.spec("vm", func(s *supervisor.VMSpec) { s.Power = supervisor.PowerStopped })
 	waitRow(t, eng, "vm", func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseStopping }, off)
 	require.Eventually(t, func() bool { return strings.Contains(strings.Join(e.calls(), "\n"), "vm.power-button") },
-		5*time.Second, 10*time.Millisecond)
+		30*time.Second, 10*time.Millisecond)
 	eng.Stop()
 	assert.Equal(t, []int{up.PID}, fakePIDs(e.dir), "the engine's shutdown killed a VM it was stopping")
 

@@ -180,13 +180,16 @@ func (c *Cache) Fetch(ctx context.Context, src supervisor.Source, progress func(
 		}
 	}
 	key := want
+	var before localStamp // the local file as it was before the copy
 	if key == "" {
 		key = "path:" + src.Location
-		if p, ok := c.knownLocal(src.Location); ok {
-			return p, nil
+		var ok bool
+		if before, ok = stampOf(src.Location); ok {
+			if p, ok := c.knownLocal(src.Location, before); ok {
+				return p, nil
+			}
 		}
 	}
-	before, _ := stampOf(src.Location)
 	id := c.watch(key, progress)
 	defer c.unwatch(key, id)
 	ch := c.group.DoChan(key, func() (any, error) {
@@ -209,12 +212,9 @@ func (c *Cache) Fetch(ctx context.Context, src supervisor.Source, progress func(
 }
 
 // knownLocal returns the cached copy of a local file hashed before, if the
-// file is unchanged (size, mtime, inode) and the copy is still there.
-func (c *Cache) knownLocal(path string) (string, bool) {
-	now, ok := stampOf(path)
-	if !ok {
-		return "", false
-	}
+// file is unchanged (now, its current stamp, has the same size, mtime and
+// inode) and the copy is still there.
+func (c *Cache) knownLocal(path string, now localStamp) (string, bool) {
 	c.mu.Lock()
 	was, seen := c.local[path]
 	c.mu.Unlock()

@@ -127,33 +127,12 @@ func TestValidateLaunchNamesTheField(t *testing.T) {
 	}
 }
 
-func TestParseProcStat(t *testing.T) {
-	// A command name with spaces and ')' must not shift the fields.
-	line := "4242 (qemu) x (y)) S 1 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 3 0 987654 100000 500 18446744073709551615\n"
-	st, err := parseProcStat([]byte(line))
-	require.NoError(t, err)
-	assert.Equal(t, byte('S'), st.State)
-	assert.Equal(t, uint64(987654), st.StartTime)
-	_, err = parseProcStat([]byte("4242 (qemu) S 1 2"))
-	assert.Error(t, err)
-	_, err = parseProcStat([]byte("garbage"))
-	assert.Error(t, err)
-
-	self, err := readProcStat(os.Getpid())
+// running tells this process from one with another start time.
+func TestRunning(t *testing.T) {
+	self, err := supervisor.ReadProcStat(os.Getpid())
 	require.NoError(t, err)
 	assert.True(t, running(os.Getpid(), self.StartTime))
 	assert.False(t, running(os.Getpid(), self.StartTime+1), "another start time is another process")
-}
-
-func FuzzParseProcStat(f *testing.F) {
-	f.Add([]byte("1 (init) S 0 1 1 0 -1 4194560 1 2 3 4 5 6 7 8 20 0 1 0 17 1000 10 1\n"))
-	f.Add([]byte("9 ((a b)) Z 1 2 3"))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		st, err := parseProcStat(b)
-		if err == nil && st.State == 0 {
-			t.Fatal("parsed without a state")
-		}
-	})
 }
 
 func TestVMState(t *testing.T) {
@@ -208,7 +187,7 @@ func TestStartRejectsBadMachine(t *testing.T) {
 
 // Stop of a process that is already gone (or a reused pid) does nothing.
 func TestStopDeadInstance(t *testing.T) {
-	self, err := readProcStat(os.Getpid())
+	self, err := supervisor.ReadProcStat(os.Getpid())
 	require.NoError(t, err)
 	inst := supervisor.Instance{PID: os.Getpid(), StartTime: self.StartTime + 1, APISocket: "/nonexistent"}
 	require.NoError(t, New("").Stop(t.Context(), inst, 0))

@@ -56,6 +56,25 @@ func findGuestImage(t testing.TB) guestImage {
 	return g
 }
 
+// shortRunDir is a RunDir for qemu's sockets outside t.TempDir, whose long
+// paths can pass the 107-byte unix socket limit.
+func shortRunDir(t testing.TB) string {
+	t.Helper()
+	run, err := os.MkdirTemp("", "brkqm")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(run) })
+	return run
+}
+
+// killAtCleanup kills and reaps pid when the test ends, whatever happened:
+// no qemu is left behind.
+func killAtCleanup(t testing.TB, pid int) {
+	t.Cleanup(func() {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+		_, _ = syscall.Wait4(pid, nil, 0, nil)
+	})
+}
+
 func requireQEMU(t testing.TB) {
 	t.Helper()
 	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
@@ -142,15 +161,13 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	// the backend relaunches under TCG; on a real KVM host it boots on KVM.
 	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelAuto), WithKVMProbeWindow(5*time.Second), WithConsoleFile(), WithLogger(logger))
 	dir := t.TempDir()
-	run, err := os.MkdirTemp("", "brkqm")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(run) })
+	run := shortRunDir(t)
 	// A root disk made the way the engine makes one: a sparse copy of a
 	// base image, grown.
 	base := filepath.Join(dir, "base.raw")
 	require.NoError(t, os.WriteFile(base, []byte("brokkr disk\n"), 0o644))
 	disk := filepath.Join(dir, "disk.raw")
-	_, err = images.CloneDisk(t.Context(), base, disk, 64<<20)
+	_, err := images.CloneDisk(t.Context(), base, disk, 64<<20)
 	require.NoError(t, err)
 	cfg := supervisor.LaunchConfig{
 		Name: "boot1", Dir: filepath.Join(dir, "vm"), RunDir: run,
@@ -164,11 +181,7 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	t0 := time.Now()
 	inst, err := b.Start(ctx, cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() { // whatever happens, no qemu is left behind
-		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
-		var ws syscall.WaitStatus
-		_, _ = syscall.Wait4(inst.PID, &ws, 0, nil)
-	})
+	killAtCleanup(t, inst.PID)
 	t.Logf("Start returned after %s: pid %d, accel note %q", time.Since(t0).Round(time.Millisecond), inst.PID, b.KVMDisabledReason())
 	require.Equal(t, filepath.Join(run, "qmp.sock"), inst.APISocket)
 	assert.Empty(t, inst.ConsoleSocket, "with WithConsoleFile qemu writes the log itself")
@@ -199,7 +212,9 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	assert.Contains(t, page, "name=boot1", "the VM name reaches the guest")
 	assert.Contains(t, page, "addr=10.213.77.10/24")
 	assert.Contains(t, page, "disks=vda", "the disk is attached as virtio-blk")
-	assert.Contains(t, readFile(cfg.ConsoleLog), "BROKKR-GUEST-READY", "the serial console goes to ConsoleLog")
+	// The guest's init starts httpd before it prints READY: wait for the line.
+	assert.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), "BROKKR-GUEST-READY") },
+		60*time.Second, 50*time.Millisecond, "the serial console goes to ConsoleLog")
 
 	// Echo services: TCP holds the connection, UDP answers datagrams.
 	require.NoError(t, gn.dialGuest("tcp", "7000", func(c net.Conn) error {
@@ -335,9 +350,7 @@ func TestGuestStaticAddressFromCmdline(t *testing.T) {
 	gn.IP = "10.213.77.21"
 	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithConsoleFile())
 	dir := t.TempDir()
-	run, err := os.MkdirTemp("", "brkqm")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(run) })
+	run := shortRunDir(t)
 	cfg := supervisor.LaunchConfig{
 		Name: "static", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 256,
 		Kernel: img.Kernel, Initramfs: img.Initramfs, Tap: gn.Tap, MAC: gn.MAC,
@@ -346,10 +359,7 @@ func TestGuestStaticAddressFromCmdline(t *testing.T) {
 	}
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
-		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
-	})
+	killAtCleanup(t, inst.PID)
 	var page string
 	require.Eventually(t, func() bool {
 		return gn.dialGuest("tcp", "8080", func(c net.Conn) error {
@@ -379,9 +389,7 @@ func TestMicroVMBootAndPowerButton(t *testing.T) {
 		t.Skip("no host TSC rate in /proc/cpuinfo: microvm under TCG may hang calibrating")
 	}
 	dir := t.TempDir()
-	run, err := os.MkdirTemp("", "brkqm")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(run) })
+	run := shortRunDir(t)
 	cfg := supervisor.LaunchConfig{
 		Name: "micro", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 256,
 		Kernel: img.Kernel, Initramfs: img.Initramfs, Tap: gn.Tap, MAC: gn.MAC,
@@ -389,10 +397,7 @@ func TestMicroVMBootAndPowerButton(t *testing.T) {
 	}
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
-		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
-	})
+	killAtCleanup(t, inst.PID)
 	require.Eventually(t, func() bool {
 		return gn.dialGuest("tcp", "8080", func(c net.Conn) error { _, err := httpGet(c); return err }) == nil
 	}, 90*time.Second, 50*time.Millisecond, "guest never answered; console:\n%s", readFile(cfg.ConsoleLog))

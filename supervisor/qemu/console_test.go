@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -28,9 +27,7 @@ func TestConsoleSocketProbeThenHandOver(t *testing.T) {
 	requireQEMU(t)
 	img := findGuestImage(t)
 	dir := t.TempDir()
-	run, err := os.MkdirTemp("", "brkqm")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(run) })
+	run := shortRunDir(t)
 	cfg := supervisor.LaunchConfig{
 		Name: "cons", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
 		Kernel: img.Kernel, Initramfs: img.Initramfs,
@@ -39,10 +36,7 @@ func TestConsoleSocketProbeThenHandOver(t *testing.T) {
 	b := New("", WithAccel(AccelTCG))
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
-		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
-	})
+	killAtCleanup(t, inst.PID)
 	require.Equal(t, filepath.Join(run, "console.sock"), inst.ConsoleSocket)
 
 	// The probe's reader, as a KVM launch runs it.
@@ -51,6 +45,10 @@ func TestConsoleSocketProbeThenHandOver(t *testing.T) {
 	w, err := watchConsole(t.Context(), inst.ConsoleSocket, cfg.ConsoleLog)
 	require.NoError(t, err)
 	require.Eventually(t, w.printed, 60*time.Second, 20*time.Millisecond, "no console output")
+	// The serial port trickles bytes in: printed() is true after the first
+	// one, so wait until the log holds the kernel's first line.
+	require.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), " Linux") },
+		60*time.Second, 20*time.Millisecond, "the probe never logged the kernel banner")
 	w.close()
 	assert.True(t, strings.HasPrefix(readFile(cfg.ConsoleLog), "[    0.000000] Linux"),
 		"the probe's bytes are in the console log: %q", readFile(cfg.ConsoleLog))

@@ -30,7 +30,7 @@ func qemuProcsFor(dir string) []int {
 			continue
 		}
 		if pid, err := strconv.Atoi(e.Name()); err == nil {
-			if st, err := readProcStat(pid); err == nil && st.State != 'Z' {
+			if st, err := supervisor.ReadProcStat(pid); err == nil && st.State != 'Z' {
 				pids = append(pids, pid)
 			}
 		}

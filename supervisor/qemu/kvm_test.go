@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -39,9 +38,7 @@ func TestKVMProbeFallsBackToTCG(t *testing.T) {
 	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelAuto), WithKVMCPU("host,-arch-capabilities"),
 		WithKVMProbeWindow(2*time.Second), WithLogger(slog.New(slog.NewTextHandler(testWriter{t}, nil))))
 	dir := t.TempDir()
-	run, err := os.MkdirTemp("", "brkqm")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(run) })
+	run := shortRunDir(t)
 	cfg := supervisor.LaunchConfig{
 		Name: "kvmprobe", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 256,
 		Kernel: img.Kernel, Initramfs: img.Initramfs, Tap: gn.Tap, MAC: gn.MAC,
@@ -52,10 +49,7 @@ func TestKVMProbeFallsBackToTCG(t *testing.T) {
 	t0 := time.Now()
 	inst, err := b.Start(ctx, cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
-		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
-	})
+	killAtCleanup(t, inst.PID)
 	reason := b.KVMDisabledReason()
 	t.Logf("Start took %s; KVM disabled reason: %q", time.Since(t0).Round(time.Millisecond), reason)
 	qlog := readFile(filepath.Join(cfg.Dir, "qemu.log"))

@@ -17,14 +17,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
-	"github.com/vishvananda/netns"
-
+	"github.com/brokkr/brokkr/netplane/nlsafe"
 	"github.com/brokkr/brokkr/supervisor"
 )
 
@@ -263,10 +261,10 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		}
 		return supervisor.Instance{}, err
 	}
-	st, err := readProcStat(pid)
+	st, err := supervisor.ReadProcStat(pid)
 	var exe string
 	if err == nil {
-		exe, err = procExe(pid) // a zombie has no exe link
+		exe, err = supervisor.ProcExe(pid) // a zombie has no exe link
 	}
 	if err != nil {
 		// qemu already exited: say why. Under KVM that may be KVM's doing
@@ -406,39 +404,7 @@ func consoleOnSerial(cmdline string) bool {
 // child inherits the namespace of the thread that forks it, so the fork
 // happens on a locked thread switched into the namespace.
 func startIn(path string, cmd *exec.Cmd) error {
-	if path == "" {
-		return cmd.Start()
-	}
-	target, err := netns.GetFromPath(path)
-	if err != nil {
-		return fmt.Errorf("netns %s: %w", path, err)
-	}
-	defer target.Close()
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		if err := netns.Set(target); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("entering netns %s: %w", path, err)
-			return
-		}
-		serr := cmd.Start()
-		if err := netns.Set(orig); err != nil {
-			// Leave the thread locked: the runtime ends it with this goroutine.
-			errc <- errors.Join(serr, fmt.Errorf("leaving netns %s: %w", path, err))
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- serr
-	}()
-	return <-errc
+	return nlsafe.Do(path, cmd.Start)
 }
 
 // logTail is the end of what qemu wrote to its log since offset, on one line.
@@ -465,7 +431,7 @@ func logTail(path string, offset int64) string {
 // Adopt implements supervisor.Hypervisor: the recorded pid must still be the
 // same qemu (start time, executable) and serve the recorded QMP socket.
 func (b *Backend) Adopt(ctx context.Context, inst supervisor.Instance) error {
-	st, err := readProcStat(inst.PID)
+	st, err := supervisor.ReadProcStat(inst.PID)
 	if err != nil {
 		return fmt.Errorf("qemu: pid %d is gone: %w", inst.PID, err)
 	}
@@ -475,7 +441,7 @@ func (b *Backend) Adopt(ctx context.Context, inst supervisor.Instance) error {
 	if st.State == 'Z' || st.State == 'X' {
 		return fmt.Errorf("qemu: pid %d has exited", inst.PID)
 	}
-	exe, err := procExe(inst.PID)
+	exe, err := supervisor.ProcExe(inst.PID)
 	if err != nil {
 		return fmt.Errorf("qemu: pid %d: %w", inst.PID, err)
 	}

@@ -24,9 +24,7 @@ func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
 	requireQEMU(t)
 	img := findGuestImage(t)
 	dir := t.TempDir()
-	run, err := os.MkdirTemp("", "brkqm")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(run) })
+	run := shortRunDir(t)
 	cfg := supervisor.LaunchConfig{
 		Name: "deaf", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
 		Kernel: img.Kernel, Initramfs: img.Initramfs,
@@ -35,10 +33,7 @@ func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
 	b := New("", WithAccel(AccelTCG), WithConsoleFile())
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
-		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
-	})
+	killAtCleanup(t, inst.PID)
 	state, err := b.Info(t.Context(), inst)
 	require.NoError(t, err)
 	assert.Equal(t, supervisor.VMRunning, state)
@@ -67,10 +62,7 @@ func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
 	require.NoError(t, os.WriteFile(cfg.ConsoleLog, []byte("previous boot\n"), 0o600))
 	inst2, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(inst2.PID, syscall.SIGKILL)
-		_, _ = syscall.Wait4(inst2.PID, nil, 0, nil)
-	})
+	killAtCleanup(t, inst2.PID)
 	require.NoError(t, b.Adopt(t.Context(), inst2))
 	assert.Error(t, b.Adopt(t.Context(), inst), "the old instance is not adoptable")
 	assert.Equal(t, "previous boot\n", readFile(cfg.ConsoleLog+".1"), "the previous boot's console is kept")
@@ -86,9 +78,7 @@ func TestStopWedgedQEMUEndsWithSIGKILL(t *testing.T) {
 	requireQEMU(t)
 	img := findGuestImage(t)
 	dir := t.TempDir()
-	run, err := os.MkdirTemp("", "brkqm")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(run) })
+	run := shortRunDir(t)
 	cfg := supervisor.LaunchConfig{
 		Name: "wedged", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
 		Kernel: img.Kernel, Initramfs: img.Initramfs,
@@ -97,10 +87,7 @@ func TestStopWedgedQEMUEndsWithSIGKILL(t *testing.T) {
 	b.qmpTimeout, b.stopStepMax = 300*time.Millisecond, 300*time.Millisecond
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
-		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
-	})
+	killAtCleanup(t, inst.PID)
 	require.NoError(t, syscall.Kill(inst.PID, syscall.SIGSTOP))
 	_, err = b.Info(t.Context(), inst)
 	require.Error(t, err, "a wedged qemu does not answer QMP")

@@ -35,12 +35,12 @@ import (
 // cloud-hypervisor whose guest powers off (and the process exits 0) when
 // the power button is pressed.
 type Behaviour struct {
-	HangBoot         bool            // vm.boot never answers
-	CrashAfter       time.Duration   // >0: the process exits 1 this long after boot
-	IgnorePowerButon bool            // the guest ignores ACPI power button
-	Refuse           map[string]bool // endpoint names ("vm.create") answered 500
-	IgnoreSIGTERM    bool            // only SIGKILL ends the process
-	ConsoleBytes     int             // serial output written after boot, besides the banner
+	HangBoot          bool            // vm.boot never answers
+	CrashAfter        time.Duration   // >0: the process exits 1 this long after boot
+	IgnorePowerButton bool            // the guest ignores ACPI power button
+	Refuse            map[string]bool // endpoint names ("vm.create") answered 500
+	IgnoreSIGTERM     bool            // only SIGKILL ends the process
+	ConsoleBytes      int             // serial output written after boot, besides the banner
 }
 
 // BehaviourFromEnv reads CHFAKE_HANG_BOOT=1, CHFAKE_CRASH_AFTER=<duration>,
@@ -49,7 +49,7 @@ type Behaviour struct {
 func BehaviourFromEnv() (Behaviour, error) {
 	var b Behaviour
 	b.HangBoot = os.Getenv("CHFAKE_HANG_BOOT") == "1"
-	b.IgnorePowerButon = os.Getenv("CHFAKE_IGNORE_POWER_BUTTON") == "1"
+	b.IgnorePowerButton = os.Getenv("CHFAKE_IGNORE_POWER_BUTTON") == "1"
 	b.IgnoreSIGTERM = os.Getenv("CHFAKE_IGNORE_SIGTERM") == "1"
 	if v := os.Getenv("CHFAKE_CRASH_AFTER"); v != "" {
 		d, err := time.ParseDuration(v)
@@ -285,7 +285,7 @@ func (s *Server) handle(ctx context.Context, endpoint string, body []byte, rec *
 			rec.status = http.StatusNotFound
 		case "Running":
 			rec.status = http.StatusNoContent
-			if !s.b.IgnorePowerButon {
+			if !s.b.IgnorePowerButton {
 				// The guest powers off; cloud-hypervisor exits with it.
 				return func() { time.AfterFunc(50*time.Millisecond, func() { s.exit(0) }) }
 			}

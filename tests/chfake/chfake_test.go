@@ -106,7 +106,7 @@ func TestLifecycleAndAnswersMatchTheSchema(t *testing.T) {
 	select {
 	case c := <-exits:
 		assert.Equal(t, 0, c)
-	case <-time.After(2 * time.Second):
+	case <-time.After(30 * time.Second):
 		t.Fatal("power button did not end the fake VMM")
 	}
 }
@@ -122,7 +122,7 @@ func TestRefuseAndCrash(t *testing.T) {
 	select {
 	case c := <-exits:
 		assert.Equal(t, 1, c)
-	case <-time.After(2 * time.Second):
+	case <-time.After(30 * time.Second):
 		t.Fatal("no crash")
 	}
 }

@@ -1,0 +1,76 @@
+package proxy
+
+import (
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// tcpPair returns both ends of one loopback TCP connection.
+func tcpPair(t *testing.T) (dialed, accepted *net.TCPConn) {
+	t.Helper()
+	ln, err := net.ListenTCP("tcp4", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	require.NoError(t, err)
+	defer ln.Close()
+	d, err := net.DialTCP("tcp4", nil, ln.Addr().(*net.TCPAddr))
+	require.NoError(t, err)
+	a, err := ln.AcceptTCP()
+	require.NoError(t, err)
+	return d, a
+}
+
+// Carry splices a connection handed over by the network plane's cap slow
+// path: bytes both ways, each direction half-closed at its end, and the
+// slot of no exposure touched (the plane counts these through conntrack).
+func TestCarrySplicesHandedOverConnection(t *testing.T) {
+	m := NewManager(func(string) string { return "" }, nil)
+	defer m.StopAll()
+	caller, client := tcpPair(t)
+	defer caller.Close()
+	guest, guestSide := tcpPair(t)
+	defer guestSide.Close()
+	go func() {
+		// The guest echoes until EOF, then says bye and closes.
+		b, _ := io.ReadAll(guestSide)
+		_, _ = guestSide.Write(append(b, []byte(" bye")...))
+		guestSide.Close()
+	}()
+	m.Carry("web", client, guest)
+	_, err := caller.Write([]byte("hello"))
+	require.NoError(t, err)
+	require.NoError(t, caller.CloseWrite()) // half-close reaches the guest
+	_ = caller.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(caller)
+	require.NoError(t, err)
+	assert.Equal(t, "hello bye", string(got))
+	_, ok := m.stats.Lookup("web")
+	assert.False(t, ok, "no slot attached for a carried connection")
+}
+
+// StopAll ends connections handed over by Carry, and a Carry after StopAll
+// resets the caller.
+func TestCarryEndedByStopAll(t *testing.T) {
+	m := NewManager(func(string) string { return "" }, nil)
+	caller, client := tcpPair(t)
+	defer caller.Close()
+	guest, guestSide := tcpPair(t)
+	defer guestSide.Close()
+	m.Carry("web", client, guest)
+	m.StopAll()
+	_ = caller.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err := caller.Read(make([]byte, 1))
+	assert.Error(t, err, "the carried connection ended with StopAll")
+
+	caller2, client2 := tcpPair(t)
+	defer caller2.Close()
+	guest2, guestSide2 := tcpPair(t)
+	defer guestSide2.Close()
+	m.Carry("web", client2, guest2)
+	_ = caller2.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err = caller2.Read(make([]byte, 1))
+	assert.Error(t, err, "reset: the manager is stopped")
+}
