@@ -19,14 +19,6 @@ const (
 	acceptPauseCeiling = time.Second
 )
 
-// copyChunk bounds one io.CopyN call of a streaming connection, and
-// streamingQueue is how much must be queued for a connection to count as
-// streaming (see copyHalf).
-const (
-	copyChunk      = 4 << 20
-	streamingQueue = 64 << 10
-)
-
 // serveTCP is one listener's accept loop. A shortage of descriptors (EMFILE,
 // ENFILE) pauses it and keeps the port: handing the listener back would ask
 // the next converge for a descriptor the process does not have, and the
@@ -175,69 +167,85 @@ func (m *Manager) Carry(exposure string, client, guest *net.TCPConn) {
 // keeps flowing. Any other error (a reset, a write to a closed peer) ends the
 // whole connection, which is what unblocks the other direction.
 //
-// Both ends are *net.TCPConn, never wrapped, so io.CopyN moves the bytes with
-// splice(2) (see TestCarriedBytesGoThroughSplice). The copy goes in bounded
-// io.CopyN chunks, so the byte counters move while a connection is open, and
-// a chunk starts only once the source has data: Go's splice holds a pipe (two
-// descriptors) for as long as it waits for data, so an idle connection must
-// not be waiting inside one. A connection with little queued gets a chunk of
-// exactly that (it never waits in splice); a streaming one (streamingQueue or
-// more queued) gets copyChunk, which spares the per-chunk checks while bulk
-// data flows and at worst holds a pipe until a stalled stream resumes.
+// The bytes go socket -> pipe -> socket with splice(2), never through user
+// memory (TestCarriedBytesGoThroughSplice). The proxy drives splice itself
+// rather than through io.Copy, for two reasons. An idle direction must not
+// hold a pipe (two descriptors) while it waits: the pipe is taken only for a
+// read that finds data and goes back to the pool before waiting
+// (TestAnIdleConnectionHoldsOnlyItsTwoSockets). And a short connection pays
+// no extra syscalls to learn that: the read itself says "no data yet"
+// (EAGAIN), "EOF" (0) or how much it moved, where a MSG_PEEK probe and a
+// SIOCINQ ioctl before every io.CopyN cost three or four more per direction.
+// The counters move after every pipeful, so they follow long transfers.
 func copyHalf(dst, src *net.TCPConn, count func(int64)) {
-	rc, err := src.SyscallConn()
-	for err == nil {
-		var queued int
-		if queued, err = waitQueued(rc); err != nil {
-			break
-		}
-		if queued == 0 { // EOF
+	var err error
+	defer func() {
+		if err == nil {
 			_ = dst.CloseWrite()
 			return
 		}
-		// A streaming source gets a whole chunk: splice keeps its pipe
-		// between reads, as in a plain io.Copy. Anything less gets exactly
-		// what is queued, so the copy never waits inside splice.
-		chunk := int64(queued)
-		if queued >= streamingQueue {
-			chunk = copyChunk
-		}
-		var n int64
-		n, err = io.CopyN(dst, src, chunk)
-		if n > 0 {
-			count(n)
-		}
-	}
-	if errors.Is(err, io.EOF) {
-		_ = dst.CloseWrite()
+		src.Close()
+		dst.Close()
+	}()
+	srcRC, err := src.SyscallConn()
+	if err != nil {
 		return
 	}
-	src.Close()
-	dst.Close()
+	dstRC, err := dst.SyscallConn()
+	if err != nil {
+		return
+	}
+	var p *pipe
+	defer func() { putPipe(p) }()
+	for {
+		var n int
+		if n, err = spliceIn(srcRC, &p); err != nil {
+			if errors.Is(err, errNoPipe) { // out of descriptors: copy through memory
+				err = copyThroughMemory(dst, src, count)
+			}
+			return
+		}
+		if n == 0 { // EOF
+			return
+		}
+		if err = spliceOut(dstRC, p); err != nil {
+			return
+		}
+		count(int64(n))
+	}
 }
 
-// waitQueued blocks, without holding anything but the socket, until the
-// socket has bytes to read (it returns how many are queued), has reached EOF
-// (0), or has failed.
-func waitQueued(rc syscall.RawConn) (int, error) {
-	var queued int
+// errNoPipe: a pipe could not be made (out of descriptors, typically).
+var errNoPipe = errors.New("no splice pipe")
+
+// spliceIn waits until src has data or has ended and moves what is queued
+// into *pp: the number of bytes moved, 0 at EOF. The pipe is taken from the
+// pool only when needed and given back before every wait, so a direction
+// waiting for data holds nothing but its socket.
+func spliceIn(rc syscall.RawConn, pp **pipe) (int, error) {
+	var moved int
 	var serr error
 	err := rc.Read(func(fd uintptr) bool {
-		var b [1]byte
+		if *pp == nil {
+			if *pp = getPipe(); *pp == nil {
+				serr = errNoPipe
+				return true
+			}
+		}
 		for {
-			n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+			n, err := unix.Splice(int(fd), nil, (*pp).w, nil, maxPipe, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
 			switch {
 			case err == unix.EINTR:
 				continue
-			case err == unix.EAGAIN:
-				return false // wait for the poller to say readable
+			case err == unix.EAGAIN: // nothing queued (the pipe is always empty here)
+				putPipe(*pp)
+				*pp = nil
+				return false
 			case err != nil:
 				serr = err
-			case n > 0:
-				queued, err = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
-				if err != nil || queued < 1 {
-					queued = 1
-				}
+			default:
+				moved = int(n)
+				(*pp).queued = moved
 			}
 			return true
 		}
@@ -245,7 +253,56 @@ func waitQueued(rc syscall.RawConn) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	return queued, serr
+	return moved, serr
+}
+
+// spliceOut drains the pipe into dst, waiting while dst's buffer is full.
+func spliceOut(rc syscall.RawConn, p *pipe) error {
+	var serr error
+	err := rc.Write(func(fd uintptr) bool {
+		for p.queued > 0 {
+			n, err := unix.Splice(p.r, nil, int(fd), nil, p.queued, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
+			switch {
+			case err == unix.EINTR:
+				continue
+			case err == unix.EAGAIN:
+				return false // wait for the poller to say writable
+			case err != nil:
+				serr = err
+				return true
+			case n == 0:
+				serr = io.ErrUnexpectedEOF
+				return true
+			}
+			p.queued -= int(n)
+		}
+		return true
+	})
+	if err != nil {
+		return err
+	}
+	return serr
+}
+
+// copyThroughMemory is the fallback when no pipe can be made: one read and
+// one write at a time, through a small buffer.
+func copyThroughMemory(dst, src *net.TCPConn, count func(int64)) error {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return werr
+			}
+			count(int64(n))
+		}
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
 }
 
 // reset closes a caller with a RST (SO_LINGER 0), so it learns at once that
