@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"strconv"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -133,12 +134,13 @@ func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string) {
 
 // splice carries both directions until both ended, then closes both ends.
 func splice(client, guest *net.TCPConn, in, out func(int64)) {
+	var ended atomic.Int32
 	errc := make(chan struct{})
 	go func() {
-		copyHalf(guest, client, in)
+		copyHalf(guest, client, in, &ended)
 		close(errc)
 	}()
-	copyHalf(client, guest, out)
+	copyHalf(client, guest, out, &ended)
 	<-errc
 	client.Close()
 	guest.Close()
@@ -177,11 +179,17 @@ func (m *Manager) Carry(exposure string, client, guest *net.TCPConn) {
 // (EAGAIN), "EOF" (0) or how much it moved, where a MSG_PEEK probe and a
 // SIOCINQ ioctl before every io.CopyN cost three or four more per direction.
 // The counters move after every pipeful, so they follow long transfers.
-func copyHalf(dst, src *net.TCPConn, count func(int64)) {
+//
+// ended counts the directions that reached EOF. The second one skips the
+// shutdown: splice closes both sockets as soon as it returns, and a close
+// with nothing left unread sends the same FIN.
+func copyHalf(dst, src *net.TCPConn, count func(int64), ended *atomic.Int32) {
 	var err error
 	defer func() {
 		if err == nil {
-			_ = dst.CloseWrite()
+			if ended.Add(1) < 2 {
+				_ = dst.CloseWrite()
+			}
 			return
 		}
 		src.Close()
