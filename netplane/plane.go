@@ -15,11 +15,11 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/nlsafe"
 	"github.com/brokkr/brokkr/netplane/dhcp"
 	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/netplane/link"
 	"github.com/brokkr/brokkr/netplane/nft"
-	"github.com/brokkr/brokkr/netplane/nlsafe"
 )
 
 // How a Plane decides (the reasons are next to the code):

@@ -13,7 +13,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/brokkr/brokkr/netplane/nlsafe"
+	"github.com/brokkr/brokkr/internal/nlsafe"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 )

@@ -8,7 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
-	"github.com/brokkr/brokkr/netplane/nlsafe"
+	"github.com/brokkr/brokkr/internal/nlsafe"
 )
 
 // openQueue attaches to an existing tap the way a hypervisor does

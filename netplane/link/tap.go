@@ -8,7 +8,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
-	"github.com/brokkr/brokkr/netplane/nlsafe"
+	"github.com/brokkr/brokkr/internal/nlsafe"
 )
 
 const netlinkUp = net.FlagUp

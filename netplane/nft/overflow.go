@@ -12,7 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/brokkr/brokkr/netplane/nlsafe"
+	"github.com/brokkr/brokkr/internal/nlsafe"
 	"github.com/google/nftables"
 	"golang.org/x/sys/unix"
 )

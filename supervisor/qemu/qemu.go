@@ -22,7 +22,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/brokkr/brokkr/netplane/nlsafe"
+	"github.com/brokkr/brokkr/internal/nlsafe"
 	"github.com/brokkr/brokkr/supervisor"
 )
 

@@ -5,8 +5,8 @@ import (
 	"os"
 	"testing"
 
+	"github.com/brokkr/brokkr/internal/nlsafe"
 	"github.com/brokkr/brokkr/internal/nstest"
-	"github.com/brokkr/brokkr/netplane/nlsafe"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
