@@ -3,6 +3,7 @@ package proxy
 import (
 	"io"
 	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -73,4 +74,46 @@ func TestCarryEndedByStopAll(t *testing.T) {
 	_ = caller2.SetReadDeadline(time.Now().Add(5 * time.Second))
 	_, err = caller2.Read(make([]byte, 1))
 	assert.Error(t, err, "reset: the manager is stopped")
+}
+
+// A process that cannot make a splice pipe (out of descriptors) still carries
+// both directions, half-closes and counts, copying through memory instead.
+func TestWithoutPipesBytesStillFlowAndCount(t *testing.T) {
+	pipePool.mu.Lock()
+	for _, p := range pipePool.free {
+		p.queued = 1 // closed, not kept, by putPipe
+		putPipe(p)
+	}
+	pipePool.free = nil
+	pipePool.mu.Unlock()
+	var made atomic.Int32
+	newPipe = func() *pipe { made.Add(1); return nil }
+	t.Cleanup(func() { newPipe = makePipe })
+
+	caller, client := tcpPair(t)
+	defer caller.Close()
+	guest, guestSide := tcpPair(t)
+	defer guestSide.Close()
+	go func() {
+		b, _ := io.ReadAll(guestSide)
+		_, _ = guestSide.Write(append(b, []byte(" bye")...))
+		guestSide.Close()
+	}()
+	var in, out atomic.Int64
+	done := make(chan struct{})
+	go func() {
+		splice(client, guest, func(n int64) { in.Add(n) }, func(n int64) { out.Add(n) })
+		close(done)
+	}()
+	_, err := caller.Write([]byte("hello"))
+	require.NoError(t, err)
+	require.NoError(t, caller.CloseWrite())
+	_ = caller.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(caller)
+	require.NoError(t, err)
+	assert.Equal(t, "hello bye", string(got))
+	<-done
+	assert.Equal(t, int64(5), in.Load())
+	assert.Equal(t, int64(9), out.Load())
+	assert.Equal(t, int32(2), made.Load(), "one failed pipe per direction, then memory")
 }

@@ -564,8 +564,8 @@ func TestAcceptedCallersInheritKeepaliveFromTheListener(t *testing.T) {
 	assert.Equal(t, keepCount, cnt)
 }
 
-// openFDs counts this process's descriptors, after letting the GC close the
-// splice pipes sync.Pool dropped (the race detector makes it drop some).
+// openFDs counts this process's descriptors, after a few GCs so that
+// anything the runtime frees by finalizer is gone.
 func openFDs(t *testing.T) int {
 	t.Helper()
 	for i := 0; i < 3; i++ {

@@ -36,6 +36,14 @@ func getPipe() *pipe {
 		return p
 	}
 	pipePool.mu.Unlock()
+	return newPipe()
+}
+
+// newPipe makes a pipe; a variable so a test can stand in for a process out
+// of descriptors.
+var newPipe = makePipe
+
+func makePipe() *pipe {
 	var fds [2]int
 	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
 		return nil
