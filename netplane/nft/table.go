@@ -652,7 +652,7 @@ func (t *Table) applyPlans(pi, pb *plan, counters map[string]counterValue) error
 	}
 	// A fresh Conn per batch: a batch abandoned on error cannot leak its
 	// queued messages into the next one.
-	conn, err := t.newConn()
+	conn, err := newBatchConn()
 	if err != nil {
 		return err
 	}
@@ -738,7 +738,7 @@ func (t *Table) applyPlans(pi, pb *plan, counters map[string]counterValue) error
 			}
 		}
 	}
-	if err := conn.Flush(); err != nil {
+	if err := conn.commit(t.raw); err != nil {
 		return fmt.Errorf("nft: commit: %w", err)
 	}
 	return nil
