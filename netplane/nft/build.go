@@ -60,16 +60,17 @@ func refusedCounter(name string) string { return name + "-refused" }
 func assignIDs(exps []Exposure, prev map[string]uint32) map[string]uint32 {
 	ids := make(map[string]uint32, len(exps))
 	used := make(map[uint32]bool, len(exps))
-	names := make([]string, 0, len(exps))
+	// Ids in prev are distinct, so keeping them needs no order; only the
+	// new names are sorted (probing order decides their ids).
+	var names []string
 	for _, e := range exps {
-		names = append(names, e.Name)
-	}
-	sort.Strings(names)
-	for _, n := range names {
-		if id, ok := prev[n]; ok && !used[id] {
-			ids[n], used[id] = id, true
+		if id, ok := prev[e.Name]; ok && !used[id] {
+			ids[e.Name], used[id] = id, true
+		} else {
+			names = append(names, e.Name)
 		}
 	}
+	sort.Strings(names)
 	for _, n := range names {
 		if _, ok := ids[n]; ok {
 			continue

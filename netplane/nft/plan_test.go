@@ -146,3 +146,15 @@ func FuzzValidate(f *testing.F) {
 		}
 	})
 }
+
+// validName accepts exactly what nameRE accepts.
+func FuzzValidNameMatchesNameRE(f *testing.F) {
+	for _, s := range []string{"", "a", "web", "x00001", "-a", "a-", "_a", "a_b.c-d", "a b", "ä", strings.Repeat("a", 64), strings.Repeat("a", 65), "a\n"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		if validName(s) != nameRE.MatchString(s) {
+			t.Fatalf("validName(%q) = %v, nameRE says %v", s, validName(s), nameRE.MatchString(s))
+		}
+	})
+}

@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/netip"
 	"regexp"
+	"strconv"
 )
 
 // Rules is the whole desired state of brokkr's tables.
@@ -71,6 +72,21 @@ func (e *FieldError) Error() string { return e.Field + ": " + e.Msg }
 // nameRE keeps names usable inside nft object names (chains, sets, counters)
 // that `nft` prints back and parses again.
 var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$`)
+
+// validName is nameRE.MatchString without the regexp machinery.
+func validName(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		alnum := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9'
+		if !alnum && (i == 0 || c != '_' && c != '.' && c != '-') {
+			return false
+		}
+	}
+	return true
+}
 
 // ifnameRE: Linux interface names (IFNAMSIZ-1 bytes, no '/', no spaces).
 var ifnameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,15}$`)
@@ -133,11 +149,13 @@ func (r Rules) Validate() []error {
 	}
 	binds := map[bind]string{}
 	for i, e := range r.Exposures {
-		f := fmt.Sprintf("exposures[%d]", i)
+		// Built by hand: this loop runs over every exposure on every
+		// Converge (10,000 Sprintf and regexp matches were ~5 ms of it).
+		f := "exposures[" + strconv.Itoa(i) + "]"
 		if e.Name != "" {
-			f = fmt.Sprintf("exposures[%s]", e.Name)
+			f = "exposures[" + e.Name + "]"
 		}
-		if !nameRE.MatchString(e.Name) {
+		if !validName(e.Name) {
 			bad(f+".name", "%q must match %s", e.Name, nameRE)
 		} else if seenExp[e.Name] {
 			bad(f+".name", "duplicate exposure name")

@@ -226,10 +226,11 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	dGlobal, dBridge := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: r.Masquerade,
 		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests, overflowPort: t.overflowPort()}, nil)
 	globalFP := fpString(fingerprints(dGlobal))
-	var dInet *tableSpec // the whole inet table, assembled only when needed
+	var dInet *tableSpec             // the whole inet table, assembled only when needed
+	built := map[string]*tableSpec{} // units built for it, kept for t.units
 	whole := func() *tableSpec {
 		if dInet == nil {
-			dInet = desiredFrom(dGlobal, keys, t.units)
+			dInet = desiredFrom(dGlobal, keys, t.units, built)
 		}
 		return dInet
 	}
@@ -268,7 +269,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		}
 		var prevFP map[string]string
 		if t.applied {
-			prevFP = fingerprints(desiredFrom(t.prevGlobal, nil, t.units))
+			prevFP = fingerprints(desiredFrom(t.prevGlobal, nil, t.units, nil))
 			for k, v := range fingerprints(t.prevBridge) {
 				prevFP[k] = v
 			}
@@ -309,19 +310,39 @@ func (t *Table) Converge(r Rules) (Result, error) {
 
 	// Conntrack: flows of a created, changed or deleted exposure must not
 	// keep going where they went before.
-	res.Flushed = t.flushChanged(pInet, res.Changed, r.Exposures)
+	res.Flushed = t.flushChanged(pInet, res.Changed, keys)
 	tm.mark("conntrack")
 
 	// Remember what is applied: units are rebuilt only when their inputs
 	// change.
-	for n := range t.units {
-		if _, ok := keys[n]; !ok {
-			delete(t.units, n)
+	// byID and byHost follow the units: only exposures that changed or went
+	// away touch them (rebuilt whole when no unit is known yet).
+	if len(t.units) == 0 {
+		t.byID = make(map[uint32]Exposure, len(keys))
+		t.byHost = make(map[hostSide]string, len(keys))
+	}
+	for n, u := range t.units {
+		if k, ok := keys[n]; !ok || k != u.key {
+			if e, ok := t.byID[u.key.id]; ok && e.Name == n {
+				delete(t.byID, u.key.id)
+			}
+			if hs := hostSideOf(u.key.e); t.byHost[hs] == n {
+				delete(t.byHost, hs)
+			}
+			if !ok {
+				delete(t.units, n)
+			}
 		}
 	}
 	for n, k := range keys {
 		if u, ok := t.units[n]; !ok || u.key != k {
-			t.units[n] = unitEntry{key: k, spec: unitOf(&k)}
+			spec := built[n]
+			if spec == nil {
+				spec = unitOf(&k)
+			}
+			t.units[n] = unitEntry{key: k, spec: spec}
+			t.byID[k.id] = k.e
+			t.byHost[hostSideOf(k.e)] = n
 		}
 	}
 	first := !t.applied
@@ -331,16 +352,6 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		case t.caps.kick <- struct{}{}:
 		default:
 		}
-	}
-	t.byID = make(map[uint32]Exposure, len(r.Exposures))
-	t.byHost = make(map[hostSide]string, len(r.Exposures))
-	for _, e := range r.Exposures {
-		t.byID[ids[e.Name]] = e
-		a := e.HostAddr
-		if e.wildcard() {
-			a = netip.Addr{}
-		}
-		t.byHost[hostSide{protoNum(e.Protocol), a, e.HostPort}] = e.Name
 	}
 	if t.ov != nil {
 		t.ov.forget(keys)
@@ -356,14 +367,24 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	return res, nil
 }
 
+// hostSideOf is where an exposure is published (invalid address = any).
+func hostSideOf(e Exposure) hostSide {
+	a := e.HostAddr
+	if e.wildcard() {
+		a = netip.Addr{}
+	}
+	return hostSide{protoNum(e.Protocol), a, e.HostPort}
+}
+
 type unitEntry struct {
 	key  unitKey
 	spec *tableSpec
 }
 
 // desiredFrom assembles the whole inet table from the global part and one
-// unit per exposure (built now unless units already holds it).
-func desiredFrom(global *tableSpec, keys map[string]unitKey, units map[string]unitEntry) *tableSpec {
+// unit per exposure (built now unless units already holds it; the units it
+// builds are also put in built, if not nil, so they are not built twice).
+func desiredFrom(global *tableSpec, keys map[string]unitKey, units map[string]unitEntry, built map[string]*tableSpec) *tableSpec {
 	whole := newTableSpec(global.family)
 	mergeUnit(whole, global)
 	// The shared maps must not be the global's own (they get elements).
@@ -383,7 +404,11 @@ func desiredFrom(global *tableSpec, keys map[string]unitKey, units map[string]un
 			mergeUnit(whole, u.spec)
 			continue
 		}
-		mergeUnit(whole, unitOf(&k))
+		u := unitOf(&k)
+		if built != nil {
+			built[n] = u
+		}
+		mergeUnit(whole, u)
 	}
 	return whole
 }
