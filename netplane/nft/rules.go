@@ -141,20 +141,25 @@ func (r Rules) Validate() []error {
 			bad(f+".addr", "%s must be an IPv4 address inside %s", g.Addr, r.Subnet)
 		}
 	}
-	seenExp := map[string]bool{}
+	seenExp := make(map[string]bool, len(r.Exposures))
 	type bind struct {
 		addr  netip.Addr
 		proto string
 		port  uint16
 	}
-	binds := map[bind]string{}
+	binds := make(map[bind]string, len(r.Exposures))
 	for i, e := range r.Exposures {
-		// Built by hand: this loop runs over every exposure on every
-		// Converge (10,000 Sprintf and regexp matches were ~5 ms of it).
-		f := "exposures[" + strconv.Itoa(i) + "]"
-		if e.Name != "" {
-			f = "exposures[" + e.Name + "]"
+		// This loop runs over every exposure on every Converge: the field
+		// name is built only for an error, names are checked without a
+		// regexp (10,000 Sprintf and matches were ~5 ms of it).
+		bad := func(field, format string, a ...any) {
+			f := "exposures[" + strconv.Itoa(i) + "]"
+			if e.Name != "" {
+				f = "exposures[" + e.Name + "]"
+			}
+			bad(f+field, format, a...)
 		}
+		f := ""
 		if !validName(e.Name) {
 			bad(f+".name", "%q must match %s", e.Name, nameRE)
 		} else if seenExp[e.Name] {

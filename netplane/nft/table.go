@@ -208,13 +208,14 @@ func (t *Table) tables() (*nftables.Table, *nftables.Table) {
 // that fails, one batch that replaces both tables. Nothing is applied when r
 // is invalid.
 func (t *Table) Converge(r Rules) (Result, error) {
+	tm := newTimer()
+	defer tm.print()
 	if errs := r.Validate(); len(errs) > 0 {
 		return Result{}, validationError(errs)
 	}
+	tm.mark("validate")
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	tm := newTimer()
-	defer tm.print()
 
 	ids := assignIDs(r.Exposures, t.ids)
 	t.pendingIDs = ids
@@ -223,9 +224,11 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	for _, e := range r.Exposures {
 		keys[e.Name] = unitKey{e, ids[e.Name]}
 	}
+	tm.mark("ids")
 	dGlobal, dBridge := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: r.Masquerade,
 		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests, overflowPort: t.overflowPort()}, nil)
 	globalFP := fpString(fingerprints(dGlobal))
+	tm.mark("global")
 	var dInet *tableSpec             // the whole inet table, assembled only when needed
 	built := map[string]*tableSpec{} // units built for it, kept for t.units
 	whole := func() *tableSpec {
@@ -356,6 +359,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	if t.ov != nil {
 		t.ov.forget(keys)
 	}
+	tm.mark("remember")
 	if !t.acctOn {
 		// Bytes per direction come from conntrack accounting, which is per
 		// namespace and exists once nf_conntrack is loaded (by our nat
