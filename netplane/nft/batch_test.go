@@ -1,6 +1,7 @@
 package nft
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/google/nftables"
@@ -42,4 +43,25 @@ func TestBatchCommitReportsErrorsWithoutAcks(t *testing.T) {
 	_, err = genID(tp.table.raw)
 	require.NoError(t, err)
 	tp.host.MustRun(t, "nft", "delete", "table", "inet", "brk-batch-test")
+}
+
+// verify's element count matches what google/nftables decodes, for a set
+// larger than one batch chunk, and sees an element deleted behind our back.
+func TestCountSetElemsMatchesKernel(t *testing.T) {
+	tp := newTopo(t, 1)
+	var exps []Exposure
+	for i := 0; i < 1500; i++ {
+		exps = append(exps, Exposure{Name: fmt.Sprintf("c%04d", i), Protocol: "tcp", HostPort: uint16(30000 + i), GuestAddr: guestAddr(0), GuestPort: 80})
+	}
+	tp.converge(t, tp.rules(exps...))
+	n, err := countSetElems(tp.table.raw, nftables.TableFamilyINet, mapExpAny)
+	require.NoError(t, err)
+	assert.Equal(t, 1500, n)
+	got, err := tp.table.conn.GetSetElements(&nftables.Set{Table: &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}, Name: mapExpAny})
+	require.NoError(t, err)
+	assert.Len(t, got, n)
+	tp.host.MustRun(t, "nft", "delete", "element", "inet", "brokkr", mapExpAny, "{ tcp . 30007 }")
+	n, err = countSetElems(tp.table.raw, nftables.TableFamilyINet, mapExpAny)
+	require.NoError(t, err)
+	assert.Equal(t, 1499, n)
 }

@@ -820,18 +820,17 @@ func (t *Table) idOf(name string) (uint32, bool) {
 // verify checks that every element batch landed in full (google/nftables
 // reports no error when the kernel stores part of an oversized list).
 func (t *Table) verify(p *plan, whole func() *tableSpec) error {
-	inet, _ := t.tables()
 	for n, es := range p.addElems {
 		if len(es) < 64 {
 			continue
 		}
 		s := whole().sets[n]
-		got, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: n, IsMap: s.isMap, KeyType: s.key, DataType: s.data})
+		got, err := countSetElems(t.raw, nftables.TableFamilyINet, n)
 		if err != nil {
 			return fmt.Errorf("nft: verify %s: %w", n, err)
 		}
-		if len(got) != len(s.elems) {
-			return fmt.Errorf("nft: set %s holds %d elements, want %d", n, len(got), len(s.elems))
+		if got != len(s.elems) {
+			return fmt.Errorf("nft: set %s holds %d elements, want %d", n, got, len(s.elems))
 		}
 	}
 	return nil
