@@ -266,12 +266,14 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		}
 		tm.mark("observe")
 		pInet, pBridge = makePlan(whole(), oInet), makePlan(dBridge, oBridge)
-		curFP := fingerprints(whole())
-		for k, v := range fingerprints(dBridge) {
-			curFP[k] = v
-		}
-		var prevFP map[string]string
+		var prevFP, curFP map[string]string
 		if t.applied {
+			// Fingerprints tell drift from change; with nothing applied
+			// before, every difference is a change and none are needed.
+			curFP = fingerprints(whole())
+			for k, v := range fingerprints(dBridge) {
+				curFP[k] = v
+			}
 			prevFP = fingerprints(desiredFrom(t.prevGlobal, nil, t.units, nil))
 			for k, v := range fingerprints(t.prevBridge) {
 				prevFP[k] = v
