@@ -746,7 +746,9 @@ func (t *Table) applyPlans(pi, pb *plan, counters map[string]counterValue) error
 			for _, r := range c.rules {
 				ud := userdata.AppendString(nil, userdata.TypeComment, r.comment)
 				ud = userdata.AppendString(ud, udataFingerprint, r.fp)
-				conn.AddRule(&nftables.Rule{Table: tab, Chain: ch, Exprs: r.exprs, UserData: ud})
+				if err := conn.addRule(tab, ch.Name, r, ud); err != nil {
+					return err
+				}
 			}
 		}
 		for _, n := range sortedKeys(p.addElems) {
