@@ -170,11 +170,17 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 	return inet, desiredBridge(r)
 }
 
+// Key types of the two exposure maps (built once: every unit has the maps).
+var (
+	expAddrKey = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService)
+	expAnyKey  = nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService)
+)
+
 // addSharedMaps adds the verdict maps every exposure has an element in.
 func addSharedMaps(inet *tableSpec) {
-	inet.addSet(&setSpec{name: mapExpAddr, key: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService),
+	inet.addSet(&setSpec{name: mapExpAddr, key: expAddrKey,
 		data: nftables.TypeVerdict, isMap: true, comment: "exposures by address, protocol, port", elems: map[string]elemSpec{}})
-	inet.addSet(&setSpec{name: mapExpAny, key: nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService),
+	inet.addSet(&setSpec{name: mapExpAny, key: expAnyKey,
 		data: nftables.TypeVerdict, isMap: true, comment: "exposures by protocol, port", elems: map[string]elemSpec{}})
 	inet.addSet(&setSpec{name: mapClosers, key: nftables.TypeMark, data: nftables.TypeVerdict, isMap: true,
 		comment: "capped tcp exposures by mark", elems: map[string]elemSpec{}})
