@@ -19,8 +19,13 @@ const (
 	acceptPauseCeiling = time.Second
 )
 
-// copyChunk bounds one io.CopyN call of a carried connection.
-const copyChunk = 4 << 20
+// copyChunk bounds one io.CopyN call of a streaming connection, and
+// streamingQueue is how much must be queued for a connection to count as
+// streaming (see copyHalf).
+const (
+	copyChunk      = 4 << 20
+	streamingQueue = 64 << 10
+)
 
 // serveTCP is one listener's accept loop. A shortage of descriptors (EMFILE,
 // ENFILE) pauses it and keeps the port: handing the listener back would ask
@@ -171,12 +176,14 @@ func (m *Manager) Carry(exposure string, client, guest *net.TCPConn) {
 // whole connection, which is what unblocks the other direction.
 //
 // Both ends are *net.TCPConn, never wrapped, so io.CopyN moves the bytes with
-// splice(2) (see TestCarriedBytesGoThroughSplice). Each CopyN is sized to the
-// bytes already queued on the source, for two reasons: the byte counters move
-// with every chunk instead of at the end of the connection, and Go's splice
-// holds a pipe (two descriptors) for as long as it waits for data, so a copy
-// that never waits inside splice leaves an idle connection holding its two
-// sockets and nothing else.
+// splice(2) (see TestCarriedBytesGoThroughSplice). The copy goes in bounded
+// io.CopyN chunks, so the byte counters move while a connection is open, and
+// a chunk starts only once the source has data: Go's splice holds a pipe (two
+// descriptors) for as long as it waits for data, so an idle connection must
+// not be waiting inside one. A connection with little queued gets a chunk of
+// exactly that (it never waits in splice); a streaming one (streamingQueue or
+// more queued) gets copyChunk, which spares the per-chunk checks while bulk
+// data flows and at worst holds a pipe until a stalled stream resumes.
 func copyHalf(dst, src *net.TCPConn, count func(int64)) {
 	rc, err := src.SyscallConn()
 	for err == nil {
@@ -188,8 +195,15 @@ func copyHalf(dst, src *net.TCPConn, count func(int64)) {
 			_ = dst.CloseWrite()
 			return
 		}
+		// A streaming source gets a whole chunk: splice keeps its pipe
+		// between reads, as in a plain io.Copy. Anything less gets exactly
+		// what is queued, so the copy never waits inside splice.
+		chunk := int64(queued)
+		if queued >= streamingQueue {
+			chunk = copyChunk
+		}
 		var n int64
-		n, err = io.CopyN(dst, src, int64(min(queued, copyChunk)))
+		n, err = io.CopyN(dst, src, chunk)
 		if n > 0 {
 			count(n)
 		}

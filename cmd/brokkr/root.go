@@ -286,26 +286,13 @@ func human(b uint64) string {
 
 func vmCmd(client func() *api.Client) *cobra.Command {
 	c := &cobra.Command{Use: "vm", Short: "List, start, stop, restart VMs; follow a VM's console"}
-	var out string
-	ls := &cobra.Command{
-		Use: "ls", Short: "List VMs", Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := checkOutput(out); err != nil {
-				return err
-			}
-			st, err := client().Status(cmd.Context())
-			if err != nil {
-				return err
-			}
-			if out == "json" {
-				return printJSON(cmd.OutOrStdout(), st.VMs)
-			}
-			printVMs(cmd.OutOrStdout(), st.VMs)
-			return nil
-		},
-	}
-	ls.Flags().StringVarP(&out, "output", "o", "table", "table or json")
-	c.AddCommand(ls)
+	c.AddCommand(listCmd("List VMs", client, func(w io.Writer, st *api.Status, asJSON bool) error {
+		if asJSON {
+			return printJSON(w, st.VMs)
+		}
+		printVMs(w, st.VMs)
+		return nil
+	}))
 	for _, a := range []struct{ verb, short string }{
 		{"start", "Set a VM's desired power to running (persisted)"},
 		{"stop", "Set a VM's desired power to stopped (persisted)"},
@@ -348,9 +335,22 @@ func vmCmd(client func() *api.Client) *cobra.Command {
 
 func exposeCmd(client func() *api.Client) *cobra.Command {
 	c := &cobra.Command{Use: "expose", Short: "Published guest ports"}
+	c.AddCommand(listCmd("List exposures with state and counters", client, func(w io.Writer, st *api.Status, asJSON bool) error {
+		if asJSON {
+			return printJSON(w, st.Exposures)
+		}
+		printExposures(w, st.Exposures)
+		return nil
+	}))
+	return c
+}
+
+// listCmd is an `ls` verb showing one part of the daemon's status, as a
+// table or (-o json) as JSON.
+func listCmd(short string, client func() *api.Client, show func(w io.Writer, st *api.Status, asJSON bool) error) *cobra.Command {
 	var out string
 	ls := &cobra.Command{
-		Use: "ls", Short: "List exposures with state and counters", Args: cobra.NoArgs,
+		Use: "ls", Short: short, Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := checkOutput(out); err != nil {
 				return err
@@ -359,16 +359,11 @@ func exposeCmd(client func() *api.Client) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if out == "json" {
-				return printJSON(cmd.OutOrStdout(), st.Exposures)
-			}
-			printExposures(cmd.OutOrStdout(), st.Exposures)
-			return nil
+			return show(cmd.OutOrStdout(), st, out == "json")
 		},
 	}
 	ls.Flags().StringVarP(&out, "output", "o", "table", "table or json")
-	c.AddCommand(ls)
-	return c
+	return ls
 }
 
 func statsCmd() *cobra.Command {

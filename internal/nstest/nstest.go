@@ -36,8 +36,11 @@ func RequireRoot(t testing.TB) {
 // brk-<hash>-<role>. netns names become file names and device-free, but short
 // names keep `ip netns list` readable.
 func Name(t testing.TB, role string) string {
-	// The test binary's name keeps equal test names in two packages apart.
-	sum := sha256.Sum256([]byte(filepath.Base(os.Args[0]) + "/" + t.Name()))
+	// The package directory (go test runs each package's binary there)
+	// keeps equal test names in two packages, or two checkouts running at
+	// once, apart; the test name keeps tests apart.
+	wd, _ := os.Getwd()
+	sum := sha256.Sum256([]byte(wd + "/" + filepath.Base(os.Args[0]) + "/" + t.Name()))
 	return "brk-" + hex.EncodeToString(sum[:4]) + "-" + role
 }
 

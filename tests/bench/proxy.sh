@@ -42,7 +42,9 @@ DPDIR=.cache/docker-proxy
 DP=$DPDIR/usr/sbin/docker-proxy
 if [ ! -x "$DP" ]; then
   # Debian's docker.io, downloaded and unpacked only: never installed, no service.
-  (cd "$work" && apt-get download docker.io 2>/dev/null && dpkg -x docker.io_*.deb dx)
+  # (A fresh machine may have no package lists yet: update once and retry.)
+  (cd "$work" && { apt-get download docker.io 2>/dev/null || { apt-get update -qq && apt-get download docker.io; }; } \
+    && dpkg -x docker.io_*.deb dx)
   mkdir -p "$DPDIR/usr/sbin"
   cp "$work/dx/usr/sbin/docker-proxy" "$DP"
   dpkg-deb -f "$work"/docker.io_*.deb Version >"$DPDIR/VERSION"
@@ -83,7 +85,7 @@ pids+=($!); BROKKR=$!
 # docker-proxy reports readiness on fd 3 and then closes it: give it one, or
 # it closes whatever socket landed on fd 3 (its own listener).
 nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 10.77.1.1 -host-port 6202 -container-ip 10.77.2.2 -container-port 5201 3>"$work/dp1.ready" >"$work/dp1.log" 2>&1 &
-pids+=($!)
+pids+=($!); DOCKER_IPERF=$!
 nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 10.77.1.1 -host-port 7202 -container-ip 10.77.2.2 -container-port 7000 3>"$work/dp2.ready" >"$work/dp2.log" 2>&1 &
 pids+=($!); DOCKER=$!
 cat >"$work/haproxy.cfg" <<EOF
@@ -132,6 +134,11 @@ tput() { # addr streams
   inns $CL iperf3 -c "${1%:*}" -p "${1#*:}" -P "$2" -t "$SECS" -f g 2>&1 \
     | awk '/receiver/ { for (i = 2; i <= NF; i++) if ($i == "Gbits/sec") v = $(i-1) } END { print v + 0 }'
 }
+# CPU seconds a process used (utime + stime), to divide by what it moved:
+# CPU per byte is steadier than throughput on a shared machine.
+cpus() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / hz }' /proc/$1/stat; }
+declare -A PID=( [brokkr]=$BROKKR [docker-proxy]=$DOCKER_IPERF [haproxy]=$HAPROXY )
+declare -A PID2=( [brokkr]=$BROKKR [docker-proxy]=$DOCKER [haproxy]=$HAPROXY )
 crate() { inns $CL "$work/connrate" -rate "$1" -c 8 -d "${SECS}s" | awk '{ print $1 }'; }
 median() { sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 
@@ -140,9 +147,25 @@ median() { sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 for round in $(seq "$ROUNDS"); do
   order=("${paths[@]:$(( (round - 1) % ${#paths[@]} ))}" "${paths[@]:0:$(( (round - 1) % ${#paths[@]} ))}")
   for p in "${order[@]}"; do
-    echo "$round $p p1 $(tput "${IPERF[$p]}" 1)" >>"$work/results"
-    echo "$round $p p8 $(tput "${IPERF[$p]}" 8)" >>"$work/results"
-    echo "$round $p rate $(crate "${RATE[$p]}")" >>"$work/results"
+    for st in 1 8; do
+      c0=0; [ -n "${PID[$p]:-}" ] && c0=$(cpus "${PID[$p]}")
+      g=$(tput "${IPERF[$p]}" $st)
+      echo "$round $p p$st $g" >>"$work/results"
+      if [ -n "${PID[$p]:-}" ]; then # CPU seconds per GB carried
+        echo "$round $p cpu$st $(awk -v c0="$c0" -v c1="$(cpus "${PID[$p]}")" -v g="$g" -v s="$SECS" \
+          'BEGIN { gb = g * s / 8; printf "%.3f", (gb > 0 ? (c1 - c0) / gb : 0) }')" >>"$work/results"
+      fi
+    done
+    c0=0; [ -n "${PID2[$p]:-}" ] && c0=$(cpus "${PID2[$p]}")
+    r=$(crate "${RATE[$p]}")
+    echo "$round $p rate $r" >>"$work/results"
+    if [ -n "${PID2[$p]:-}" ]; then # CPU microseconds per connection carried
+      echo "$round $p cpuconn $(awk -v c0="$c0" -v c1="$(cpus "${PID2[$p]}")" -v r="$r" -v s="$SECS" \
+        'BEGIN { n = r * s; printf "%.1f", (n > 0 ? (c1 - c0) * 1e6 / n : 0) }')" >>"$work/results"
+    fi
+  done
+  for n in $CL $HO $GU; do
+    [ -e /run/netns/$n ] || { echo "proxy.sh: namespace $n vanished mid-run (scripts/clean-ns.sh from another run?)" >&2; exit 1; }
   done
   echo "round $round done" >&2
 done
@@ -154,7 +177,10 @@ holdrss() { # pid addr -> rss_before rss_after fds_before fds_after
   local before after fb fa
   before=$(rss "$1"); fb=$(fds "$1")
   coproc HOLDER { inns $CL "$work/connrate" -hold "$2" -n "$HOLD"; }
-  read -r line <&"${HOLDER[0]}"
+  if ! read -r line <&"${HOLDER[0]}"; then
+    echo "proxy.sh: holding $HOLD connections through $2 failed" >&2
+    exit 1
+  fi
   sleep 1
   after=$(rss "$1"); fa=$(fds "$1")
   eval "exec ${HOLDER[1]}>&-"
@@ -200,6 +226,15 @@ report() {
       }
       printf "\nbrokkr / docker-proxy (median of per-round ratios): -P1 %.2f×, -P8 %.2f×, conns/s %.2f×\n",
         medratio("brokkr", "docker-proxy", "p1"), medratio("brokkr", "docker-proxy", "p8"), medratio("brokkr", "docker-proxy", "rate")
+      print "\nproxy CPU (its own utime+stime) per unit carried, medians; lower is better:"
+      print "| proxy | CPU s per GB, -P1 | CPU s per GB, -P8 | CPU µs per connection |"
+      print "|---|---|---|---|"
+      for (i = 1; i <= np; i++) {
+        p = P[i]
+        if ((1, p, "cpu1") in v) printf "| %s | %.3f | %.3f | %.1f |\n", p, med(p, "cpu1"), med(p, "cpu8"), med(p, "cpuconn")
+      }
+      printf "brokkr / docker-proxy CPU (median of per-round ratios): per GB -P1 %.2f×, -P8 %.2f×; per connection %.2f×\n",
+        medratio("brokkr", "docker-proxy", "cpu1"), medratio("brokkr", "docker-proxy", "cpu8"), medratio("brokkr", "docker-proxy", "cpuconn")
       print "\nevery round (-P1 Gbit/s | -P8 Gbit/s | conns/s):"
       for (i = 1; i <= np; i++) {
         p = P[i]; a = ""; b = ""; c = ""
@@ -212,6 +247,7 @@ echo
 echo "proxy benchmark $(date -u +%FT%TZ), $(nproc) CPUs, kernel $(uname -r), $ROUNDS rounds x ${SECS}s per measurement; docker-proxy from docker.io $DPVER"
 echo
 report
+[ -n "${DEBUG:-}" ] && cat "$work/results"
 echo
 echo "| proxy | VmRSS idle kB | VmRSS, $HOLD idle connections held, kB | kB per held connection | fds per held connection |"
 echo "|---|---|---|---|---|"

@@ -691,6 +691,22 @@ func TestEndToEnd(t *testing.T) {
 	})
 
 	t.Run("SIGHUP reloads the config file", func(t *testing.T) {
+		// A bad file first: rejected as a whole, nothing changes.
+		before := e.status()
+		require.NoError(t, os.WriteFile(e.cfgPath, []byte(strings.Replace(e.config(""), "memory: 256M", "memory: lots", 1)), 0o600))
+		require.NoError(t, e.daemon.Process.Signal(syscall.SIGHUP))
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			b, _ := os.ReadFile(e.logPath)
+			if strings.Contains(string(b), "SIGHUP: reload rejected") {
+				assert.Contains(t, string(b), `vms[0].memory: \"lots\" is not a size`)
+				break
+			}
+			require.True(t, time.Now().Before(deadline), "no rejection logged")
+			time.Sleep(100 * time.Millisecond)
+		}
+		assert.Equal(t, len(before.Exposures), len(e.status().Exposures), "nothing changed")
+
 		e.writeConfig(e.cfgPath, `  - {name: web-nat, vm: e2e, guestPort: 8080, hostPort: 8080, mode: nat}
   - {name: echo-proxy, vm: e2e, guestPort: 7000, hostPort: 7100, mode: proxy, maxConns: 2}
 `)
