@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -412,18 +413,48 @@ func desiredFrom(global *tableSpec, keys map[string]unitKey, units map[string]un
 		}
 		return whole
 	}
+	var todo []unitKey
 	for n, k := range keys {
 		if u, ok := units[n]; ok && u.key == k {
 			mergeUnit(whole, u.spec)
 			continue
 		}
-		u := unitOf(&k)
+		todo = append(todo, k)
+	}
+	for i, u := range buildUnits(todo) {
 		if built != nil {
-			built[n] = u
+			built[todo[i].e.Name] = u
 		}
 		mergeUnit(whole, u)
 	}
 	return whole
+}
+
+// buildUnits builds the units of ks, on every CPU when there are many (a
+// first 10,000-exposure Converge): units are independent of each other.
+func buildUnits(ks []unitKey) []*tableSpec {
+	out := make([]*tableSpec, len(ks))
+	workers := runtime.GOMAXPROCS(0)
+	if len(ks) < 512 || workers < 2 {
+		for i := range ks {
+			out[i] = unitOf(&ks[i])
+		}
+		return out
+	}
+	var wg sync.WaitGroup
+	per := (len(ks) + workers - 1) / workers
+	for lo := 0; lo < len(ks); lo += per {
+		hi := min(lo+per, len(ks))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := lo; i < hi; i++ {
+				out[i] = unitOf(&ks[i])
+			}
+		}()
+	}
+	wg.Wait()
+	return out
 }
 
 // planUnits plans the exposures whose inputs changed since the last batch,
