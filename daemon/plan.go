@@ -9,46 +9,35 @@ import (
 
 // diff says what changes between two desired states, by name.
 func diff(cur, next *config.Config) api.Plan {
-	p := api.Plan{
+	return api.Plan{
 		NetworkChanged: !reflect.DeepEqual(cur.Network, next.Network),
-		VMs:            api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}},
-		Exposures:      api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}},
+		VMs:            changes(cur.VMs, next.VMs, func(v config.VM) string { return v.Name }),
+		Exposures:      changes(cur.Exposures, next.Exposures, func(e config.Exposure) string { return e.Name }),
 	}
-	oldVMs := map[string]config.VM{}
-	for _, v := range cur.VMs {
-		oldVMs[v.Name] = v
+}
+
+// changes lists, by name, the items added, changed (any field differs) and
+// removed between two lists; empty lists are non-nil so JSON shows [].
+func changes[T any](cur, next []T, name func(T) string) api.Changes {
+	c := api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}}
+	old := make(map[string]T, len(cur))
+	for _, x := range cur {
+		old[name(x)] = x
 	}
-	newVMs := map[string]bool{}
-	for _, v := range next.VMs {
-		newVMs[v.Name] = true
-		if o, ok := oldVMs[v.Name]; !ok {
-			p.VMs.Added = append(p.VMs.Added, v.Name)
-		} else if !reflect.DeepEqual(o, v) {
-			p.VMs.Changed = append(p.VMs.Changed, v.Name)
+	kept := make(map[string]bool, len(next))
+	for _, x := range next {
+		n := name(x)
+		kept[n] = true
+		if o, ok := old[n]; !ok {
+			c.Added = append(c.Added, n)
+		} else if !reflect.DeepEqual(o, x) {
+			c.Changed = append(c.Changed, n)
 		}
 	}
-	for _, v := range cur.VMs {
-		if !newVMs[v.Name] {
-			p.VMs.Removed = append(p.VMs.Removed, v.Name)
+	for _, x := range cur {
+		if n := name(x); !kept[n] {
+			c.Removed = append(c.Removed, n)
 		}
 	}
-	oldEx := map[string]config.Exposure{}
-	for _, e := range cur.Exposures {
-		oldEx[e.Name] = e
-	}
-	newEx := map[string]bool{}
-	for _, e := range next.Exposures {
-		newEx[e.Name] = true
-		if o, ok := oldEx[e.Name]; !ok {
-			p.Exposures.Added = append(p.Exposures.Added, e.Name)
-		} else if !reflect.DeepEqual(o, e) {
-			p.Exposures.Changed = append(p.Exposures.Changed, e.Name)
-		}
-	}
-	for _, e := range cur.Exposures {
-		if !newEx[e.Name] {
-			p.Exposures.Removed = append(p.Exposures.Removed, e.Name)
-		}
-	}
-	return p
+	return c
 }

@@ -60,16 +60,17 @@ func refusedCounter(name string) string { return name + "-refused" }
 func assignIDs(exps []Exposure, prev map[string]uint32) map[string]uint32 {
 	ids := make(map[string]uint32, len(exps))
 	used := make(map[uint32]bool, len(exps))
-	names := make([]string, 0, len(exps))
+	// Ids in prev are distinct, so keeping them needs no order; only the
+	// new names are sorted (probing order decides their ids).
+	var names []string
 	for _, e := range exps {
-		names = append(names, e.Name)
-	}
-	sort.Strings(names)
-	for _, n := range names {
-		if id, ok := prev[n]; ok && !used[id] {
-			ids[n], used[id] = id, true
+		if id, ok := prev[e.Name]; ok && !used[id] {
+			ids[e.Name], used[id] = id, true
+		} else {
+			names = append(names, e.Name)
 		}
 	}
+	sort.Strings(names)
 	for _, n := range names {
 		if _, ok := ids[n]; ok {
 			continue
@@ -169,11 +170,17 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 	return inet, desiredBridge(r)
 }
 
+// Key types of the two exposure maps (built once: every unit has the maps).
+var (
+	expAddrKey = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService)
+	expAnyKey  = nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService)
+)
+
 // addSharedMaps adds the verdict maps every exposure has an element in.
 func addSharedMaps(inet *tableSpec) {
-	inet.addSet(&setSpec{name: mapExpAddr, key: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService),
+	inet.addSet(&setSpec{name: mapExpAddr, key: expAddrKey,
 		data: nftables.TypeVerdict, isMap: true, comment: "exposures by address, protocol, port", elems: map[string]elemSpec{}})
-	inet.addSet(&setSpec{name: mapExpAny, key: nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService),
+	inet.addSet(&setSpec{name: mapExpAny, key: expAnyKey,
 		data: nftables.TypeVerdict, isMap: true, comment: "exposures by protocol, port", elems: map[string]elemSpec{}})
 	inet.addSet(&setSpec{name: mapClosers, key: nftables.TypeMark, data: nftables.TypeVerdict, isMap: true,
 		comment: "capped tcp exposures by mark", elems: map[string]elemSpec{}})

@@ -398,7 +398,7 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 
 // flushChanged deletes the conntrack entries of every exposure host side
 // that a change (not a repair) created, changed or removed.
-func (t *Table) flushChanged(p *plan, changed []string, exps []Exposure) map[string]int {
+func (t *Table) flushChanged(p *plan, changed []string, keys map[string]unitKey) map[string]int {
 	isChange := map[string]bool{}
 	for _, c := range changed {
 		isChange[c] = true
@@ -414,9 +414,24 @@ func (t *Table) flushChanged(p *plan, changed []string, exps []Exposure) map[str
 			}
 		}
 	}
-	for _, e := range exps {
+	// An exposure whose chain is new or rewritten: found from the changes
+	// themselves, so a Converge with one change does not walk every
+	// exposure.
+	for _, c := range changed {
+		rest, ok := strings.CutPrefix(c, "chain "+expChain(""))
+		if !ok {
+			rest, ok = strings.CutPrefix(c, "rules of chain "+expChain(""))
+		}
+		if !ok {
+			continue
+		}
 		for _, what := range []string{" missing", " differs", " differ"} {
-			if isChange["chain "+expChain(e.Name)+what] || isChange["rules of chain "+expChain(e.Name)+what] {
+			name, ok := strings.CutSuffix(rest, what)
+			if !ok {
+				continue
+			}
+			if k, ok := keys[name]; ok {
+				e := k.e
 				a := e.HostAddr
 				if e.wildcard() {
 					a = netip.Addr{}

@@ -167,3 +167,42 @@ func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]setShape
 	}
 	return out, nil
 }
+
+// countSetElems counts the elements of a set of the table without decoding
+// them (verify only needs the number; decoding 10,000 verdict-map elements
+// through google/nftables was ~40 ms of a 10,000-exposure apply).
+func countSetElems(c *netlink.Conn, family nftables.TableFamily, set string) (int, error) {
+	msgs, err := dump(c, unix.NFT_MSG_GETSETELEM, family, []netlink.Attribute{
+		{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: []byte(TableName + "\x00")},
+		{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: []byte(set + "\x00")},
+	})
+	if err != nil {
+		return 0, fmt.Errorf("dump elements of %s: %w", set, err)
+	}
+	n := 0
+	for _, msg := range msgs {
+		if len(msg.Data) < 4 {
+			continue
+		}
+		ad, err := netlink.NewAttributeDecoder(msg.Data[4:])
+		if err != nil {
+			return 0, err
+		}
+		for ad.Next() {
+			if ad.Type() == unix.NFTA_SET_ELEM_LIST_ELEMENTS {
+				ad.Nested(func(nd *netlink.AttributeDecoder) error {
+					for nd.Next() {
+						if nd.Type() == unix.NFTA_LIST_ELEM {
+							n++
+						}
+					}
+					return nil
+				})
+			}
+		}
+		if err := ad.Err(); err != nil {
+			return 0, err
+		}
+	}
+	return n, nil
+}

@@ -43,6 +43,7 @@ type chainSpec struct {
 
 type ruleSpec struct {
 	exprs   []expr.Any
+	raw     [][]byte // exprs marshalled (for the fingerprint), sent as they are
 	comment string
 	fp      string // fingerprint of exprs + comment, stored in the rule's userdata
 }
@@ -91,7 +92,8 @@ func (t *tableSpec) addSet(s *setSpec) { t.sets[s.name] = s }
 // the single place rules are made, for adding as for comparing and deleting.
 func rule(family nftables.TableFamily, comment string, exprs ...expr.Any) ruleSpec {
 	h := sha256.New()
-	for _, e := range exprs {
+	raw := make([][]byte, len(exprs))
+	for i, e := range exprs {
 		b, err := expr.Marshal(byte(family), e)
 		if err != nil {
 			// Every expression here is built by this package; a marshal
@@ -99,9 +101,10 @@ func rule(family nftables.TableFamily, comment string, exprs ...expr.Any) ruleSp
 			panic("nft: marshal " + err.Error())
 		}
 		h.Write(b)
+		raw[i] = b
 	}
 	h.Write([]byte(comment))
-	return ruleSpec{exprs: exprs, comment: comment, fp: hex.EncodeToString(h.Sum(nil)[:8])}
+	return ruleSpec{exprs: exprs, raw: raw, comment: comment, fp: hex.EncodeToString(h.Sum(nil)[:8])}
 }
 
 func sortedKeys[M ~map[string]V, V any](m M) []string {

@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/netip"
 	"regexp"
+	"strconv"
 )
 
 // Rules is the whole desired state of brokkr's tables.
@@ -72,6 +73,21 @@ func (e *FieldError) Error() string { return e.Field + ": " + e.Msg }
 // that `nft` prints back and parses again.
 var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$`)
 
+// validName is nameRE.MatchString without the regexp machinery.
+func validName(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		alnum := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9'
+		if !alnum && (i == 0 || c != '_' && c != '.' && c != '-') {
+			return false
+		}
+	}
+	return true
+}
+
 // ifnameRE: Linux interface names (IFNAMSIZ-1 bytes, no '/', no spaces).
 var ifnameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,15}$`)
 
@@ -125,19 +141,26 @@ func (r Rules) Validate() []error {
 			bad(f+".addr", "%s must be an IPv4 address inside %s", g.Addr, r.Subnet)
 		}
 	}
-	seenExp := map[string]bool{}
+	seenExp := make(map[string]bool, len(r.Exposures))
 	type bind struct {
 		addr  netip.Addr
 		proto string
 		port  uint16
 	}
-	binds := map[bind]string{}
+	binds := make(map[bind]string, len(r.Exposures))
 	for i, e := range r.Exposures {
-		f := fmt.Sprintf("exposures[%d]", i)
-		if e.Name != "" {
-			f = fmt.Sprintf("exposures[%s]", e.Name)
+		// This loop runs over every exposure on every Converge: the field
+		// name is built only for an error, names are checked without a
+		// regexp (10,000 Sprintf and matches were ~5 ms of it).
+		bad := func(field, format string, a ...any) {
+			f := "exposures[" + strconv.Itoa(i) + "]"
+			if e.Name != "" {
+				f = "exposures[" + e.Name + "]"
+			}
+			bad(f+field, format, a...)
 		}
-		if !nameRE.MatchString(e.Name) {
+		f := ""
+		if !validName(e.Name) {
 			bad(f+".name", "%q must match %s", e.Name, nameRE)
 		} else if seenExp[e.Name] {
 			bad(f+".name", "duplicate exposure name")

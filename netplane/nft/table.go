@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -208,13 +209,14 @@ func (t *Table) tables() (*nftables.Table, *nftables.Table) {
 // that fails, one batch that replaces both tables. Nothing is applied when r
 // is invalid.
 func (t *Table) Converge(r Rules) (Result, error) {
+	tm := newTimer()
+	defer tm.print()
 	if errs := r.Validate(); len(errs) > 0 {
 		return Result{}, validationError(errs)
 	}
+	tm.mark("validate")
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	tm := newTimer()
-	defer tm.print()
 
 	ids := assignIDs(r.Exposures, t.ids)
 	t.pendingIDs = ids
@@ -223,13 +225,16 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	for _, e := range r.Exposures {
 		keys[e.Name] = unitKey{e, ids[e.Name]}
 	}
+	tm.mark("ids")
 	dGlobal, dBridge := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: r.Masquerade,
 		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests, overflowPort: t.overflowPort()}, nil)
 	globalFP := fpString(fingerprints(dGlobal))
-	var dInet *tableSpec // the whole inet table, assembled only when needed
+	tm.mark("global")
+	var dInet *tableSpec             // the whole inet table, assembled only when needed
+	built := map[string]*tableSpec{} // units built for it, kept for t.units
 	whole := func() *tableSpec {
 		if dInet == nil {
-			dInet = desiredFrom(dGlobal, keys, t.units)
+			dInet = desiredFrom(dGlobal, keys, t.units, built)
 		}
 		return dInet
 	}
@@ -262,13 +267,15 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		}
 		tm.mark("observe")
 		pInet, pBridge = makePlan(whole(), oInet), makePlan(dBridge, oBridge)
-		curFP := fingerprints(whole())
-		for k, v := range fingerprints(dBridge) {
-			curFP[k] = v
-		}
-		var prevFP map[string]string
+		var prevFP, curFP map[string]string
 		if t.applied {
-			prevFP = fingerprints(desiredFrom(t.prevGlobal, nil, t.units))
+			// Fingerprints tell drift from change; with nothing applied
+			// before, every difference is a change and none are needed.
+			curFP = fingerprints(whole())
+			for k, v := range fingerprints(dBridge) {
+				curFP[k] = v
+			}
+			prevFP = fingerprints(desiredFrom(t.prevGlobal, nil, t.units, nil))
 			for k, v := range fingerprints(t.prevBridge) {
 				prevFP[k] = v
 			}
@@ -309,19 +316,39 @@ func (t *Table) Converge(r Rules) (Result, error) {
 
 	// Conntrack: flows of a created, changed or deleted exposure must not
 	// keep going where they went before.
-	res.Flushed = t.flushChanged(pInet, res.Changed, r.Exposures)
+	res.Flushed = t.flushChanged(pInet, res.Changed, keys)
 	tm.mark("conntrack")
 
 	// Remember what is applied: units are rebuilt only when their inputs
 	// change.
-	for n := range t.units {
-		if _, ok := keys[n]; !ok {
-			delete(t.units, n)
+	// byID and byHost follow the units: only exposures that changed or went
+	// away touch them (rebuilt whole when no unit is known yet).
+	if len(t.units) == 0 {
+		t.byID = make(map[uint32]Exposure, len(keys))
+		t.byHost = make(map[hostSide]string, len(keys))
+	}
+	for n, u := range t.units {
+		if k, ok := keys[n]; !ok || k != u.key {
+			if e, ok := t.byID[u.key.id]; ok && e.Name == n {
+				delete(t.byID, u.key.id)
+			}
+			if hs := hostSideOf(u.key.e); t.byHost[hs] == n {
+				delete(t.byHost, hs)
+			}
+			if !ok {
+				delete(t.units, n)
+			}
 		}
 	}
 	for n, k := range keys {
 		if u, ok := t.units[n]; !ok || u.key != k {
-			t.units[n] = unitEntry{key: k, spec: unitOf(&k)}
+			spec := built[n]
+			if spec == nil {
+				spec = unitOf(&k)
+			}
+			t.units[n] = unitEntry{key: k, spec: spec}
+			t.byID[k.id] = k.e
+			t.byHost[hostSideOf(k.e)] = n
 		}
 	}
 	first := !t.applied
@@ -332,19 +359,10 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		default:
 		}
 	}
-	t.byID = make(map[uint32]Exposure, len(r.Exposures))
-	t.byHost = make(map[hostSide]string, len(r.Exposures))
-	for _, e := range r.Exposures {
-		t.byID[ids[e.Name]] = e
-		a := e.HostAddr
-		if e.wildcard() {
-			a = netip.Addr{}
-		}
-		t.byHost[hostSide{protoNum(e.Protocol), a, e.HostPort}] = e.Name
-	}
 	if t.ov != nil {
 		t.ov.forget(keys)
 	}
+	tm.mark("remember")
 	if !t.acctOn {
 		// Bytes per direction come from conntrack accounting, which is per
 		// namespace and exists once nf_conntrack is loaded (by our nat
@@ -356,21 +374,38 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	return res, nil
 }
 
+// hostSideOf is where an exposure is published (invalid address = any).
+func hostSideOf(e Exposure) hostSide {
+	a := e.HostAddr
+	if e.wildcard() {
+		a = netip.Addr{}
+	}
+	return hostSide{protoNum(e.Protocol), a, e.HostPort}
+}
+
 type unitEntry struct {
 	key  unitKey
 	spec *tableSpec
 }
 
 // desiredFrom assembles the whole inet table from the global part and one
-// unit per exposure (built now unless units already holds it).
-func desiredFrom(global *tableSpec, keys map[string]unitKey, units map[string]unitEntry) *tableSpec {
-	whole := newTableSpec(global.family)
+// unit per exposure (built now unless units already holds it; the units it
+// builds are also put in built, if not nil, so they are not built twice).
+func desiredFrom(global *tableSpec, keys map[string]unitKey, units map[string]unitEntry, built map[string]*tableSpec) *tableSpec {
+	n := len(keys)
+	if keys == nil {
+		n = len(units)
+	}
+	// Sized for every exposure up front: growing these maps was a sixth of
+	// building a 10,000-exposure table.
+	whole := &tableSpec{family: global.family, counters: make(map[string]counterSpec, n+len(global.counters)),
+		sets: make(map[string]*setSpec, len(global.sets)), chains: make(map[string]*chainSpec, n+len(global.chains))}
 	mergeUnit(whole, global)
 	// The shared maps must not be the global's own (they get elements).
-	for _, n := range []string{mapExpAddr, mapExpAny, mapClosers} {
-		s := *global.sets[n]
-		s.elems = map[string]elemSpec{}
-		whole.sets[n] = &s
+	for _, name := range []string{mapExpAddr, mapExpAny, mapClosers} {
+		s := *global.sets[name]
+		s.elems = make(map[string]elemSpec, n)
+		whole.sets[name] = &s
 	}
 	if keys == nil { // the units themselves
 		for _, u := range units {
@@ -378,14 +413,48 @@ func desiredFrom(global *tableSpec, keys map[string]unitKey, units map[string]un
 		}
 		return whole
 	}
+	var todo []unitKey
 	for n, k := range keys {
 		if u, ok := units[n]; ok && u.key == k {
 			mergeUnit(whole, u.spec)
 			continue
 		}
-		mergeUnit(whole, unitOf(&k))
+		todo = append(todo, k)
+	}
+	for i, u := range buildUnits(todo) {
+		if built != nil {
+			built[todo[i].e.Name] = u
+		}
+		mergeUnit(whole, u)
 	}
 	return whole
+}
+
+// buildUnits builds the units of ks, on every CPU when there are many (a
+// first 10,000-exposure Converge): units are independent of each other.
+func buildUnits(ks []unitKey) []*tableSpec {
+	out := make([]*tableSpec, len(ks))
+	workers := runtime.GOMAXPROCS(0)
+	if len(ks) < 512 || workers < 2 {
+		for i := range ks {
+			out[i] = unitOf(&ks[i])
+		}
+		return out
+	}
+	var wg sync.WaitGroup
+	per := (len(ks) + workers - 1) / workers
+	for lo := 0; lo < len(ks); lo += per {
+		hi := min(lo+per, len(ks))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := lo; i < hi; i++ {
+				out[i] = unitOf(&ks[i])
+			}
+		}()
+	}
+	wg.Wait()
+	return out
 }
 
 // planUnits plans the exposures whose inputs changed since the last batch,
@@ -652,7 +721,7 @@ func (t *Table) applyPlans(pi, pb *plan, counters map[string]counterValue) error
 	}
 	// A fresh Conn per batch: a batch abandoned on error cannot leak its
 	// queued messages into the next one.
-	conn, err := t.newConn()
+	conn, err := newBatchConn()
 	if err != nil {
 		return err
 	}
@@ -715,7 +784,9 @@ func (t *Table) applyPlans(pi, pb *plan, counters map[string]counterValue) error
 			for _, r := range c.rules {
 				ud := userdata.AppendString(nil, userdata.TypeComment, r.comment)
 				ud = userdata.AppendString(ud, udataFingerprint, r.fp)
-				conn.AddRule(&nftables.Rule{Table: tab, Chain: ch, Exprs: r.exprs, UserData: ud})
+				if err := conn.addRule(tab, ch.Name, r, ud); err != nil {
+					return err
+				}
 			}
 		}
 		for _, n := range sortedKeys(p.addElems) {
@@ -738,7 +809,7 @@ func (t *Table) applyPlans(pi, pb *plan, counters map[string]counterValue) error
 			}
 		}
 	}
-	if err := conn.Flush(); err != nil {
+	if err := conn.commit(t.raw); err != nil {
 		return fmt.Errorf("nft: commit: %w", err)
 	}
 	return nil
@@ -791,18 +862,17 @@ func (t *Table) idOf(name string) (uint32, bool) {
 // verify checks that every element batch landed in full (google/nftables
 // reports no error when the kernel stores part of an oversized list).
 func (t *Table) verify(p *plan, whole func() *tableSpec) error {
-	inet, _ := t.tables()
 	for n, es := range p.addElems {
 		if len(es) < 64 {
 			continue
 		}
 		s := whole().sets[n]
-		got, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: n, IsMap: s.isMap, KeyType: s.key, DataType: s.data})
+		got, err := countSetElems(t.raw, nftables.TableFamilyINet, n)
 		if err != nil {
 			return fmt.Errorf("nft: verify %s: %w", n, err)
 		}
-		if len(got) != len(s.elems) {
-			return fmt.Errorf("nft: set %s holds %d elements, want %d", n, len(got), len(s.elems))
+		if got != len(s.elems) {
+			return fmt.Errorf("nft: set %s holds %d elements, want %d", n, got, len(s.elems))
 		}
 	}
 	return nil

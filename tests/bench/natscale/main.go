@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"runtime/pprof"
 	"sort"
 	"strconv"
 	"strings"
@@ -158,7 +159,20 @@ func scale(args []string) error {
 	hostAddr := fs.String("hostaddr", "10.99.0.1", "host address the client dials")
 	sizes := fs.String("sizes", "1,10,100,1000,10000", "")
 	n := fs.Int("n", 2000, "connections per latency sample")
+	withLat := fs.Bool("latency", true, "also measure first/last latency and the linear anchor")
+	cpuProf := fs.String("cpuprofile", "", "write a CPU profile of the applies to this file")
 	_ = fs.Parse(args)
+	if *cpuProf != "" {
+		f, err := os.Create(*cpuProf)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	g := netip.MustParseAddr(*guest)
 	t, err := nft.Open(*ns, nft.WithoutCapWatcher())
 	if err != nil {
@@ -203,6 +217,9 @@ func scale(args []string) error {
 		sort.Slice(ch, func(i, j int) bool { return ch[i] < ch[j] })
 		fmt.Printf("map n=%d apply=%v one-more=%v\n", k, applyT.Round(time.Microsecond), ch[2].Round(time.Microsecond))
 		last = k
+	}
+	if !*withLat {
+		return nil
 	}
 	lat := func(label, port string) error {
 		return inNS(*client, func() error {
