@@ -45,13 +45,23 @@ type Manager struct {
 	carried   map[net.Conn]struct{}
 	stopped   bool
 	carriedWG sync.WaitGroup
+
+	// carriers is the hand-off to parked carrier goroutines (see admit).
+	// Closing quitCarriers (StopAll) ends the parked ones; carrierWG counts
+	// every carrier goroutine so StopAll returns only once none is left.
+	carriers     chan carryJob
+	idleCarriers atomic.Int32
+	quitCarriers chan struct{}
+	quitOnce     sync.Once
+	carrierWG    sync.WaitGroup
 }
 
 // NewManager returns a Manager that finds guests through resolve and counts
 // into stats. With stats nil it counts into an in-memory store of its own.
 func NewManager(resolve Resolver, stats *bpf.Store) *Manager {
 	m := &Manager{resolve: resolve, stats: stats, dialer: guestDialer(),
-		listenTCP: listenTCP, live: map[string]*exposure{}, carried: map[net.Conn]struct{}{}}
+		listenTCP: listenTCP, live: map[string]*exposure{}, carried: map[net.Conn]struct{}{},
+		carriers: make(chan carryJob), quitCarriers: make(chan struct{})}
 	if stats == nil {
 		m.stats = bpf.NewInMemory("counters in memory only: the proxy was given no BPF store")
 	}
@@ -299,6 +309,9 @@ func (m *Manager) StopAll() {
 	m.mu.Unlock()
 	m.loops.Wait()
 	m.carriedWG.Wait()
+	// No accept loop is left, so no carrier is started or handed a job now.
+	m.quitOnce.Do(func() { close(m.quitCarriers) })
+	m.carrierWG.Wait()
 }
 
 // track registers an accepted caller, or reports false once StopAll has run.
