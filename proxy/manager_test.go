@@ -610,3 +610,31 @@ func fdKinds() map[string]int {
 	}
 	return kinds
 }
+
+// After a connection ends its carrier parks and carries the next caller, at
+// most maxIdleCarriers park after a burst, and StopAll ends the parked ones
+// (goleak in TestMain fails the package if any is left).
+func TestCarriersAreReusedBoundedAndEndedByStopAll(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("a", echoServer(t, "g:")))
+	require.Equal(t, StateActive, st.State, st.Reason)
+
+	for range 3 {
+		require.NoError(t, hold(t, st.BoundAddr).Close())
+		eventually(t, "the carrier to park", func() bool { return m.idleCarriers.Load() == 1 })
+	}
+
+	burst := make([]*net.TCPConn, maxIdleCarriers+8)
+	for i := range burst {
+		burst[i] = hold(t, st.BoundAddr)
+	}
+	assert.Zero(t, m.idleCarriers.Load(), "every parked carrier was handed a caller")
+	for _, c := range burst {
+		require.NoError(t, c.Close())
+	}
+	eventually(t, "the burst's carriers to finish", func() bool { return conns(m, "a") == 0 })
+	eventually(t, "maxIdleCarriers to park", func() bool { return m.idleCarriers.Load() == maxIdleCarriers })
+
+	m.StopAll()
+	assert.Zero(t, m.idleCarriers.Load(), "StopAll ends the parked carriers")
+}
