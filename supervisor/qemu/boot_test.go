@@ -58,6 +58,17 @@ func findGuestImage(t testing.TB) guestImage {
 
 // shortRunDir is a RunDir for qemu's sockets outside t.TempDir, whose long
 // paths can pass the 107-byte unix socket limit.
+// guestConfig is the test guest's launch config: a temp state dir with its
+// console log, a short run dir (sun_path), 1 vCPU. Callers add a tap.
+func guestConfig(t testing.TB, img guestImage, name string, memMiB int) supervisor.LaunchConfig {
+	dir := t.TempDir()
+	return supervisor.LaunchConfig{
+		Name: name, Dir: filepath.Join(dir, "vm"), RunDir: shortRunDir(t), CPUs: 1, MemoryMiB: memMiB,
+		Kernel: img.Kernel, Initramfs: img.Initramfs,
+		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
+	}
+}
+
 func shortRunDir(t testing.TB) string {
 	t.Helper()
 	run, err := os.MkdirTemp("", "brkqm")
@@ -388,13 +399,8 @@ func TestMicroVMBootAndPowerButton(t *testing.T) {
 	if b.tscKHz == 0 {
 		t.Skip("no host TSC rate in /proc/cpuinfo: microvm under TCG may hang calibrating")
 	}
-	dir := t.TempDir()
-	run := shortRunDir(t)
-	cfg := supervisor.LaunchConfig{
-		Name: "micro", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 256,
-		Kernel: img.Kernel, Initramfs: img.Initramfs, Tap: gn.Tap, MAC: gn.MAC,
-		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
-	}
+	cfg := guestConfig(t, img, "micro", 256)
+	cfg.Tap, cfg.MAC = gn.Tap, gn.MAC
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
 	killAtCleanup(t, inst.PID)

@@ -12,8 +12,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-
-	"github.com/brokkr/brokkr/supervisor"
 )
 
 // By default the serial console is served on RunDir/console.sock. The KVM
@@ -26,18 +24,12 @@ func TestConsoleSocketProbeThenHandOver(t *testing.T) {
 	}
 	requireQEMU(t)
 	img := findGuestImage(t)
-	dir := t.TempDir()
-	run := shortRunDir(t)
-	cfg := supervisor.LaunchConfig{
-		Name: "cons", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
-		Kernel: img.Kernel, Initramfs: img.Initramfs,
-		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
-	}
+	cfg := guestConfig(t, img, "cons", 128)
 	b := New("", WithAccel(AccelTCG))
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
 	killAtCleanup(t, inst.PID)
-	require.Equal(t, filepath.Join(run, "console.sock"), inst.ConsoleSocket)
+	require.Equal(t, filepath.Join(cfg.RunDir, "console.sock"), inst.ConsoleSocket)
 
 	// The probe's reader, as a KVM launch runs it.
 	plan := launchPlan{Machine: MachineQ35, Accel: AccelTCG}

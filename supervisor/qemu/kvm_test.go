@@ -15,7 +15,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/brokkr/brokkr/internal/nstest"
-	"github.com/brokkr/brokkr/supervisor"
 )
 
 // Under a /dev/kvm that runs qemu but not the guest (PVM here: stock
@@ -37,13 +36,8 @@ func TestKVMProbeFallsBackToTCG(t *testing.T) {
 	gn := newGuestNet(t)
 	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelAuto), WithKVMCPU("host,-arch-capabilities"),
 		WithKVMProbeWindow(2*time.Second), WithLogger(slog.New(slog.NewTextHandler(testWriter{t}, nil))))
-	dir := t.TempDir()
-	run := shortRunDir(t)
-	cfg := supervisor.LaunchConfig{
-		Name: "kvmprobe", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 256,
-		Kernel: img.Kernel, Initramfs: img.Initramfs, Tap: gn.Tap, MAC: gn.MAC,
-		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
-	}
+	cfg := guestConfig(t, img, "kvmprobe", 256)
+	cfg.Tap, cfg.MAC = gn.Tap, gn.MAC
 	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
 	defer cancel()
 	t0 := time.Now()

@@ -3,7 +3,6 @@ package qemu
 import (
 	"net"
 	"os"
-	"path/filepath"
 	"syscall"
 	"testing"
 	"time"
@@ -23,13 +22,7 @@ func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
 	}
 	requireQEMU(t)
 	img := findGuestImage(t)
-	dir := t.TempDir()
-	run := shortRunDir(t)
-	cfg := supervisor.LaunchConfig{
-		Name: "deaf", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
-		Kernel: img.Kernel, Initramfs: img.Initramfs,
-		ConsoleLog: filepath.Join(dir, "vm", "console.log"),
-	}
+	cfg := guestConfig(t, img, "deaf", 128)
 	b := New("", WithAccel(AccelTCG), WithConsoleFile())
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
@@ -77,12 +70,8 @@ func TestStopWedgedQEMUEndsWithSIGKILL(t *testing.T) {
 	}
 	requireQEMU(t)
 	img := findGuestImage(t)
-	dir := t.TempDir()
-	run := shortRunDir(t)
-	cfg := supervisor.LaunchConfig{
-		Name: "wedged", Dir: filepath.Join(dir, "vm"), RunDir: run, CPUs: 1, MemoryMiB: 128,
-		Kernel: img.Kernel, Initramfs: img.Initramfs,
-	}
+	cfg := guestConfig(t, img, "wedged", 128)
+	cfg.ConsoleLog = ""
 	b := New("", WithAccel(AccelTCG))
 	b.qmpTimeout, b.stopStepMax = 300*time.Millisecond, 300*time.Millisecond
 	inst, err := b.Start(t.Context(), cfg)
