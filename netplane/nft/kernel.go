@@ -44,21 +44,46 @@ func genID(c *netlink.Conn) (uint32, error) {
 	if err != nil {
 		return 0, fmt.Errorf("getgen: %w", err)
 	}
+	var gen uint32
+	found := false
+	err = eachMessage(msgs, func(ad *netlink.AttributeDecoder) error {
+		for ad.Next() {
+			if ad.Type() == unix.NFTA_GEN_ID {
+				gen, found = ad.Uint32(), true
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	if found {
+		return gen, nil
+	}
+	return 0, errors.New("getgen: no generation id in reply")
+}
+
+// eachMessage walks the attributes of nftables replies: it skips the 4-byte
+// nfgenmsg header, hands fn a big-endian decoder per message and reports the
+// decoder's error.
+func eachMessage(msgs []netlink.Message, fn func(ad *netlink.AttributeDecoder) error) error {
 	for _, msg := range msgs {
 		if len(msg.Data) < 4 {
 			continue
 		}
 		ad, err := netlink.NewAttributeDecoder(msg.Data[4:])
 		if err != nil {
-			return 0, err
+			return err
 		}
-		for ad.Next() {
-			if ad.Type() == unix.NFTA_GEN_ID {
-				return binary.BigEndian.Uint32(ad.Bytes()), nil
-			}
+		ad.ByteOrder = binary.BigEndian
+		if err := fn(ad); err != nil {
+			return err
+		}
+		if err := ad.Err(); err != nil {
+			return err
 		}
 	}
-	return 0, errors.New("getgen: no generation id in reply")
+	return nil
 }
 
 func dump(c *netlink.Conn, msgType int, family nftables.TableFamily, attrs []netlink.Attribute) ([]netlink.Message, error) {
@@ -84,14 +109,7 @@ func dumpRules(c *netlink.Conn, family nftables.TableFamily) (map[string][]strin
 		return nil, fmt.Errorf("dump rules: %w", err)
 	}
 	out := map[string][]string{}
-	for _, msg := range msgs {
-		if len(msg.Data) < 4 {
-			continue
-		}
-		ad, err := netlink.NewAttributeDecoder(msg.Data[4:])
-		if err != nil {
-			return nil, err
-		}
+	err = eachMessage(msgs, func(ad *netlink.AttributeDecoder) error {
 		var table, chain, fp string
 		for ad.Next() {
 			switch ad.Type() {
@@ -103,14 +121,12 @@ func dumpRules(c *netlink.Conn, family nftables.TableFamily) (map[string][]strin
 				fp, _ = userdata.GetString(ad.Bytes(), udataFingerprint)
 			}
 		}
-		if err := ad.Err(); err != nil {
-			return nil, err
-		}
 		if table == TableName {
 			out[chain] = append(out[chain], fp)
 		}
-	}
-	return out, nil
+		return nil
+	})
+	return out, err
 }
 
 // dumpSets returns the shape of every set of the table.
@@ -120,15 +136,7 @@ func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]setShape
 		return nil, fmt.Errorf("dump sets: %w", err)
 	}
 	out := map[string]setShape{}
-	for _, msg := range msgs {
-		if len(msg.Data) < 4 {
-			continue
-		}
-		ad, err := netlink.NewAttributeDecoder(msg.Data[4:])
-		if err != nil {
-			return nil, err
-		}
-		ad.ByteOrder = binary.BigEndian
+	err = eachMessage(msgs, func(ad *netlink.AttributeDecoder) error {
 		var name, table string
 		var sh setShape
 		for ad.Next() {
@@ -158,14 +166,12 @@ func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]setShape
 				})
 			}
 		}
-		if err := ad.Err(); err != nil {
-			return nil, err
-		}
 		if table == TableName {
 			out[name] = sh
 		}
-	}
-	return out, nil
+		return nil
+	})
+	return out, err
 }
 
 // countSetElems counts the elements of a set of the table without decoding
@@ -180,14 +186,7 @@ func countSetElems(c *netlink.Conn, family nftables.TableFamily, set string) (in
 		return 0, fmt.Errorf("dump elements of %s: %w", set, err)
 	}
 	n := 0
-	for _, msg := range msgs {
-		if len(msg.Data) < 4 {
-			continue
-		}
-		ad, err := netlink.NewAttributeDecoder(msg.Data[4:])
-		if err != nil {
-			return 0, err
-		}
+	err = eachMessage(msgs, func(ad *netlink.AttributeDecoder) error {
 		for ad.Next() {
 			if ad.Type() == unix.NFTA_SET_ELEM_LIST_ELEMENTS {
 				ad.Nested(func(nd *netlink.AttributeDecoder) error {
@@ -200,9 +199,7 @@ func countSetElems(c *netlink.Conn, family nftables.TableFamily, set string) (in
 				})
 			}
 		}
-		if err := ad.Err(); err != nil {
-			return 0, err
-		}
-	}
-	return n, nil
+		return nil
+	})
+	return n, err
 }
