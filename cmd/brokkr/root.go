@@ -90,6 +90,21 @@ func printFieldErrors(w io.Writer, name string, err error) {
 	fmt.Fprintf(w, "  %v\n", err)
 }
 
+// loadConfigFile reads and validates a config file offline; a bad file's
+// field-named errors go to stderr and the command exits 1.
+func loadConfigFile(cmd *cobra.Command, file string) ([]byte, *config.Config, error) {
+	b, err := readConfigFile(file)
+	if err != nil {
+		return nil, nil, err
+	}
+	cfg, err := config.Parse(b)
+	if err != nil {
+		printFieldErrors(cmd.ErrOrStderr(), file, err)
+		return nil, nil, silentError{1}
+	}
+	return b, cfg, nil
+}
+
 func validateCmd() *cobra.Command {
 	var file string
 	c := &cobra.Command{
@@ -97,14 +112,9 @@ func validateCmd() *cobra.Command {
 		Short: "Check a config file offline; field-named errors, exit 1 if invalid",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			b, err := readConfigFile(file)
+			_, cfg, err := loadConfigFile(cmd, file)
 			if err != nil {
 				return err
-			}
-			cfg, err := config.Parse(b)
-			if err != nil {
-				printFieldErrors(cmd.ErrOrStderr(), file, err)
-				return silentError{1}
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "%s: valid (%d VMs, %d exposures)\n", file, len(cfg.VMs), len(cfg.Exposures))
 			return nil
@@ -123,15 +133,11 @@ func applyCmd(client func() *api.Client) *cobra.Command {
 		Short: "Make a config the desired state (validated as a whole; nothing applied unless all of it is valid)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			b, err := readConfigFile(file)
-			if err != nil {
-				return err
-			}
 			// Checked here first so a bad file is reported the same way,
 			// daemon or not.
-			if _, err := config.Parse(b); err != nil {
-				printFieldErrors(cmd.ErrOrStderr(), file, err)
-				return silentError{1}
+			b, _, err := loadConfigFile(cmd, file)
+			if err != nil {
+				return err
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
