@@ -2,34 +2,20 @@ package bpf
 
 import (
 	"encoding/json"
-	"os"
 	"os/exec"
 	"sync"
 	"testing"
 
+	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
-	"golang.org/x/sys/unix"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// privateBPFFS mounts a bpffs of the test's own on a temp dir, so pins never
-// touch the host's /sys/fs/bpf.
-func privateBPFFS(t *testing.T) string {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: mounts a bpffs and creates BPF maps")
-	}
-	dir := t.TempDir()
-	require.NoError(t, unix.Mount("bpf", dir, "bpf", 0, ""))
-	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
-	return dir
-}
-
 func TestSlotsSurviveAReopenAndAreZeroedOnDelete(t *testing.T) {
-	dir := privateBPFFS(t)
+	dir := nstest.PrivateBPFFS(t)
 	s, err := Open(dir)
 	require.NoError(t, err)
 	require.True(t, s.Pinned())
@@ -71,7 +57,7 @@ func TestSlotsSurviveAReopenAndAreZeroedOnDelete(t *testing.T) {
 }
 
 func TestBpftoolPrintsNamedFields(t *testing.T) {
-	dir := privateBPFFS(t)
+	dir := nstest.PrivateBPFFS(t)
 	if _, err := exec.LookPath("bpftool"); err != nil {
 		t.Skip("bpftool not installed")
 	}

@@ -1,16 +1,15 @@
 package proxy
 
 import (
-	"os"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 )
 
 func TestValidateNamesTheFieldOfEveryBadSpec(t *testing.T) {
@@ -118,21 +117,8 @@ func FuzzValidate(f *testing.F) {
 	})
 }
 
-// privateBPFFS mounts a bpffs of the test's own, so pins never touch the
-// host's /sys/fs/bpf.
-func privateBPFFS(t *testing.T) string {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: mounts a bpffs and creates the exposure_stats map")
-	}
-	dir := t.TempDir()
-	require.NoError(t, unix.Mount("bpf", dir, "bpf", 0, ""))
-	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
-	return dir
-}
-
 func TestCountersLandInThePinnedMap(t *testing.T) {
-	dir := privateBPFFS(t)
+	dir := nstest.PrivateBPFFS(t)
 	store, err := bpf.Open(dir)
 	require.NoError(t, err)
 	defer store.Close()

@@ -16,12 +16,28 @@ import (
 	"github.com/brokkr/brokkr/internal/nlsafe"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // NS is one named network namespace under /run/netns.
 type NS struct {
 	Name string
 	Path string
+}
+
+// PrivateBPFFS mounts a bpffs of the test's own on a temp dir (unmounted at
+// cleanup), so pins never touch the host's /sys/fs/bpf. Skips without root.
+func PrivateBPFFS(t testing.TB) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: mounts a bpffs and creates BPF maps")
+	}
+	dir := t.TempDir()
+	if err := unix.Mount("bpf", dir, "bpf", 0, ""); err != nil {
+		t.Fatalf("mount bpffs on %s: %v", dir, err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
+	return dir
 }
 
 // RequireRoot skips the test when not running as root.
