@@ -7,7 +7,8 @@
 #
 # The proxies listen in the host namespace; "direct" routes client -> guest
 # through it. Measured: iperf3 -P1 and -P8 throughput, short-connection rate
-# (connect, 1-byte exchange, close), and RSS per idle held connection.
+# (connect, 1-byte exchange, close; 8 connectors, and 1 connector for the
+# latency a proxy adds), and RSS per idle held connection.
 # Each figure is the median of $ROUNDS runs; ratios are to direct (and to
 # docker-proxy) from the same run.
 #
@@ -139,7 +140,7 @@ tput() { # addr streams
 cpus() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / hz }' /proc/$1/stat; }
 declare -A PID=( [brokkr]=$BROKKR [docker-proxy]=$DOCKER_IPERF [haproxy]=$HAPROXY )
 declare -A PID2=( [brokkr]=$BROKKR [docker-proxy]=$DOCKER [haproxy]=$HAPROXY )
-crate() { inns $CL "$work/connrate" -rate "$1" -c 8 -d "${SECS}s" | awk '{ print $1 }'; }
+crate() { inns $CL "$work/connrate" -rate "$1" -c "${2:-8}" -d "${SECS}s" | awk '{ print $1 }'; }
 median() { sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 
 # Every measurement is one line "round path metric value" in $work/results.
@@ -163,6 +164,10 @@ for round in $(seq "$ROUNDS"); do
       echo "$round $p cpuconn $(awk -v c0="$c0" -v c1="$(cpus "${PID2[$p]}")" -v r="$r" -v s="$SECS" \
         'BEGIN { n = r * s; printf "%.1f", (n > 0 ? (c1 - c0) * 1e6 / n : 0) }')" >>"$work/results"
     fi
+    # One connector at a time: the machine is mostly idle, so this is the
+    # latency a proxy adds to each short connection (µs = 1e6 / rate).
+    r1=$(crate "${RATE[$p]}" 1)
+    echo "$round $p lat $(awk -v r="$r1" 'BEGIN { printf "%.0f", (r > 0 ? 1e6 / r : 0) }')" >>"$work/results"
   done
   for n in $CL $HO $GU; do
     [ -e /run/netns/$n ] || { echo "proxy.sh: namespace $n vanished mid-run (scripts/clean-ns.sh from another run?)" >&2; exit 1; }
@@ -217,15 +222,15 @@ report() {
     { v[$1, $2, $3] = $4 }
     END {
       np = split(paths, P, " ")
-      print "| path | iperf3 -P1 Gbit/s | × direct | iperf3 -P8 Gbit/s | × direct | conns/s | × direct |"
-      print "|---|---|---|---|---|---|---|"
+      print "| path | iperf3 -P1 Gbit/s | × direct | iperf3 -P8 Gbit/s | × direct | conns/s (8 connectors) | × direct | µs per connection (1 connector) | × direct |"
+      print "|---|---|---|---|---|---|---|---|---|"
       for (i = 1; i <= np; i++) {
         p = P[i]
-        printf "| %s | %.2f | %.2f | %.2f | %.2f | %.0f | %.2f |\n", p, med(p, "p1"), medratio(p, "direct", "p1"),
-          med(p, "p8"), medratio(p, "direct", "p8"), med(p, "rate"), medratio(p, "direct", "rate")
+        printf "| %s | %.2f | %.2f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", p, med(p, "p1"), medratio(p, "direct", "p1"),
+          med(p, "p8"), medratio(p, "direct", "p8"), med(p, "rate"), medratio(p, "direct", "rate"), med(p, "lat"), medratio(p, "direct", "lat")
       }
-      printf "\nbrokkr / docker-proxy (median of per-round ratios): -P1 %.2f×, -P8 %.2f×, conns/s %.2f×\n",
-        medratio("brokkr", "docker-proxy", "p1"), medratio("brokkr", "docker-proxy", "p8"), medratio("brokkr", "docker-proxy", "rate")
+      printf "\nbrokkr / docker-proxy (median of per-round ratios): -P1 %.2f×, -P8 %.2f×, conns/s %.2f×, latency %.2f× (< 1 is faster)\n",
+        medratio("brokkr", "docker-proxy", "p1"), medratio("brokkr", "docker-proxy", "p8"), medratio("brokkr", "docker-proxy", "rate"), medratio("brokkr", "docker-proxy", "lat")
       print "\nproxy CPU (its own utime+stime) per unit carried, medians; lower is better:"
       print "| proxy | CPU s per GB, -P1 | CPU s per GB, -P8 | CPU µs per connection |"
       print "|---|---|---|---|"
@@ -235,11 +240,11 @@ report() {
       }
       printf "brokkr / docker-proxy CPU (median of per-round ratios): per GB -P1 %.2f×, -P8 %.2f×; per connection %.2f×\n",
         medratio("brokkr", "docker-proxy", "cpu1"), medratio("brokkr", "docker-proxy", "cpu8"), medratio("brokkr", "docker-proxy", "cpuconn")
-      print "\nevery round (-P1 Gbit/s | -P8 Gbit/s | conns/s):"
+      print "\nevery round (-P1 Gbit/s | -P8 Gbit/s | conns/s | µs per connection):"
       for (i = 1; i <= np; i++) {
-        p = P[i]; a = ""; b = ""; c = ""
-        for (r = 1; r <= rounds; r++) { a = a " " v[r, p, "p1"]; b = b " " v[r, p, "p8"]; c = c " " v[r, p, "rate"] }
-        printf "  %-12s%s |%s |%s\n", p, a, b, c
+        p = P[i]; a = ""; b = ""; c = ""; d = ""
+        for (r = 1; r <= rounds; r++) { a = a " " v[r, p, "p1"]; b = b " " v[r, p, "p8"]; c = c " " v[r, p, "rate"]; d = d " " v[r, p, "lat"] }
+        printf "  %-12s%s |%s |%s |%s\n", p, a, b, c, d
       }
     }' "$work/results"
 }
