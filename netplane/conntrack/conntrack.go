@@ -51,6 +51,9 @@ func (e Entry) Open() bool {
 type Conn struct {
 	mu sync.Mutex
 	c  *ct.Conn
+	// nf is a second socket for the dumps DeleteHostSides reads itself
+	// (kernel-filtered, or parsed only as far as the original tuple).
+	nf *netfilter.Conn
 }
 
 // Dial opens a conntrack socket in the namespace at nsPath ("" = the
@@ -60,73 +63,52 @@ func Dial(nsPath string) (*Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Conn{c: c}, nil
+	nf, err := dialNetfilter(nsPath)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return &Conn{c: c, nf: nf}, nil
 }
 
 func dial(nsPath string) (*ct.Conn, error) {
+	var c *ct.Conn
+	err := inNamespace(nsPath, func(cfg *netlink.Config) (err error) {
+		c, err = ct.Dial(cfg)
+		return err
+	})
+	return c, err
+}
+
+func dialNetfilter(nsPath string) (*netfilter.Conn, error) {
+	var c *netfilter.Conn
+	err := inNamespace(nsPath, func(cfg *netlink.Config) (err error) {
+		c, err = netfilter.Dial(cfg)
+		return err
+	})
+	return c, err
+}
+
+// inNamespace calls open with a netlink config bound to the namespace at
+// nsPath ("" = the caller's).
+func inNamespace(nsPath string, open func(*netlink.Config) error) error {
 	cfg := &netlink.Config{}
 	if nsPath != "" {
 		f, err := os.Open(nsPath)
 		if err != nil {
-			return nil, fmt.Errorf("conntrack: open netns: %w", err)
+			return fmt.Errorf("conntrack: open netns: %w", err)
 		}
 		defer f.Close()
 		cfg.NetNS = int(f.Fd())
 	}
-	c, err := ct.Dial(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("conntrack: dial: %w", err)
+	if err := open(cfg); err != nil {
+		return fmt.Errorf("conntrack: dial: %w", err)
 	}
-	return c, nil
+	return nil
 }
 
-// Close closes the socket.
-func (c *Conn) Close() error { return c.c.Close() }
-
-// HostSide is what a published port is on the host: protocol, host
-// address (invalid or unspecified = every address) and host port.
-type HostSide struct {
-	Proto uint8
-	Addr  netip.Addr
-	Port  uint16
-}
-
-func (h HostSide) matches(o ct.Tuple) bool {
-	if o.Proto.Protocol != h.Proto || o.Proto.DestinationPort != h.Port || !o.IP.DestinationAddress.Is4() {
-		return false
-	}
-	return !h.Addr.IsValid() || h.Addr.IsUnspecified() || o.IP.DestinationAddress == h.Addr
-}
-
-// DeleteHostSides deletes every IPv4 entry whose original destination is one
-// of sides, in one dump (a dump walks the whole, host-wide conntrack hash:
-// ~13 ms here even when this namespace has no entries). It returns how many
-// entries it deleted per side.
-func (c *Conn) DeleteHostSides(sides []HostSide) ([]int, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	counts := make([]int, len(sides))
-	if len(sides) == 0 {
-		return counts, nil
-	}
-	flows, err := c.c.Dump(nil)
-	if err != nil {
-		return counts, fmt.Errorf("conntrack: dump: %w", err)
-	}
-	for _, f := range flows {
-		for i, h := range sides {
-			if !h.matches(f.TupleOrig) {
-				continue
-			}
-			if err := c.c.Delete(f); err != nil && !errors.Is(err, unix.ENOENT) { // ENOENT: ended meanwhile
-				return counts, fmt.Errorf("conntrack: delete: %w", err)
-			}
-			counts[i]++
-			break
-		}
-	}
-	return counts, nil
-}
+// Close closes the sockets.
+func (c *Conn) Close() error { return errors.Join(c.c.Close(), c.nf.Close()) }
 
 // Get looks one IPv4 entry up by its original tuple; ok is false when
 // there is none. One round trip, unlike a dump.
