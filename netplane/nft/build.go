@@ -12,16 +12,23 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Connection marks. The low 30 bits of ct mark identify the exposure that
-// DNATed the connection; the two high bits record that a FIN was seen in the
-// original and in the reply direction (a RST sets both). A connection whose
-// two bits are set is closed as far as the cap is concerned.
+// Connection marks. The low 29 bits of ct mark identify the exposure that
+// DNATed the connection, and MarkOwned is set on every connection brokkr
+// marks, so a counter read asks the kernel for brokkr's entries only (a mark
+// filter) instead of every flow the host tracks. The two high bits record
+// that a FIN was seen in the original and in the reply direction (a RST sets
+// both). A connection whose two bits are set is closed as far as the cap is
+// concerned.
 const (
-	MarkIDMask  uint32 = 0x3fffffff
+	MarkIDMask  uint32 = 0x1fffffff
+	MarkOwned   uint32 = 0x20000000
 	MarkFINOrig uint32 = 0x40000000
 	MarkFINRepl uint32 = 0x80000000
 	MarkClosed         = MarkFINOrig | MarkFINRepl
 )
+
+// connMark is the ct mark a connection of exposure id gets.
+func connMark(id uint32) []byte { return binaryutil.NativeEndian.PutUint32(id | MarkOwned) }
 
 // Names of the fixed objects of table inet brokkr.
 const (
@@ -251,7 +258,7 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 			&expr.Dynset{SrcRegKey: 1, SetName: connsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
 	}
 	admit = append(admit,
-		&expr.Immediate{Register: 1, Data: binaryutil.NativeEndian.PutUint32(id)},
+		&expr.Immediate{Register: 1, Data: connMark(id)},
 		&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
 		&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: acceptedCounter(e.Name)},
 		&expr.Immediate{Register: 1, Data: e.GuestAddr.AsSlice()},
@@ -272,7 +279,7 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 			// overflow.go). Without a listener (no element) the lookup fails
 			// and the next rule refuses.
 			rules = append(rules, rule(fam, e.Name+": full in the kernel, to the slow path", append(l4proto(proto),
-				&expr.Immediate{Register: 1, Data: binaryutil.NativeEndian.PutUint32(id)},
+				&expr.Immediate{Register: 1, Data: connMark(id)},
 				&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
 				&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
 				&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: mapOverflow},

@@ -364,7 +364,7 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 		}
 		out[e.Name] = ec
 	}
-	entries, err := t.ct.ByMark(0, 0)
+	entries, err := t.ct.ByMark(MarkOwned, MarkOwned) // brokkr's entries only, filtered in the kernel
 	if err != nil {
 		return nil, err
 	}

@@ -87,13 +87,28 @@ func (tp *topo) converge(t *testing.T, r Rules) Result {
 }
 
 // serveTCP runs a server in ns on addr: it writes tag+"\n", then echoes
-// until EOF, then closes.
+// until EOF, then closes. Its cleanup closes the connections still open, so
+// a test that fails while holding some ends instead of waiting for them.
 func serveTCP(t *testing.T, ns *nstest.NS, addr, tag string) {
 	t.Helper()
 	var ln net.Listener
 	require.NoError(t, ns.Do(func() (err error) { ln, err = net.Listen("tcp4", addr); return }))
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		open  = map[net.Conn]struct{}{}
+		ended bool
+	)
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		ended = true
+		for c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -102,10 +117,18 @@ func serveTCP(t *testing.T, ns *nstest.NS, addr, tag string) {
 			if err != nil {
 				return
 			}
-			wg.Add(1)
+			mu.Lock()
+			if ended {
+				mu.Unlock()
+				c.Close()
+				return
+			}
+			open[c] = struct{}{}
+			wg.Add(1) // under mu: a cleanup that saw c also waits for it
+			mu.Unlock()
 			go func() {
 				defer wg.Done()
-				defer c.Close()
+				defer func() { mu.Lock(); delete(open, c); mu.Unlock(); c.Close() }()
 				_, _ = io.WriteString(c, tag+"\n")
 				_, _ = io.Copy(c, c)
 			}()
