@@ -2,6 +2,7 @@ package conntrack
 
 import (
 	"net/netip"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	ct "github.com/ti-mo/conntrack"
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 )
@@ -74,25 +76,45 @@ func TestGetAndByMark(t *testing.T) {
 	assert.Equal(t, uint16(40001), es[0].Orig.Port())
 }
 
-// The watcher reports an entry's end.
-func TestWatchDestroy(t *testing.T) {
+// The watcher reports the end of entries whose mark matches, and the kernel
+// keeps every other entry's events from the socket: the unmatched entry is
+// deleted first, so its event, had it passed, would arrive first.
+func TestWatchDestroyOfMarkedEntriesOnly(t *testing.T) {
 	ns := nstest.New(t, "ct")
-	w, err := Watch(ns.Path)
+	const owned = 1 << 29
+	w, err := Watch(ns.Path, owned, owned)
 	require.NoError(t, err)
 	defer w.Close()
 	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "9")
+	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40001", "5354", strconv.Itoa(owned|9))
 	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5353")
+	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5354")
 	deadline := time.After(3 * time.Second)
 	for {
 		select {
 		case e := <-w.C():
-			if e.Destroyed && e.Mark == 9 {
-				assert.Equal(t, uint16(5353), e.OrigDst.Port())
+			require.Equal(t, uint32(owned|9), e.Mark, "only marked entries reach the watcher: %+v", e)
+			if e.Destroyed {
+				assert.Equal(t, uint16(5354), e.OrigDst.Port())
 				return
 			}
 		case <-deadline:
 			t.Fatal("no destroy event")
 		}
+	}
+}
+
+// Close ends a watcher blocked in its read at once.
+func TestWatcherCloseEndsItsReader(t *testing.T) {
+	ns := nstest.New(t, "ct")
+	w, err := Watch(ns.Path, 1, 1)
+	require.NoError(t, err)
+	done := make(chan struct{})
+	go func() { w.Close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(3 * time.Second):
+		t.Fatal("Close did not return")
 	}
 }
 
@@ -175,4 +197,33 @@ func TestDeleteHostSidesWithNoEntries(t *testing.T) {
 	n, err := c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_TCP, Port: 80}})
 	require.NoError(t, err)
 	assert.Equal(t, []int{0}, n)
+}
+
+// The socket filter itself drops the events of unmatched entries: read the
+// filtered socket raw, without the watcher's own check.
+func TestSocketFilterDropsUnmatchedEvents(t *testing.T) {
+	ns := nstest.New(t, "ct")
+	const owned = 1 << 29
+	w := &Watcher{nsPath: ns.Path, mark: owned, mask: owned}
+	c, err := w.listen()
+	require.NoError(t, err)
+	defer c.Close()
+	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "9")
+	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40001", "5354", strconv.Itoa(owned|9))
+	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5353")
+	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5354")
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(3*time.Second)))
+	for {
+		msgs, err := c.Receive()
+		require.NoError(t, err, "no event for the marked entry")
+		for _, m := range msgs {
+			var ev ct.Event
+			require.NoError(t, ev.Unmarshal(m))
+			require.NotNil(t, ev.Flow)
+			require.Equal(t, uint32(owned|9), ev.Flow.Mark, "an unmatched entry's event passed the filter")
+			if ev.Type == ct.EventDestroy {
+				return
+			}
+		}
+	}
 }

@@ -65,7 +65,7 @@ type capWatcher struct {
 const sweepEvery = 5 * time.Second
 
 func startCapWatcher(t *Table) (*capWatcher, error) {
-	w, err := conntrack.Watch(t.nsPath)
+	w, err := conntrack.Watch(t.nsPath, MarkOwned, MarkOwned)
 	if err != nil {
 		return nil, err
 	}
