@@ -211,57 +211,74 @@ func origTuple(m netlink.Message) (t tuple, ok bool) {
 	if err != nil {
 		return t, false
 	}
-	var src, dst netip.Addr
-	var sport, dport uint16
+	var p tupleParts
 	for ad.Next() {
 		switch ad.Type() {
 		case ctaZone:
 			t.zone = ad.Uint16()
 		case ctaTupleOrig:
-			ad.Nested(func(nad *netlink.AttributeDecoder) error {
-				for nad.Next() {
-					switch nad.Type() {
-					case ctaTupleIP:
-						nad.Nested(func(ipd *netlink.AttributeDecoder) error {
-							for ipd.Next() {
-								b := ipd.Bytes()
-								if len(b) != 4 {
-									continue
-								}
-								switch ipd.Type() {
-								case ctaIPv4Src:
-									src = netip.AddrFrom4([4]byte(b))
-								case ctaIPv4Dst:
-									dst = netip.AddrFrom4([4]byte(b))
-								}
-							}
-							return nil
-						})
-					case ctaTupleProto:
-						nad.Nested(func(pd *netlink.AttributeDecoder) error {
-							for pd.Next() {
-								switch pd.Type() {
-								case ctaProtoNum:
-									t.proto = pd.Uint8()
-								case ctaProtoSrcPort:
-									sport = pd.Uint16()
-								case ctaProtoDstPort:
-									dport = pd.Uint16()
-								}
-							}
-							return nil
-						})
-					case ctaTupleZone:
-						t.zone = nad.Uint16()
-					}
-				}
-				return nil
-			})
+			ad.Nested(p.tuple)
 		}
 	}
-	if ad.Err() != nil || !src.IsValid() || !dst.IsValid() {
+	if ad.Err() != nil || !p.src.IsValid() || !p.dst.IsValid() {
 		return t, false
 	}
-	t.src, t.dst = netip.AddrPortFrom(src, sport), netip.AddrPortFrom(dst, dport)
+	if p.zone != 0 {
+		t.zone = p.zone
+	}
+	t.proto = p.proto
+	t.src, t.dst = netip.AddrPortFrom(p.src, p.sport), netip.AddrPortFrom(p.dst, p.dport)
 	return t, true
+}
+
+// tupleParts collects the attributes of one CTA_TUPLE_* nest.
+type tupleParts struct {
+	src, dst     netip.Addr
+	proto        uint8
+	sport, dport uint16
+	zone         uint16
+}
+
+func (p *tupleParts) tuple(ad *netlink.AttributeDecoder) error {
+	for ad.Next() {
+		switch ad.Type() {
+		case ctaTupleIP:
+			ad.Nested(p.ip)
+		case ctaTupleProto:
+			ad.Nested(p.l4)
+		case ctaTupleZone:
+			p.zone = ad.Uint16()
+		}
+	}
+	return nil
+}
+
+func (p *tupleParts) ip(ad *netlink.AttributeDecoder) error {
+	for ad.Next() {
+		b := ad.Bytes()
+		if len(b) != 4 { // IPv6 entries are not brokkr's
+			continue
+		}
+		switch ad.Type() {
+		case ctaIPv4Src:
+			p.src = netip.AddrFrom4([4]byte(b))
+		case ctaIPv4Dst:
+			p.dst = netip.AddrFrom4([4]byte(b))
+		}
+	}
+	return nil
+}
+
+func (p *tupleParts) l4(ad *netlink.AttributeDecoder) error {
+	for ad.Next() {
+		switch ad.Type() {
+		case ctaProtoNum:
+			p.proto = ad.Uint8()
+		case ctaProtoSrcPort:
+			p.sport = ad.Uint16()
+		case ctaProtoDstPort:
+			p.dport = ad.Uint16()
+		}
+	}
+	return nil
 }
