@@ -85,7 +85,7 @@ func (c *Conn) DeleteHostSides(sides []HostSide) ([]int, error) {
 			if err != nil {
 				return counts, err
 			}
-			if _, err := c.deleteDumped(req, sides[i:i+1], counts[i:i+1]); err != nil {
+			if err := c.deleteDumped(req, sides[i:i+1], counts[i:i+1]); err != nil {
 				return counts, err
 			}
 		}
@@ -95,8 +95,7 @@ func (c *Conn) DeleteHostSides(sides []HostSide) ([]int, error) {
 	if err != nil {
 		return counts, err
 	}
-	_, err = c.deleteDumped(req, sides, counts)
-	return counts, err
+	return counts, c.deleteDumped(req, sides, counts)
 }
 
 // filtered says whether sides host sides are cheaper as one filtered dump
@@ -171,19 +170,17 @@ func filteredDump(h HostSide) (netlink.Message, error) {
 // deleteDumped runs the dump req and deletes every returned entry that
 // matches one of sides, counting into counts (same order). Entries are
 // matched here even after a kernel-filtered dump, so a kernel that ignores
-// the filter (before 5.8) still deletes exactly the right ones. It returns
-// the number deleted in all.
-func (c *Conn) deleteDumped(req netlink.Message, sides []HostSide, counts []int) (int, error) {
+// the filter (before 5.8) still deletes exactly the right ones.
+func (c *Conn) deleteDumped(req netlink.Message, sides []HostSide, counts []int) error {
 	msgs, err := c.nf.Query(req)
 	if err != nil {
-		return 0, fmt.Errorf("conntrack: dump: %w", err)
+		return fmt.Errorf("conntrack: dump: %w", err)
 	}
 	byPort := make(map[[2]uint16][]int, len(sides))
 	for i, h := range sides {
 		k := [2]uint16{uint16(h.Proto), h.Port}
 		byPort[k] = append(byPort[k], i)
 	}
-	total := 0
 	for _, m := range msgs {
 		t, ok := origTuple(m)
 		if !ok {
@@ -194,14 +191,13 @@ func (c *Conn) deleteDumped(req netlink.Message, sides []HostSide, counts []int)
 				continue
 			}
 			if err := c.c.Delete(t.flow()); err != nil && !errors.Is(err, unix.ENOENT) { // ENOENT: ended meanwhile
-				return total, fmt.Errorf("conntrack: delete: %w", err)
+				return fmt.Errorf("conntrack: delete: %w", err)
 			}
 			counts[i]++
-			total++
 			break
 		}
 	}
-	return total, nil
+	return nil
 }
 
 // origTuple reads an IPv4 entry's original tuple and zone from a dump
