@@ -12,6 +12,8 @@ import (
 	"net/url"
 	"strings"
 	"time"
+
+	"github.com/brokkr/brokkr/internal/unixhttp"
 )
 
 // Client talks to brokkrd over its unix socket.
@@ -22,14 +24,7 @@ type Client struct {
 
 // NewClient returns a client for the daemon listening on socket.
 func NewClient(socket string) *Client {
-	tr := &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", socket)
-		},
-		DisableKeepAlives: true,
-	}
-	return &Client{Socket: socket, hc: &http.Client{Transport: tr}}
+	return &Client{Socket: socket, hc: unixhttp.Client(socket)}
 }
 
 // CloseIdle drops idle connections.

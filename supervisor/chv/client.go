@@ -6,10 +6,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"slices"
 	"strings"
+
+	"github.com/brokkr/brokkr/internal/unixhttp"
 )
 
 // client speaks cloud-hypervisor's REST API (vmm/src/api/openapi/
@@ -21,16 +22,7 @@ type client struct {
 }
 
 func newClient(socket string) *client {
-	tr := &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", socket)
-		},
-		// One request at a time per VM; a kept-alive connection to a VMM
-		// that may be killed any moment buys nothing.
-		DisableKeepAlives: true,
-	}
-	return &client{socket: socket, http: &http.Client{Transport: tr}}
+	return &client{socket: socket, http: unixhttp.Client(socket)}
 }
 
 func (c *client) close() { c.http.CloseIdleConnections() }
