@@ -26,8 +26,7 @@ import (
 //	go test -run '^$' -bench GuestBoot -benchtime 1x ./supervisor/qemu/
 func BenchmarkGuestBoot(b *testing.B) {
 	nstest.RequireRoot(b)
-	requireQEMU(b)
-	img := findGuestImage(b)
+	img := qemuGuest(b)
 	runs := 5
 	if v, err := strconv.Atoi(os.Getenv("BROKKR_BOOT_RUNS")); err == nil && v > 0 {
 		runs = v

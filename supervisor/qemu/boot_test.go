@@ -86,11 +86,17 @@ func killAtCleanup(t testing.TB, pid int) {
 	})
 }
 
-func requireQEMU(t testing.TB) {
+// qemuGuest is the preamble of every test that starts a real qemu: skipped
+// under -short or without qemu, it returns the guest image to boot.
+func qemuGuest(t testing.TB) guestImage {
 	t.Helper()
+	if testing.Short() {
+		t.Skip("starts a real qemu (-short)")
+	}
 	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
 		t.Skip("qemu-system-x86_64 not installed (scripts/deps.sh installs qemu-system-x86)")
 	}
+	return findGuestImage(t)
 }
 
 // guestNet is a namespace with a bridge, a tap for the guest and a DHCP
@@ -159,12 +165,8 @@ func httpGet(c net.Conn) (string, error) {
 // running by QMP, is adopted by a fresh backend (same pid), refuses a second
 // qemu on its QMP socket, and powers off through the ACPI power button.
 func TestBootGuestAdoptStop(t *testing.T) {
-	if testing.Short() {
-		t.Skip("boots a real VM (-short)")
-	}
 	nstest.RequireRoot(t)
-	requireQEMU(t)
-	img := findGuestImage(t)
+	img := qemuGuest(t)
 	gn := newGuestNet(t)
 
 	logger := slog.New(slog.NewTextHandler(testWriter{t}, nil))
@@ -351,12 +353,8 @@ func (w testWriter) Write(p []byte) (int, error) {
 // Without a DHCP server the guest's init takes the address from the kernel
 // ip= argument (Debian's kernel has no IP autoconfig, so init parses it).
 func TestGuestStaticAddressFromCmdline(t *testing.T) {
-	if testing.Short() {
-		t.Skip("boots a real VM (-short)")
-	}
 	nstest.RequireRoot(t)
-	requireQEMU(t)
-	img := findGuestImage(t)
+	img := qemuGuest(t)
 	gn := newGuestNetDHCP(t, false)
 	gn.IP = "10.213.77.21"
 	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithConsoleFile())
@@ -388,12 +386,8 @@ func TestGuestStaticAddressFromCmdline(t *testing.T) {
 // rate on the cmdline) boots the same guest, which serves and powers off on
 // the ACPI power button (microvm's GED).
 func TestMicroVMBootAndPowerButton(t *testing.T) {
-	if testing.Short() {
-		t.Skip("boots a real VM (-short)")
-	}
 	nstest.RequireRoot(t)
-	requireQEMU(t)
-	img := findGuestImage(t)
+	img := qemuGuest(t)
 	gn := newGuestNet(t)
 	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithMachine(MachineMicroVM), WithConsoleFile())
 	if b.tscKHz == 0 {

@@ -19,11 +19,7 @@ import (
 // console log; once it lets go, the next reader (the engine's copy) gets
 // the rest of the boot. No network: needs neither root nor a namespace.
 func TestConsoleSocketProbeThenHandOver(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a real qemu (-short)")
-	}
-	requireQEMU(t)
-	img := findGuestImage(t)
+	img := qemuGuest(t)
 	cfg := guestConfig(t, img, "cons", 128)
 	b := New("", WithAccel(AccelTCG))
 	inst, err := b.Start(t.Context(), cfg)

@@ -43,12 +43,8 @@ func qemuProcsFor(dir string) []int {
 // process, no second qemu), is restarted after kill -9, and is powered off
 // when desired stopped.
 func TestEngineWithRealGuest(t *testing.T) {
-	if testing.Short() {
-		t.Skip("boots real VMs (-short)")
-	}
 	nstest.RequireRoot(t)
-	requireQEMU(t)
-	img := findGuestImage(t)
+	img := qemuGuest(t)
 	gn := newGuestNet(t)
 	logger := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithLogger(logger))

@@ -24,15 +24,11 @@ import (
 // qemu past its start-up MSR check, so the guest really runs under KVM
 // first. On a host with working KVM the guest simply boots under KVM.
 func TestKVMProbeFallsBackToTCG(t *testing.T) {
-	if testing.Short() {
-		t.Skip("boots a real VM (-short)")
-	}
 	nstest.RequireRoot(t)
-	requireQEMU(t)
 	if err := kvmUsable(); err != nil {
 		t.Skipf("no usable /dev/kvm (%v): nothing to fall back from", err)
 	}
-	img := findGuestImage(t)
+	img := qemuGuest(t)
 	gn := newGuestNet(t)
 	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelAuto), WithKVMCPU("host,-arch-capabilities"),
 		WithKVMProbeWindow(2*time.Second), WithLogger(slog.New(slog.NewTextHandler(testWriter{t}, nil))))

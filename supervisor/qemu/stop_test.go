@@ -17,11 +17,7 @@ import (
 // acpid yet) is ended by QMP quit once the grace period is over. No network:
 // the VM has no tap, so this needs neither root nor a namespace.
 func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a real qemu (-short)")
-	}
-	requireQEMU(t)
-	img := findGuestImage(t)
+	img := qemuGuest(t)
 	cfg := guestConfig(t, img, "deaf", 128)
 	b := New("", WithAccel(AccelTCG), WithConsoleFile())
 	inst, err := b.Start(t.Context(), cfg)
@@ -65,11 +61,7 @@ func TestStopEscalatesWhenGuestIgnoresPowerButton(t *testing.T) {
 // is still ended: the QMP steps time out, SIGKILL follows, and Stop returns
 // without hanging.
 func TestStopWedgedQEMUEndsWithSIGKILL(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a real qemu (-short)")
-	}
-	requireQEMU(t)
-	img := findGuestImage(t)
+	img := qemuGuest(t)
 	cfg := guestConfig(t, img, "wedged", 128)
 	cfg.ConsoleLog = ""
 	b := New("", WithAccel(AccelTCG))
