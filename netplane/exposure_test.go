@@ -14,7 +14,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/internal/nstest"
 )
 
@@ -56,14 +55,8 @@ func dial(ns *nstest.NS, addr string) (string, error) {
 // an external flush of the nft table is repaired and reported; Teardown
 // removes the table with the links.
 func TestExposureFromPendingToActiveWithCounters(t *testing.T) {
-	host := nstest.New(t, "host")
-	client := nstest.New(t, "client")
-	nstest.Link(t, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
-	store := bpf.NewInMemory("test")
-	defer store.Close()
-	p, err := New(Options{NetNS: host.Path, StateDir: t.TempDir(), Stats: store})
-	require.NoError(t, err)
-	defer p.Close()
+	host, client := hostAndClient(t)
+	p, store := newPlane(t, host, t.TempDir())
 
 	d := Desired{
 		Network: network(),

@@ -24,12 +24,25 @@ func network() Network {
 	return Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.1/24"), MTU: 1500, DHCP: true, Masquerade: true}
 }
 
-func newPlane(t *testing.T, ns *nstest.NS, stateDir string) *Plane {
+// newPlane opens a Plane on ns that counts into an in-memory store; both
+// are closed when the test ends.
+func newPlane(t *testing.T, ns *nstest.NS, stateDir string) (*Plane, *bpf.Store) {
 	t.Helper()
-	p, err := New(Options{NetNS: ns.Path, StateDir: stateDir, Stats: bpf.NewInMemory("test")})
+	store := bpf.NewInMemory("test")
+	t.Cleanup(func() { _ = store.Close() })
+	p, err := New(Options{NetNS: ns.Path, StateDir: stateDir, Stats: store})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
-	return p
+	return p, store
+}
+
+// hostAndClient is a host namespace and a client namespace joined by a veth:
+// the client is 10.99.0.2, the host 10.99.0.1.
+func hostAndClient(t *testing.T) (host, client *nstest.NS) {
+	t.Helper()
+	host, client = nstest.New(t, "host"), nstest.New(t, "client")
+	nstest.Link(t, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
+	return host, client
 }
 
 func guestsOf(names ...string) []Guest {
@@ -42,7 +55,7 @@ func guestsOf(names ...string) []Guest {
 
 func TestConvergeBuildsBridgeTapsAndAddresses(t *testing.T) {
 	ns := nstest.New(t, "host")
-	p := newPlane(t, ns, t.TempDir())
+	p, _ := newPlane(t, ns, t.TempDir())
 	d := Desired{Network: network(), Guests: guestsOf("web", "a-long-runner-name-01")}
 	rep := p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
@@ -70,7 +83,7 @@ func TestConvergeBuildsBridgeTapsAndAddresses(t *testing.T) {
 
 func TestDriftIsRepairedAndReported(t *testing.T) {
 	ns := nstest.New(t, "host")
-	p := newPlane(t, ns, t.TempDir())
+	p, _ := newPlane(t, ns, t.TempDir())
 	d := Desired{Network: network(), Guests: guestsOf("web")}
 	require.NoError(t, p.Converge(context.Background(), d).Err)
 
@@ -101,13 +114,13 @@ func TestDriftIsRepairedAndReported(t *testing.T) {
 func TestAddressesSurviveARestartAndAreFreedWithTheVM(t *testing.T) {
 	ns := nstest.New(t, "host")
 	dir := t.TempDir()
-	p := newPlane(t, ns, dir)
+	p, _ := newPlane(t, ns, dir)
 	d := Desired{Network: network(), Guests: guestsOf("web", "db")}
 	first := p.Converge(context.Background(), d)
 	require.NoError(t, first.Err)
 	require.NoError(t, p.Close())
 
-	p2 := newPlane(t, ns, dir)
+	p2, _ := newPlane(t, ns, dir)
 	second := p2.Converge(context.Background(), Desired{Network: network(), Guests: guestsOf("db", "web")})
 	require.NoError(t, second.Err)
 	byName := func(r Report) map[string]GuestStatus {
@@ -135,7 +148,7 @@ func TestBadSpecsAreRejectedAndNothingApplied(t *testing.T) {
 	ns.MustRun(t, "ip", "addr", "add", "10.213.0.200/16", "dev", "uplink0")
 	ns.MustRun(t, "ip", "link", "add", "brk-db", "type", "bridge")
 	dir := t.TempDir()
-	p := newPlane(t, ns, dir)
+	p, _ := newPlane(t, ns, dir)
 	before := ns.MustRun(t, "ip", "-d", "addr", "show")
 
 	bad := network()
@@ -181,7 +194,7 @@ func TestTeardownRemovesOnlyWhatBrokkrMade(t *testing.T) {
 	ns.MustRun(t, "ip", "link", "add", "uplink0", "type", "bridge")
 	ns.MustRun(t, "ip", "link", "add", "ve-a", "type", "veth", "peer", "name", "ve-b")
 	ns.MustRun(t, "ip", "link", "set", "ve-a", "master", "uplink0")
-	p := newPlane(t, ns, t.TempDir())
+	p, _ := newPlane(t, ns, t.TempDir())
 	require.NoError(t, p.Converge(context.Background(), Desired{Network: network(), Guests: guestsOf("web", "db")}).Err)
 	require.NoError(t, p.Teardown())
 	out := ns.MustRun(t, "ip", "-o", "link", "show")

@@ -15,7 +15,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
-	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/internal/nstest"
 )
 
@@ -120,14 +119,8 @@ func attachNIC(t *testing.T, host *nstest.NS, tap string, guest *nstest.NS, mac 
 // through the host address (hairpin on the tap's bridge port), and cannot
 // use an address it was not given.
 func TestGuestBehindARealTap(t *testing.T) {
-	host := nstest.New(t, "host")
-	client := nstest.New(t, "client")
-	nstest.Link(t, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
-	store := bpf.NewInMemory("test")
-	defer store.Close()
-	p, err := New(Options{NetNS: host.Path, StateDir: t.TempDir(), Stats: store})
-	require.NoError(t, err)
-	defer p.Close()
+	host, client := hostAndClient(t)
+	p, _ := newPlane(t, host, t.TempDir())
 	d := Desired{Network: network(), Guests: guestsOf("web"),
 		Exposures: []Exposure{{Name: "web-http", VM: "web", Protocol: "tcp", HostPort: 8080, GuestPort: 80}}}
 	rep := p.Converge(context.Background(), d)
