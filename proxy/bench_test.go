@@ -11,19 +11,25 @@ import (
 // as the baseline measured in the same run, straight to the guest. Compare
 // the two ns/op figures as a ratio; both run on loopback.
 func BenchmarkShortConnectionDirect(b *testing.B) {
-	port := benchEcho(b)
-	benchConnect(b, net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+	benchConnect(b, direct(benchGuest(b, echo)))
 }
 
 func BenchmarkShortConnectionProxied(b *testing.B) {
-	port := benchEcho(b)
+	benchConnect(b, proxied(b, benchGuest(b, echo)))
+}
+
+// direct is the guest's own address on loopback.
+func direct(guestPort int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(guestPort)) }
+
+// proxied is the address of a proxy exposure carrying to the guest's port.
+func proxied(b *testing.B, guestPort int) string {
 	m := NewManager(func(string) string { return "127.0.0.1" }, nil)
-	defer m.StopAll()
-	st := m.Converge([]Spec{{ID: "bench", VM: "vm", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: port}})[0]
+	b.Cleanup(m.StopAll)
+	st := m.Converge([]Spec{{ID: "bench", VM: "vm", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: guestPort}})[0]
 	if st.State != StateActive {
 		b.Fatal(st.Reason)
 	}
-	benchConnect(b, st.BoundAddr)
+	return st.BoundAddr
 }
 
 func benchConnect(b *testing.B, addr string) {
@@ -47,7 +53,9 @@ func benchConnect(b *testing.B, addr string) {
 	})
 }
 
-func benchEcho(b *testing.B) int {
+// benchGuest serves each connection on loopback with handle, until the
+// benchmark ends, and returns its port.
+func benchGuest(b *testing.B, handle func(net.Conn)) int {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)
@@ -59,51 +67,27 @@ func benchEcho(b *testing.B) int {
 			if err != nil {
 				return
 			}
-			go func() { defer c.Close(); io.Copy(c, c) }()
+			go func() { defer c.Close(); handle(c) }()
 		}
 	}()
 	return ln.Addr().(*net.TCPAddr).Port
 }
 
+func echo(c net.Conn) { io.Copy(c, c) }
+
+// sink reads to EOF, then answers with how many bytes it read.
+func sink(c net.Conn) {
+	n, _ := io.Copy(io.Discard, c)
+	c.Write([]byte(strconv.FormatInt(n, 10)))
+}
+
 // Bulk transfer (one connection, 64 MiB each way per op... one way: caller to
 // guest) through the proxy and, as the baseline in the same run, direct.
-func BenchmarkBulkDirect(b *testing.B) {
-	benchBulk(b, func(port int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(port)) })
-}
+func BenchmarkBulkDirect(b *testing.B)  { benchBulk(b, direct(benchGuest(b, sink))) }
+func BenchmarkBulkProxied(b *testing.B) { benchBulk(b, proxied(b, benchGuest(b, sink))) }
 
-func BenchmarkBulkProxied(b *testing.B) {
-	benchBulk(b, func(port int) string {
-		m := NewManager(func(string) string { return "127.0.0.1" }, nil)
-		b.Cleanup(m.StopAll)
-		st := m.Converge([]Spec{{ID: "bulk", VM: "vm", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: port}})[0]
-		if st.State != StateActive {
-			b.Fatal(st.Reason)
-		}
-		return st.BoundAddr
-	})
-}
-
-func benchBulk(b *testing.B, addrOf func(guestPort int) string) {
+func benchBulk(b *testing.B, addr string) {
 	const size = 64 << 20
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				n, _ := io.Copy(io.Discard, c)
-				c.Write([]byte(strconv.FormatInt(n, 10)))
-			}()
-		}
-	}()
-	addr := addrOf(ln.Addr().(*net.TCPAddr).Port)
 	buf := make([]byte, 256<<10)
 	b.SetBytes(size)
 	b.ResetTimer()
