@@ -28,6 +28,19 @@ func testLaunch() supervisor.LaunchConfig {
 	}
 }
 
+// fakeQEMU writes a qemu-system-x86_64 that runs script (sh) and returns it
+// with a launch config whose directories are in the test's temp dir.
+func fakeQEMU(t *testing.T, script string) (string, supervisor.LaunchConfig) {
+	t.Helper()
+	dir := t.TempDir()
+	fake := filepath.Join(dir, "qemu-system-x86_64")
+	require.NoError(t, os.WriteFile(fake, []byte("#!/bin/sh\n"+script+"\n"), 0o755))
+	cfg := testLaunch()
+	cfg.Dir, cfg.RunDir = filepath.Join(dir, "vm"), filepath.Join(dir, "run")
+	cfg.ConsoleLog = filepath.Join(cfg.Dir, "console.log")
+	return fake, cfg
+}
+
 // argAfter returns the value following flag's n-th occurrence.
 func argAfter(args []string, flag string, n int) string {
 	for i, a := range args {
@@ -159,12 +172,7 @@ func TestHostTSCKHz(t *testing.T) {
 // A qemu that dies at once: Start fails with qemu's own words, leaves no
 // process and no socket behind.
 func TestStartReportsEarlyExit(t *testing.T) {
-	dir := t.TempDir()
-	fake := filepath.Join(dir, "qemu-system-x86_64")
-	require.NoError(t, os.WriteFile(fake, []byte("#!/bin/sh\necho 'qemu-system-x86_64: -netdev tap: could not open /dev/net/tun' >&2\nexit 1\n"), 0o755))
-	cfg := testLaunch()
-	cfg.Dir, cfg.RunDir = filepath.Join(dir, "vm"), filepath.Join(dir, "run")
-	cfg.ConsoleLog = filepath.Join(cfg.Dir, "console.log")
+	fake, cfg := fakeQEMU(t, "echo 'qemu-system-x86_64: -netdev tap: could not open /dev/net/tun' >&2\nexit 1")
 	b := New(fake, WithAccel(AccelTCG))
 	_, err := b.Start(t.Context(), cfg)
 	require.Error(t, err)
@@ -217,12 +225,7 @@ func TestKVMNotGivenUpWhenTCGFailsToo(t *testing.T) {
 	if err := kvmUsable(); err != nil {
 		t.Skipf("no usable /dev/kvm (%v): the KVM attempt is never made", err)
 	}
-	dir := t.TempDir()
-	fake := filepath.Join(dir, "qemu-system-x86_64")
-	require.NoError(t, os.WriteFile(fake, []byte("#!/bin/sh\necho \"qemu-system-x86_64: bad config ($*)\" | grep -o 'bad config.*-accel [a-z]*' >&2\nexit 1\n"), 0o755))
-	cfg := testLaunch()
-	cfg.Dir, cfg.RunDir = filepath.Join(dir, "vm"), filepath.Join(dir, "run")
-	cfg.ConsoleLog = filepath.Join(cfg.Dir, "console.log")
+	fake, cfg := fakeQEMU(t, "echo \"qemu-system-x86_64: bad config ($*)\" | grep -o 'bad config.*-accel [a-z]*' >&2\nexit 1")
 	b := New(fake, WithAccel(AccelAuto))
 	_, err := b.Start(t.Context(), cfg)
 	require.Error(t, err)
