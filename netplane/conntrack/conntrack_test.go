@@ -28,6 +28,33 @@ func insert(t *testing.T, ns *nstest.NS, proto, src, dst string, sport, dport, m
 	ns.MustRun(t, "conntrack", args...)
 }
 
+// insertHostSideFixture makes six entries for the host-side tests: UDP to
+// 5353 on two host addresses, UDP to 53, TCP to 5353 from two callers, TCP
+// to 8080 (source ports 40000-40005 in that order).
+func insertHostSideFixture(t *testing.T, ns *nstest.NS) {
+	t.Helper()
+	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "1")
+	insert(t, ns, "udp", "10.99.0.3", "10.98.0.1", "40001", "5353", "1")
+	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40002", "53", "1")
+	insert(t, ns, "tcp", "10.99.0.2", "10.99.0.1", "40003", "5353", "1")
+	insert(t, ns, "tcp", "10.99.0.2", "10.99.0.1", "40004", "8080", "1")
+	insert(t, ns, "tcp", "10.99.0.3", "10.99.0.1", "40005", "5353", "1")
+}
+
+// owned is the mark bit the watcher tests filter on.
+const owned = 1 << 29
+
+// endUnownedThenOwned makes an entry marked 9 (not owned) and one marked
+// owned|9, and deletes them in that order: a watcher that let the first
+// through would see its event first.
+func endUnownedThenOwned(t *testing.T, ns *nstest.NS) {
+	t.Helper()
+	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "9")
+	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40001", "5354", strconv.Itoa(owned|9))
+	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5353")
+	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5354")
+}
+
 func count(t *testing.T, ns *nstest.NS) int {
 	t.Helper()
 	out, _ := ns.Run("conntrack", "-L")
@@ -81,14 +108,10 @@ func TestGetAndByMark(t *testing.T) {
 // deleted first, so its event, had it passed, would arrive first.
 func TestWatchDestroyOfMarkedEntriesOnly(t *testing.T) {
 	ns := nstest.New(t, "ct")
-	const owned = 1 << 29
 	w, err := Watch(ns.Path, owned, owned)
 	require.NoError(t, err)
 	defer w.Close()
-	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "9")
-	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40001", "5354", strconv.Itoa(owned|9))
-	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5353")
-	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5354")
+	endUnownedThenOwned(t, ns)
 	deadline := time.After(3 * time.Second)
 	for {
 		select {
@@ -123,10 +146,7 @@ func TestWatcherCloseEndsItsReader(t *testing.T) {
 // the kernel refuse or return everything).
 func TestFilteredDumpReturnsOnlyTheHostSide(t *testing.T) {
 	ns := nstest.New(t, "ct")
-	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "1")
-	insert(t, ns, "udp", "10.99.0.3", "10.98.0.1", "40001", "5353", "1")
-	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40002", "53", "1")
-	insert(t, ns, "tcp", "10.99.0.2", "10.99.0.1", "40003", "5353", "1")
+	insertHostSideFixture(t, ns)
 	c, err := Dial(ns.Path)
 	require.NoError(t, err)
 	defer c.Close()
@@ -145,7 +165,7 @@ func TestFilteredDumpReturnsOnlyTheHostSide(t *testing.T) {
 	}
 	assert.ElementsMatch(t, []uint16{40000, 40001}, dumped(HostSide{Proto: unix.IPPROTO_UDP, Port: 5353}))
 	assert.ElementsMatch(t, []uint16{40001}, dumped(HostSide{Proto: unix.IPPROTO_UDP, Addr: netip.MustParseAddr("10.98.0.1"), Port: 5353}))
-	assert.ElementsMatch(t, []uint16{40003}, dumped(HostSide{Proto: unix.IPPROTO_TCP, Port: 5353}))
+	assert.ElementsMatch(t, []uint16{40003, 40005}, dumped(HostSide{Proto: unix.IPPROTO_TCP, Port: 5353}))
 	assert.Empty(t, dumped(HostSide{Proto: unix.IPPROTO_TCP, Port: 53}))
 }
 
@@ -160,12 +180,7 @@ func TestDeleteSeveralHostSidesBothWays(t *testing.T) {
 			defer func(old int) { entriesPerWalk = old }(entriesPerWalk)
 			entriesPerWalk = tc.perWalk
 			ns := nstest.New(t, "ct")
-			insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "1")
-			insert(t, ns, "udp", "10.99.0.3", "10.98.0.1", "40001", "5353", "1")
-			insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40002", "53", "1")
-			insert(t, ns, "tcp", "10.99.0.2", "10.99.0.1", "40003", "5353", "1")
-			insert(t, ns, "tcp", "10.99.0.2", "10.99.0.1", "40004", "8080", "1")
-			insert(t, ns, "tcp", "10.99.0.3", "10.99.0.1", "40005", "5353", "1")
+			insertHostSideFixture(t, ns)
 			c, err := Dial(ns.Path)
 			require.NoError(t, err)
 			defer c.Close()
@@ -203,15 +218,11 @@ func TestDeleteHostSidesWithNoEntries(t *testing.T) {
 // filtered socket raw, without the watcher's own check.
 func TestSocketFilterDropsUnmatchedEvents(t *testing.T) {
 	ns := nstest.New(t, "ct")
-	const owned = 1 << 29
 	w := &Watcher{nsPath: ns.Path, mark: owned, mask: owned}
 	c, err := w.listen()
 	require.NoError(t, err)
 	defer c.Close()
-	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "9")
-	insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40001", "5354", strconv.Itoa(owned|9))
-	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5353")
-	ns.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "5354")
+	endUnownedThenOwned(t, ns)
 	require.NoError(t, c.SetReadDeadline(time.Now().Add(3*time.Second)))
 	for {
 		msgs, err := c.Receive()
