@@ -72,14 +72,11 @@ func (c *Conn) DeleteHostSides(sides []HostSide) ([]int, error) {
 	if len(sides) == 0 {
 		return counts, nil
 	}
-	st, err := c.c.StatsGlobal() // this namespace's entry count
-	if err != nil {
-		return counts, fmt.Errorf("conntrack: stats: %w", err)
+	n, err := c.entries()
+	if n == 0 || err != nil {
+		return counts, err
 	}
-	if st.Entries == 0 {
-		return counts, nil
-	}
-	if filtered(len(sides), int(st.Entries)) {
+	if filtered(len(sides), n) {
 		for i, h := range sides {
 			req, err := filteredDump(h)
 			if err != nil {
