@@ -13,6 +13,12 @@
 # docker-proxy) from the same run.
 #
 # Run as root: tests/bench/proxy.sh   (env: ROUNDS=3 SECS=4 HOLD=1000)
+#
+# A/B of a proxy change: VARIANTS="NAME=ENV:BINARY ..." adds brokkr proxies
+# to the run, each a proxyrun binary started with ENV ("-" for none), e.g.
+#   go build -o /tmp/old ./tests/bench/proxyrun   # at the commit before
+#   VARIANTS="old=-:/tmp/old gmp1=GOMAXPROCS=1:/tmp/old" tests/bench/proxy.sh
+# They are measured like every other path, in the same rotating order.
 # Everything it creates is named brk-px-* and removed on exit, also on failure.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -116,9 +122,25 @@ pids+=($!)
 nsenter --net=/run/netns/$HO -- socat TCP-LISTEN:7204,bind=10.77.1.1,fork,reuseaddr TCP:10.77.2.2:7000 >/dev/null 2>&1 &
 pids+=($!)
 
+# A/B variants: port pairs 62NN/72NN from 10 on.
+declare -A VPID=() VIPERF=() VRATE=()
+vnames=() vi=10
+for v in ${VARIANTS:-}; do
+  name=${v%%=*} rest=${v#*=}
+  envs=${rest%%:*} bin=${rest#*:}
+  [ "$envs" = - ] && envs=
+  [ -x "$bin" ] || { echo "proxy.sh: variant $name: $bin is not an executable" >&2; exit 1; }
+  # shellcheck disable=SC2086 # ENV is a list of assignments
+  env $envs nsenter --net=/run/netns/$HO -- "$bin" -e 10.77.1.1:62$vi=10.77.2.2:5201 \
+    -e 10.77.1.1:72$vi=10.77.2.2:7000 >"$work/variant-$name.log" 2>&1 &
+  pids+=($!); VPID[$name]=$! VIPERF[$name]=10.77.1.1:62$vi VRATE[$name]=10.77.1.1:72$vi
+  vnames+=("$name"); vi=$((vi + 1))
+done
+
 # wait until every port listens (a probe connection would use up an iperf3 test)
 for a in $GU/10.77.2.2:5201 $GU/10.77.2.2:7000 $HO/10.77.1.1:6201 $HO/10.77.1.1:7201 $HO/10.77.1.1:6202 \
-         $HO/10.77.1.1:7202 $HO/10.77.1.1:6203 $HO/10.77.1.1:7203 $HO/10.77.1.1:6204 $HO/10.77.1.1:7204; do
+         $HO/10.77.1.1:7202 $HO/10.77.1.1:6203 $HO/10.77.1.1:7203 $HO/10.77.1.1:6204 $HO/10.77.1.1:7204 \
+         $(for n in "${vnames[@]}"; do echo "$HO/${VIPERF[$n]} $HO/${VRATE[$n]}"; done); do
   for i in $(seq 100); do
     [ -n "$(ip netns exec "${a%%/*}" ss -Hltn "sport = :${a##*:}")" ] && break
     sleep 0.1
@@ -129,6 +151,7 @@ done
 declare -A IPERF=( [direct]=10.77.2.2:5201 [brokkr]=10.77.1.1:6201 [docker-proxy]=10.77.1.1:6202 [haproxy]=10.77.1.1:6203 [socat]=10.77.1.1:6204 )
 declare -A RATE=( [direct]=10.77.2.2:7000 [brokkr]=10.77.1.1:7201 [docker-proxy]=10.77.1.1:7202 [haproxy]=10.77.1.1:7203 [socat]=10.77.1.1:7204 )
 paths=(direct brokkr docker-proxy haproxy socat)
+for n in "${vnames[@]}"; do IPERF[$n]=${VIPERF[$n]} RATE[$n]=${VRATE[$n]}; paths+=("$n"); done
 
 # iperf3 receiver throughput in Gbit/s
 tput() { # addr streams
@@ -140,6 +163,7 @@ tput() { # addr streams
 cpus() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / hz }' /proc/$1/stat; }
 declare -A PID=( [brokkr]=$BROKKR [docker-proxy]=$DOCKER_IPERF [haproxy]=$HAPROXY )
 declare -A PID2=( [brokkr]=$BROKKR [docker-proxy]=$DOCKER [haproxy]=$HAPROXY )
+for n in "${vnames[@]}"; do PID[$n]=${VPID[$n]} PID2[$n]=${VPID[$n]}; done
 crate() { inns $CL "$work/connrate" -rate "$1" -c "${2:-8}" -d "${SECS}s" | awk '{ print $1 }'; }
 median() { sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 
