@@ -22,6 +22,9 @@ type Backend struct {
 	// ForceWait is how long each forced stop step (vmm.shutdown, SIGTERM)
 	// is given before the next, harder one. Default 3 s.
 	ForceWait time.Duration
+	// PowerButtonEvery is how often Stop presses the power button again
+	// while the guest runs (supervisor.PowerButtonEvery when 0).
+	PowerButtonEvery time.Duration
 }
 
 var _ supervisor.Hypervisor = (*Backend)(nil)
@@ -253,8 +256,9 @@ func (b *Backend) Counters(ctx context.Context, inst supervisor.Instance) (map[s
 	return c.counters(ctx)
 }
 
-// Stop presses the power button and gives the guest grace to power off (the
-// VMM exits with it); then stops the guest from the VMM side (vm.shutdown)
+// Stop presses the power button (again every PowerButtonEvery: a guest still
+// booting drops a press) and gives the guest grace to power off (the VMM
+// exits with it); then stops the guest from the VMM side (vm.shutdown)
 // and asks the VMM to exit (vmm.shutdown), then SIGTERM, then SIGKILL, each
 // given ForceWait. Signals go through a pidfd so a reused pid is never hit.
 func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time.Duration) error {
@@ -282,10 +286,14 @@ func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time
 	var steps []error
 	// A cancelled ctx (the daemon is shutting down) ends the escalation:
 	// the VM is left as it is for the next daemon, never killed for it.
-	if err := call("vm.power-button", min(grace, 5*time.Second)); err != nil {
-		steps = append(steps, err)
-	} else if wait(grace) {
+	exited, err := supervisor.PressPowerButton(grace, b.PowerButtonEvery,
+		func() error { return call("vm.power-button", min(grace, 5*time.Second)) },
+		wait, func() bool { return ctx.Err() != nil })
+	if exited {
 		return nil
+	}
+	if err != nil {
+		steps = append(steps, err)
 	}
 	if ctx.Err() != nil {
 		return ctx.Err()

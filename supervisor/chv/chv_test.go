@@ -205,6 +205,21 @@ func TestStartAndStopSpeakTheAPI(t *testing.T) {
 	}
 }
 
+// A guest still booting drops the first presses; Stop presses again while
+// the grace lasts, so the guest powers off instead of being shut down.
+func TestStopPressesThePowerButtonAgain(t *testing.T) {
+	e := newEnv(t, "CHFAKE_DROP_PRESSES=2")
+	e.backend.PowerButtonEvery = 100 * time.Millisecond
+	inst, err := e.backend.Start(context.Background(), e.launch("vm"))
+	require.NoError(t, err)
+	defer reap(inst.PID)
+	require.NoError(t, e.backend.Stop(context.Background(), inst, 5*time.Second))
+	c := e.calls()
+	assert.Equal(t, []string{"PUT vm.power-button 204", "PUT vm.power-button 204", "PUT vm.power-button 204"}, c[len(c)-3:],
+		"three presses and nothing stronger")
+	assert.Error(t, supervisor.CheckIdentity(inst))
+}
+
 // A guest that ignores the power button is stopped with vmm.shutdown after
 // the grace; a VMM that also refuses that and ignores SIGTERM is killed.
 func TestStopEscalates(t *testing.T) {

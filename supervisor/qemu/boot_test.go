@@ -317,7 +317,7 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	// Stop: the power button is enough; the guest powers itself off.
 	t1 := time.Now()
 	require.NoError(t, b2.Stop(ctx, inst, 30*time.Second))
-	t.Logf("Stop took %s", time.Since(t1).Round(time.Millisecond))
+	t.Logf("Stop took %s; console tail:\n%s", time.Since(t1).Round(time.Millisecond), tail(readFile(cfg.ConsoleLog), 12))
 	assert.Less(t, time.Since(t1), 30*time.Second, "the power button, not the escalation, stopped it")
 	assert.Contains(t, readFile(cfg.ConsoleLog), "power button, powering off")
 	var ws syscall.WaitStatus
@@ -342,6 +342,15 @@ func sessionID(pid int) (int, error) {
 }
 
 func readFile(p string) string { b, _ := os.ReadFile(p); return string(b) }
+
+// tail returns the last n lines of s.
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
 
 type testWriter struct{ t testing.TB }
 
@@ -410,4 +419,34 @@ func TestMicroVMBootAndPowerButton(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, ws.Exited() && ws.ExitStatus() == 0, "qemu exits 0 after a guest power-off, got %v", ws)
 	assert.Contains(t, readFile(cfg.ConsoleLog), "power button, powering off")
+}
+
+// A guest stopped while it is still booting, before anything in it listens
+// to the power button, drops that first press. Stop presses again while the
+// grace lasts, so the guest still powers itself off instead of being quit.
+func TestAPowerButtonPressedDuringBootIsPressedAgain(t *testing.T) {
+	nstest.RequireRoot(t)
+	img := qemuGuest(t)
+	gn := newGuestNet(t)
+	b := New("", WithNetNS(gn.NS.Path), WithAccel(AccelTCG), WithConsoleFile())
+	cfg := guestConfig(t, img, "early", 256)
+	cfg.Tap, cfg.MAC = gn.Tap, gn.MAC
+	inst, err := b.Start(t.Context(), cfg)
+	require.NoError(t, err)
+	killAtCleanup(t, inst.PID)
+	// The power button's input device exists once the modules are loaded;
+	// acpid, which acts on it, starts only after the network is up.
+	require.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), "modules loaded") },
+		90*time.Second, 10*time.Millisecond, "guest never loaded its modules; console:\n%s", readFile(cfg.ConsoleLog))
+	t0 := time.Now()
+	const grace = 30 * time.Second
+	require.NoError(t, b.Stop(t.Context(), inst, grace))
+	took := time.Since(t0)
+	t.Logf("Stop took %s; console tail:\n%s", took.Round(time.Millisecond), tail(readFile(cfg.ConsoleLog), 6))
+	assert.Less(t, took, grace, "the power button, not the escalation, stopped it")
+	assert.True(t, strings.Contains(readFile(cfg.ConsoleLog), "power button, powering off"), "the guest's handler ran")
+	var ws syscall.WaitStatus
+	_, err = syscall.Wait4(inst.PID, &ws, 0, nil)
+	require.NoError(t, err)
+	assert.True(t, ws.Exited() && ws.ExitStatus() == 0, "qemu exits 0 after a guest power-off, got %v", ws)
 }

@@ -38,7 +38,10 @@ type Backend struct {
 	consoleFile bool
 	qmpTimeout  time.Duration
 	stopStepMax time.Duration
-	log         *slog.Logger
+	// powerButtonEvery: how often Stop presses the power button again
+	// (supervisor.PowerButtonEvery unless a test shortens it).
+	powerButtonEvery time.Duration
+	log              *slog.Logger
 
 	mu        sync.Mutex
 	kvmBroken string // why KVM was given up in this process ("" = not given up)
@@ -491,20 +494,34 @@ func vmState(status string) supervisor.VMState {
 	}
 }
 
-// Stop implements supervisor.Hypervisor: ACPI power button, up to grace for
-// the guest to power off, then QMP quit, SIGTERM, SIGKILL, each given a
+// Stop implements supervisor.Hypervisor: the ACPI power button, pressed
+// again every powerButtonEvery while the guest is still running, up to grace
+// for the guest to power off; then QMP quit, SIGTERM, SIGKILL, each given a
 // short while. It returns once the process has exited (an unreaped zombie
 // counts as exited), or ctx's error.
 func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time.Duration) error {
 	if !running(inst.PID, inst.StartTime) {
 		return nil
 	}
+	exited, err := supervisor.PressPowerButton(grace, b.powerButtonEvery,
+		func() error { return b.qmpDo(ctx, inst, "system_powerdown") },
+		func(d time.Duration) bool { return waitExit(ctx, inst, d) },
+		func() bool { return ctx.Err() != nil })
+	if exited {
+		return nil
+	}
+	if err != nil {
+		b.log.Debug("qemu: stop step failed", "pid", inst.PID, "step", "system_powerdown", "err", err)
+	}
+	if ctx.Err() != nil {
+		return fmt.Errorf("qemu: stopping pid %d: %w", inst.PID, ctx.Err())
+	}
+	b.log.Info("qemu: still running, escalating", "pid", inst.PID, "after", "system_powerdown")
 	steps := []struct {
 		name string
 		do   func() error
 		wait time.Duration
 	}{
-		{"system_powerdown", func() error { return b.qmpDo(ctx, inst, "system_powerdown") }, grace},
 		{"quit", func() error { return b.qmpDo(ctx, inst, "quit") }, b.stopStepMax},
 		{"SIGTERM", func() error { return b.signal(inst, syscall.SIGTERM) }, b.stopStepMax},
 		{"SIGKILL", func() error { return b.signal(inst, syscall.SIGKILL) }, 10 * time.Second},

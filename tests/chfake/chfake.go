@@ -38,19 +38,27 @@ type Behaviour struct {
 	HangBoot          bool            // vm.boot never answers
 	CrashAfter        time.Duration   // >0: the process exits 1 this long after boot
 	IgnorePowerButton bool            // the guest ignores ACPI power button
+	DropPresses       int             // the guest (still booting) drops this many presses first
 	Refuse            map[string]bool // endpoint names ("vm.create") answered 500
 	IgnoreSIGTERM     bool            // only SIGKILL ends the process
 	ConsoleBytes      int             // serial output written after boot, besides the banner
 }
 
 // BehaviourFromEnv reads CHFAKE_HANG_BOOT=1, CHFAKE_CRASH_AFTER=<duration>,
-// CHFAKE_IGNORE_POWER_BUTTON=1, CHFAKE_REFUSE=<endpoint,...>,
+// CHFAKE_IGNORE_POWER_BUTTON=1, CHFAKE_DROP_PRESSES=<n>, CHFAKE_REFUSE=<endpoint,...>,
 // CHFAKE_IGNORE_SIGTERM=1, CHFAKE_CONSOLE_BYTES=<n>.
 func BehaviourFromEnv() (Behaviour, error) {
 	var b Behaviour
 	b.HangBoot = os.Getenv("CHFAKE_HANG_BOOT") == "1"
 	b.IgnorePowerButton = os.Getenv("CHFAKE_IGNORE_POWER_BUTTON") == "1"
 	b.IgnoreSIGTERM = os.Getenv("CHFAKE_IGNORE_SIGTERM") == "1"
+	if v := os.Getenv("CHFAKE_DROP_PRESSES"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return b, fmt.Errorf("CHFAKE_DROP_PRESSES: %q is not a count", v)
+		}
+		b.DropPresses = n
+	}
 	if v := os.Getenv("CHFAKE_CRASH_AFTER"); v != "" {
 		d, err := time.ParseDuration(v)
 		if err != nil {
@@ -115,6 +123,7 @@ type Server struct {
 
 	mu      sync.Mutex
 	state   string // "", Created, Running, Shutdown
+	presses int    // vm.power-button calls while Running
 	config  json.RawMessage
 	serial  net.Listener
 	closers []io.Closer
@@ -285,7 +294,8 @@ func (s *Server) handle(ctx context.Context, endpoint string, body []byte, rec *
 			rec.status = http.StatusNotFound
 		case "Running":
 			rec.status = http.StatusNoContent
-			if !s.b.IgnorePowerButton {
+			s.presses++
+			if !s.b.IgnorePowerButton && s.presses > s.b.DropPresses {
 				// The guest powers off; cloud-hypervisor exits with it.
 				return func() { time.AfterFunc(50*time.Millisecond, func() { s.exit(0) }) }
 			}
