@@ -136,6 +136,7 @@ type Hypervisor interface {
 	Adopt(ctx context.Context, inst Instance) error
 	// Info asks the VMM for the guest's state.
 	Info(ctx context.Context, inst Instance) (VMState, error)
-	// Stop: power button, wait up to grace, then API shutdown or SIGTERM, then SIGKILL.
+	// Stop: power button (pressed again every PowerButtonEvery while the guest
+	// runs), wait up to grace, then API shutdown or SIGTERM, then SIGKILL.
 	Stop(ctx context.Context, inst Instance, grace time.Duration) error
 }
