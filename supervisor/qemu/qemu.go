@@ -38,10 +38,7 @@ type Backend struct {
 	consoleFile bool
 	qmpTimeout  time.Duration
 	stopStepMax time.Duration
-	// powerButtonEvery: how often Stop presses the power button again
-	// (supervisor.PowerButtonEvery unless a test shortens it).
-	powerButtonEvery time.Duration
-	log              *slog.Logger
+	log         *slog.Logger
 
 	mu        sync.Mutex
 	kvmBroken string // why KVM was given up in this process ("" = not given up)
@@ -495,7 +492,7 @@ func vmState(status string) supervisor.VMState {
 }
 
 // Stop implements supervisor.Hypervisor: the ACPI power button, pressed
-// again every powerButtonEvery while the guest is still running, up to grace
+// again every supervisor.PowerButtonEvery while the guest is still running, up to grace
 // for the guest to power off; then QMP quit, SIGTERM, SIGKILL, each given a
 // short while. It returns once the process has exited (an unreaped zombie
 // counts as exited), or ctx's error.
@@ -503,7 +500,7 @@ func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time
 	if !running(inst.PID, inst.StartTime) {
 		return nil
 	}
-	exited, err := supervisor.PressPowerButton(grace, b.powerButtonEvery,
+	exited, err := supervisor.PressPowerButton(grace, supervisor.PowerButtonEvery,
 		func() error { return b.qmpDo(ctx, inst, "system_powerdown") },
 		func(d time.Duration) bool { return waitExit(ctx, inst, d) },
 		func() bool { return ctx.Err() != nil })
