@@ -9,24 +9,24 @@ import (
 )
 
 // A fake guest that hears only presses made after `listens` (a guest still
-// booting drops the earlier ones) and exits `after` a heard press.
+// booting drops the earlier ones) and has exited by the next wait after a
+// heard press.
 type buttonGuest struct {
-	start, heard time.Time
-	listens      time.Duration
-	presses      int
+	start   time.Time
+	listens time.Duration
+	heard   bool
+	presses int
 }
 
 func (g *buttonGuest) press() error {
 	g.presses++
-	if g.heard.IsZero() && time.Since(g.start) >= g.listens {
-		g.heard = time.Now()
-	}
+	g.heard = g.heard || time.Since(g.start) >= g.listens
 	return nil
 }
 
 func (g *buttonGuest) waitExit(d time.Duration) bool {
 	time.Sleep(d)
-	return !g.heard.IsZero()
+	return g.heard
 }
 
 func never() bool { return false }
