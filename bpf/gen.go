@@ -1,5 +1,6 @@
 package bpf
 
-// The generated stats_bpfel.{go,o} are committed so that building needs no
+// The generated *_bpfel.{go,o} are committed so that building needs no
 // clang; `make generate` rebuilds them and CI checks they are not stale.
-//go:generate go tool bpf2go -cc clang-14 -strip llvm-strip-14 -target bpfel -type exposure_stat stats exposure_stats.c -- -O2 -g -Wall -I..
+//go:generate go tool bpf2go -cc clang-14 -strip llvm-strip-14 -target bpfel -type exposure_stat -type exposure_limit stats exposure_stats.c -- -O2 -g -Wall -mcpu=v3 -I..
+//go:generate go tool bpf2go -cc clang-14 -strip llvm-strip-14 -target bpfel -type nat_flow -type nat_cfg natpath natpath.c -- -O2 -g -Wall -mcpu=v3 -I..

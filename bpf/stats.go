@@ -43,7 +43,13 @@ const (
 // statLayout is the value struct as bpf2go generated it from exposure_stats.c.
 type statLayout = statsExposureStat
 
-const valueSize = int(unsafe.Sizeof(statLayout{}))
+// limitLayout is the value of exposure_limits (exposure.h).
+type limitLayout = statsExposureLimit
+
+const (
+	valueSize = int(unsafe.Sizeof(statLayout{}))
+	limitSize = int(unsafe.Sizeof(limitLayout{}))
+)
 
 // Field offsets inside one value, taken from the generated struct so the Go
 // and C views cannot drift.
@@ -56,7 +62,16 @@ var (
 	offDropped  = int(unsafe.Offsetof(statLayout{}.Dropped))
 	offBytesIn  = int(unsafe.Offsetof(statLayout{}.BytesIn))
 	offBytesOut = int(unsafe.Offsetof(statLayout{}.BytesOut))
+
+	offCap          = int(unsafe.Offsetof(limitLayout{}.Cap))
+	offGen          = int(unsafe.Offsetof(limitLayout{}.Gen))
+	offProxyActive  = int(unsafe.Offsetof(limitLayout{}.ProxyActive))
+	offKernelActive = int(unsafe.Offsetof(limitLayout{}.KernelActive))
 )
+
+// LimitsMapName is the pin name of the cap and generation map beside
+// exposure_stats.
+const LimitsMapName = "exposure_limits"
 
 // Protocol numbers as stored in the map.
 const (
@@ -110,7 +125,9 @@ type Entry struct {
 type Store struct {
 	mu     sync.Mutex
 	m      *ebpf.Map // nil in memory mode
+	lm     *ebpf.Map // exposure_limits; nil in memory mode
 	mem    []byte    // mmapped map values, or heap memory
+	lmem   []byte    // mmapped exposure_limits values, or heap memory
 	path   string    // pin path; "" in memory mode
 	reason string    // why the store is in memory, if it is
 	byName map[string]int
@@ -136,36 +153,39 @@ func Open(dir string) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading %s: %w", filepath.Join(dir, MapName), err)
 	}
-	m := objs.ExposureStats
-	size := Slots * valueSize
-	size = (size + os.Getpagesize() - 1) &^ (os.Getpagesize() - 1)
-	mem, err := unix.Mmap(m.FD(), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	m, lm := objs.ExposureStats, objs.ExposureLimits
+	mem, err := mmapValues(m, valueSize)
 	if err != nil {
-		m.Close()
+		objs.Close()
 		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, MapName), err)
 	}
-	s := &Store{m: m, mem: mem, path: filepath.Join(dir, MapName)}
+	lmem, err := mmapValues(lm, limitSize)
+	if err != nil {
+		_ = unix.Munmap(mem)
+		objs.Close()
+		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, LimitsMapName), err)
+	}
+	s := &Store{m: m, lm: lm, mem: mem, lmem: lmem, path: filepath.Join(dir, MapName)}
 	s.index()
 	return s, nil
+}
+
+func mmapValues(m *ebpf.Map, size int) ([]byte, error) {
+	n := Slots * size
+	n = (n + os.Getpagesize() - 1) &^ (os.Getpagesize() - 1)
+	return unix.Mmap(m.FD(), 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+}
+
+func heapWords(n int) []byte {
+	words := make([]uint64, n/8) // uint64 backing keeps 8-byte alignment
+	return unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), len(words)*8)
 }
 
 // NewInMemory returns a Store that counts in process memory only; reason says
 // why (it is reported in status so an operator knows bpftool will not see it).
 func NewInMemory(reason string) *Store {
-	words := make([]uint64, Slots*valueSize/8) // uint64 backing keeps 8-byte alignment
-	mem := unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), len(words)*8)
-	s := &Store{mem: mem, reason: reason}
+	s := &Store{mem: heapWords(Slots * valueSize), lmem: heapWords(Slots * limitSize), reason: reason}
 	s.index()
-	return s
-}
-
-// OpenOrMemory opens the pinned map and falls back to memory when that fails;
-// the error is kept as the store's reason.
-func OpenOrMemory(dir string) *Store {
-	s, err := Open(dir)
-	if err != nil {
-		return NewInMemory(fmt.Sprintf("counters in memory only: %v", err))
-	}
 	return s
 }
 
@@ -200,8 +220,8 @@ func (s *Store) Close() error {
 	if s.m == nil {
 		return nil
 	}
-	err := unix.Munmap(s.mem)
-	return errors.Join(err, s.m.Close())
+	err := errors.Join(unix.Munmap(s.mem), unix.Munmap(s.lmem))
+	return errors.Join(err, s.m.Close(), s.lm.Close())
 }
 
 func (s *Store) base(i int) int { return i * valueSize }
@@ -212,6 +232,14 @@ func (s *Store) word(i, off int) *atomic.Uint64 {
 
 func (s *Store) u32(i, off int) *atomic.Uint32 {
 	return (*atomic.Uint32)(unsafe.Pointer(&s.mem[s.base(i)+off]))
+}
+
+func (s *Store) limit64(i, off int) *atomic.Uint64 {
+	return (*atomic.Uint64)(unsafe.Pointer(&s.lmem[i*limitSize+off]))
+}
+
+func (s *Store) limit32(i, off int) *atomic.Uint32 {
+	return (*atomic.Uint32)(unsafe.Pointer(&s.lmem[i*limitSize+off]))
 }
 
 func (s *Store) nameAt(i int) string {
@@ -240,6 +268,12 @@ func (s *Store) zero(i int) {
 	s.u32(i, offProtocol).Store(0)
 	s.u32(i, offHostPort).Store(0)
 	clear(s.mem[s.base(i) : s.base(i)+NameLen])
+	// A new generation: flows the kernel still tracks for the slot's old
+	// exposure no longer count in it.
+	s.limit32(i, offCap).Store(0)
+	s.limit64(i, offProxyActive).Store(0)
+	s.limit64(i, offKernelActive).Store(0)
+	s.limit32(i, offGen).Add(1)
 }
 
 // ValidName reports whether name fits a slot.
@@ -302,14 +336,16 @@ func (s *Store) Lookup(name string) (Counters, bool) {
 	return s.read(i), true
 }
 
-// ResetActive zeroes every active gauge. A daemon calls it once at start:
-// connections it proxied died with the previous process, and the kernel path
-// re-adds what conntrack still holds.
+// ResetActive takes the proxy's share out of every active gauge. A daemon
+// calls it once at start: the connections the previous process proxied died
+// with it, while the kernel paths' connections live on and keep their
+// places (the kernel maintains that share itself).
 func (s *Store) ResetActive() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, i := range s.byName {
-		s.word(i, offActive).Store(0)
+		p := s.limit64(i, offProxyActive).Swap(0)
+		s.word(i, offActive).Add(-p)
 	}
 }
 
@@ -361,17 +397,57 @@ func (sl *Slot) Name() string { return sl.name }
 
 func (sl *Slot) add(off int, d uint64) { sl.s.word(sl.i, off).Add(d) }
 
-// Opened counts a connection admitted: accepted+1, active+1.
+// Opened counts a connection the proxy admitted without a cap: accepted+1,
+// active+1.
 func (sl *Slot) Opened() {
 	sl.add(offAccepted, 1)
 	sl.add(offActive, 1)
+	sl.s.limit64(sl.i, offProxyActive).Add(1)
 }
 
-// Closed is the end of a connection counted by Opened: active-1.
-func (sl *Slot) Closed() { sl.add(offActive, ^uint64(0)) }
+// TryOpen admits a proxied connection against the exposure's one cap, shared
+// with the kernel paths: a compare-and-increment of the slot's active gauge,
+// the same the BPF programs do. It reports false (and counts nothing) when
+// the cap is full.
+func (sl *Slot) TryOpen() bool {
+	active := sl.s.word(sl.i, offActive)
+	limit := sl.s.limit32(sl.i, offCap)
+	for {
+		cur := active.Load()
+		if c := limit.Load(); c != 0 && cur >= uint64(c) {
+			return false
+		}
+		if active.CompareAndSwap(cur, cur+1) {
+			sl.add(offAccepted, 1)
+			sl.s.limit64(sl.i, offProxyActive).Add(1)
+			return true
+		}
+	}
+}
 
-// AddActive moves the active gauge by d (negative allowed).
-func (sl *Slot) AddActive(d int64) { sl.add(offActive, uint64(d)) }
+// Closed is the end of a connection counted by Opened or TryOpen: active-1.
+func (sl *Slot) Closed() {
+	sl.add(offActive, ^uint64(0))
+	sl.s.limit64(sl.i, offProxyActive).Add(^uint64(0))
+}
+
+// SetCap sets the exposure's one cap (0 = unlimited), read by every path.
+func (sl *Slot) SetCap(c uint32) { sl.s.limit32(sl.i, offCap).Store(c) }
+
+// Cap is the cap SetCap set.
+func (sl *Slot) Cap() uint32 { return sl.s.limit32(sl.i, offCap).Load() }
+
+// SetKernelActive sets the kernel path's share of active to n, for a kernel
+// path whose connections the daemon counts itself (the event-fed fallback).
+func (sl *Slot) SetKernelActive(n uint64) {
+	old := sl.s.limit64(sl.i, offKernelActive).Swap(n)
+	sl.add(offActive, n-old)
+}
+
+// Shares returns the kernel paths' and the proxy's parts of active.
+func (sl *Slot) Shares() (kernel, proxy uint64) {
+	return sl.s.limit64(sl.i, offKernelActive).Load(), sl.s.limit64(sl.i, offProxyActive).Load()
+}
 
 // AddAccepted, AddRefused and AddDropped add to the totals.
 func (sl *Slot) AddAccepted(n uint64) { sl.add(offAccepted, n) }

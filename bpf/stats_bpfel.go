@@ -13,6 +13,15 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type statsExposureLimit struct {
+	_            structs.HostLayout
+	Cap          uint32
+	Gen          uint32
+	ProxyActive  uint64
+	KernelActive uint64
+	Reserved     uint64
+}
+
 type statsExposureStat struct {
 	_        structs.HostLayout
 	Name     [64]int8
@@ -30,7 +39,8 @@ type statsExposureStat struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	statsMapExposureStats = "exposure_stats"
+	statsMapExposureLimits = "exposure_limits"
+	statsMapExposureStats  = "exposure_stats"
 )
 
 // loadStats returns the embedded CollectionSpec for stats.
@@ -81,7 +91,8 @@ type statsProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type statsMapSpecs struct {
-	ExposureStats *ebpf.MapSpec `ebpf:"exposure_stats"`
+	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
+	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
 }
 
 // statsVariableSpecs contains global variables before they are loaded into the kernel.
@@ -110,11 +121,13 @@ func (o *statsObjects) Close() error {
 //
 // It can be passed to loadStatsObjects or ebpf.CollectionSpec.LoadAndAssign.
 type statsMaps struct {
-	ExposureStats *ebpf.Map `ebpf:"exposure_stats"`
+	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
+	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
 }
 
 func (m *statsMaps) Close() error {
 	return _StatsClose(
+		m.ExposureLimits,
 		m.ExposureStats,
 	)
 }

@@ -21,20 +21,18 @@ type slotFeed struct {
 
 // feed adds cur into the slot. On the first read after the process
 // started, the totals (accepted, refused, bytes) are only a baseline: the
-// slot already holds them from the previous daemon. Active is different:
-// the daemon zeroes every active gauge at start (bpf.Store.ResetActive), so
-// the kernel path adds back all the connections conntrack still holds.
+// slot already holds them from the previous daemon. Active is the kernel
+// path's share, set to what conntrack holds now.
 func (f *slotFeed) feed(cur nft.ExposureCounters) {
+	f.slot.SetKernelActive(cur.Active)
 	if !f.seen {
 		f.seen = true
-		f.slot.AddActive(int64(cur.Active))
 		f.last = cur
 		return
 	}
 	f.slot.AddAccepted(delta(f.last.Accepted, cur.Accepted))
 	f.slot.AddRefused(delta(f.last.Refused, cur.Refused))
 	f.slot.AddBytes(delta(f.last.BytesIn, cur.BytesIn), delta(f.last.BytesOut, cur.BytesOut))
-	f.slot.AddActive(int64(cur.Active) - int64(f.last.Active))
 	f.last = cur
 }
 

@@ -1,0 +1,474 @@
+//go:build ignore
+
+// SPDX-License-Identifier: GPL-2.0
+//
+// The nat path's per-connection logic, all in the kernel: admission against
+// the exposure's cap, release when the flow ends, and counting, written into
+// the exposure's slot of exposure_stats. nft does the DNAT and marks the
+// connection (ct mark = owner bit | slot+1); these programs only read that
+// mark. Why these hooks: docs/ARCHITECTURE.md, "The nat path".
+//
+//   brk_nat_pre, brk_nat_out  netfilter (IPv4 PREROUTING and LOCAL_OUT, right
+//                             after DNAT): every packet of a marked
+//                             connection, both directions, passes exactly one
+//                             of them, with or without br_netfilter.
+//   brk_nat_reflect           tc egress on the bridge: a refused TCP caller's
+//                             SYN is turned into the RST the guest would send
+//                             and handed back to the bridge's ingress, so
+//                             conntrack un-NATs it to the caller.
+//   a timer per flow          checks that the flow's conntrack entry is
+//                             still alive: a flow conntrack forgets
+//                             (timeouts, UDP, flushes) gives its place back,
+//                             and its entry here is deleted. (This kernel
+//                             has no ftrace, so no fentry on nf_ct_destroy.)
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_endian.h>
+#include "exposure.h"
+
+#define NF_DROP 0
+#define NF_ACCEPT 1
+#define TC_ACT_OK 0
+#define TC_ACT_SHOT 2
+#define ETH_P_IP 0x0800
+#define ETH_HLEN 14
+#define IPPROTO_TCP 6
+#define IPPROTO_UDP 17
+#define NF_INET_PRE_ROUTING 0
+#define NF_INET_LOCAL_OUT 3
+#define BPF_F_INGRESS 1
+#define NFCT_PTRMASK (~7UL)
+#define IP_CT_IS_REPLY 3
+#define IP_CT_NEW 2
+
+#define TH_FIN 0x01
+#define TH_SYN 0x02
+#define TH_RST 0x04
+#define TH_ACK 0x10
+
+// ct mark layout, shared with netplane/nft.
+#define MARK_ID_MASK 0x1fffffff
+#define MARK_OWNED 0x20000000
+
+// nat_flow.flags
+#define F_OPEN 0x01      // holds a place of the cap
+#define F_RELEASED 0x02  // gave it back
+#define F_REFUSED 0x04   // over the cap: the reflector answers its SYN
+#define F_FIN_ORIG 0x08
+#define F_FIN_REPL 0x10
+#define F_REPLIED 0x20   // the guest answered
+#define F_SEQ_REPL 0x40  // next_seq[1] is known
+#define F_DROPPED 0x80   // counted in dropped
+
+struct nat_flow {
+	__u32 slot;
+	__u32 gen;
+	__u32 flags;
+	__u32 next_seq[2]; // TCP: the highest sequence end seen, per direction
+	// The conntrack entry's original tuple: conntrack entries live in a
+	// SLAB_TYPESAFE_BY_RCU cache, so the timer tells "still ours" from
+	// "freed and reused" by comparing it.
+	__u32 saddr, daddr;
+	__u16 sport, dport;
+	__u8 proto;
+	__u8 pad[3];
+	struct bpf_timer timer;
+};
+
+// Keyed by the conntrack entry's address: both hooks reach it without
+// reading the tuple, and an entry lives as long as its conntrack entry
+// (the flow's timer deletes it once that is gone).
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1 << 20);
+	__type(key, __u64);
+	__type(value, struct nat_flow);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} nat_flows SEC(".maps");
+
+struct nat_cfg {
+	__u32 guest_net;  // the bridge subnet, network byte order
+	__u32 guest_mask; // its mask, network byte order
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct nat_cfg);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} nat_config SEC(".maps");
+
+extern void *bpf_cast_to_kern_ctx(void *) __ksym;
+
+struct pkt {
+	__u8 proto;
+	__u8 tcp_flags;
+	__u32 saddr;
+	__u32 seq;
+	__u32 payload;
+};
+
+// read_pkt reads the IPv4 and L4 headers of skb; 0 when it is not a TCP or
+// UDP packet brokkr can account.
+static __always_inline int read_pkt(struct sk_buff *skb, struct pkt *p)
+{
+	unsigned char *head = BPF_CORE_READ(skb, head);
+	__u16 nh = BPF_CORE_READ(skb, network_header);
+	__u32 len = BPF_CORE_READ(skb, len);
+	struct iphdr ip;
+	if (bpf_probe_read_kernel(&ip, sizeof(ip), head + nh))
+		return 0;
+	if (ip.version != 4)
+		return 0;
+	__u32 ihl = ip.ihl * 4;
+	p->proto = ip.protocol;
+	p->saddr = ip.saddr;
+	if (ip.protocol == IPPROTO_TCP) {
+		struct tcphdr th;
+		if (bpf_probe_read_kernel(&th, sizeof(th), head + nh + ihl))
+			return 0;
+		__u32 hl = ihl + th.doff * 4;
+		p->payload = len > hl ? len - hl : 0;
+		p->seq = bpf_ntohl(th.seq);
+		p->tcp_flags = ((__u8 *)&th)[13];
+		return 1;
+	}
+	if (ip.protocol == IPPROTO_UDP) {
+		__u32 hl = ihl + 8;
+		p->payload = len > hl ? len - hl : 0;
+		p->tcp_flags = 0;
+		return 1;
+	}
+	return 0;
+}
+
+static __always_inline void count_bytes(struct exposure_stat *st, int reply, __u64 n)
+{
+	if (!n)
+		return;
+	if (reply)
+		__sync_fetch_and_add(&st->bytes_out, n);
+	else
+		__sync_fetch_and_add(&st->bytes_in, n);
+}
+
+// advance counts TCP payload by how far the stream's sequence end moved, so
+// a retransmitted segment is never counted twice.
+static __always_inline void advance(struct nat_flow *f, struct exposure_stat *st, int reply, __u32 end)
+{
+	for (int i = 0; i < 4; i++) {
+		__u32 old = *(volatile __u32 *)&f->next_seq[reply & 1];
+		__s32 d = (__s32)(end - old);
+		if (d <= 0)
+			return;
+		if (__sync_val_compare_and_swap(&f->next_seq[reply & 1], old, end) == old) {
+			count_bytes(st, reply, (__u32)d);
+			return;
+		}
+	}
+}
+
+static __always_inline void release(struct nat_flow *f, struct exposure_stat *st, struct exposure_limit *lim)
+{
+	__u32 old = __sync_fetch_and_or(&f->flags, F_RELEASED);
+	if ((old & F_OPEN) && !(old & F_RELEASED))
+		brk_release(st, lim);
+}
+
+static __always_inline int in_guest_net(__u32 saddr)
+{
+	__u32 k = 0;
+	struct nat_cfg *c = bpf_map_lookup_elem(&nat_config, &k);
+	return c && c->guest_mask && (saddr & c->guest_mask) == c->guest_net;
+}
+
+#define RECHECK_NS (2ULL * 1000000000ULL)
+
+// flow_alive reports whether the conntrack entry at ctp is still the flow's
+// live, unexpired entry.
+static __always_inline int flow_alive(__u64 ctp, struct nat_flow *f)
+{
+	struct nf_conn *ct = (struct nf_conn *)ctp;
+	if (BPF_CORE_READ(ct, ct_general.use.refs.counter) == 0)
+		return 0;
+	if (BPF_CORE_READ(ct, status) & (1UL << IPS_DYING_BIT))
+		return 0;
+	struct nf_conntrack_tuple t = BPF_CORE_READ(ct, tuplehash[0].tuple);
+	if (t.src.u3.ip != f->saddr || t.dst.u3.ip != f->daddr || t.src.u.all != f->sport ||
+	    t.dst.u.all != f->dport || t.dst.protonum != f->proto)
+		return 0;
+	__s32 left = (__s32)(BPF_CORE_READ(ct, timeout) - (__u32)bpf_jiffies64());
+	return left > 0;
+}
+
+// settle gives back the place of a flow whose conntrack entry is gone, and
+// forgets the flow.
+static __always_inline void settle(__u64 *key, struct nat_flow *f)
+{
+	__u32 slot = f->slot;
+	struct exposure_stat *st = bpf_map_lookup_elem(&exposure_stats, &slot);
+	struct exposure_limit *lim = bpf_map_lookup_elem(&exposure_limits, &slot);
+	if (st && lim && f->gen == lim->gen && (f->flags & F_OPEN)) {
+		release(f, st, lim);
+		// A TCP caller admitted but never answered: the guest was not
+		// there. (A UDP flow may be one-way by design.)
+		if (f->proto == IPPROTO_TCP && !(f->flags & F_REPLIED) && !(__sync_fetch_and_or(&f->flags, F_DROPPED) & F_DROPPED))
+			__sync_fetch_and_add(&st->dropped, 1);
+	}
+	bpf_map_delete_elem(&nat_flows, key);
+}
+
+static int flow_timer(void *map, __u64 *key, struct nat_flow *f)
+{
+	if (flow_alive(*key, f))
+		bpf_timer_start(&f->timer, RECHECK_NS, 0);
+	else
+		settle(key, f);
+	return 0;
+}
+
+// track inserts the flow and starts its timer; 0 on success.
+static __always_inline int track(__u64 ctp, struct nf_conn *ct, struct nat_flow *nf)
+{
+	struct nf_conntrack_tuple t = BPF_CORE_READ(ct, tuplehash[0].tuple);
+	nf->saddr = t.src.u3.ip;
+	nf->daddr = t.dst.u3.ip;
+	nf->sport = t.src.u.all;
+	nf->dport = t.dst.u.all;
+	nf->proto = t.dst.protonum;
+	if (bpf_map_update_elem(&nat_flows, &ctp, nf, BPF_NOEXIST))
+		return -1;
+	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
+	if (!f)
+		return -1;
+	bpf_timer_init(&f->timer, &nat_flows, 1 /* CLOCK_MONOTONIC */);
+	bpf_timer_set_callback(&f->timer, flow_timer);
+	bpf_timer_start(&f->timer, RECHECK_NS, 0);
+	return 0;
+}
+
+static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
+{
+	struct sk_buff *skb = ctx->skb;
+	unsigned long nfct = skb->_nfct;
+	__u64 ctp = nfct & NFCT_PTRMASK;
+	if (!ctp)
+		return NF_ACCEPT;
+	struct nf_conn *ct = (struct nf_conn *)ctp;
+	__u32 mark = BPF_CORE_READ(ct, mark);
+	if (!(mark & MARK_OWNED))
+		return NF_ACCEPT;
+	__u32 id = mark & MARK_ID_MASK;
+	if (id == 0 || id > EXPOSURE_SLOTS)
+		return NF_ACCEPT;
+	__u32 slot = id - 1;
+	struct exposure_stat *st = bpf_map_lookup_elem(&exposure_stats, &slot);
+	struct exposure_limit *lim = bpf_map_lookup_elem(&exposure_limits, &slot);
+	if (!st || !lim)
+		return NF_ACCEPT;
+	struct pkt p = {};
+	if (!read_pkt(skb, &p))
+		return NF_ACCEPT;
+	int ctinfo = nfct & 7;
+	int reply = ctinfo >= IP_CT_IS_REPLY;
+
+	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
+	if (f && !(BPF_CORE_READ(ct, status) & (1UL << IPS_CONFIRMED_BIT))) {
+		// An entry for a conntrack entry not confirmed yet is a
+		// leftover: its entry died and the memory was reused before the
+		// flow's timer noticed. Settle it and start afresh.
+		settle(&ctp, f);
+		f = 0;
+	}
+	if (!f) {
+		if (reply)
+			return NF_ACCEPT; // a flow that predates the programs
+		int fresh = ctinfo == IP_CT_NEW && (p.proto == IPPROTO_UDP || (p.tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN);
+		if (!fresh)
+			return NF_ACCEPT;
+		struct nat_flow nf = {.slot = slot, .gen = lim->gen};
+		if (brk_admit(st, lim)) {
+			nf.flags = F_OPEN;
+			nf.next_seq[0] = p.seq + 1;
+			if (track(ctp, ct, &nf)) {
+				// Lost a race with the same entry, or the table is
+				// full: never hold a place nobody will give back.
+				brk_release(st, lim);
+				__sync_fetch_and_add(&st->accepted, -1);
+				struct nat_flow *again = bpf_map_lookup_elem(&nat_flows, &ctp);
+				if (again)
+					return NF_ACCEPT;
+				__sync_fetch_and_add(&st->refused, 1);
+				return NF_DROP;
+			}
+			if (p.proto == IPPROTO_UDP)
+				count_bytes(st, 0, p.payload);
+			return NF_ACCEPT;
+		}
+		__sync_fetch_and_add(&st->refused, 1);
+		// A guest caller's packets are bridged straight to the target
+		// (br_netfilter) and never reach the reflector: drop them. UDP
+		// is dropped too.
+		if (p.proto != IPPROTO_TCP || (hook == NF_INET_PRE_ROUTING && in_guest_net(p.saddr)))
+			return NF_DROP;
+		nf.flags = F_REFUSED;
+		if (track(ctp, ct, &nf))
+			return NF_DROP;
+		return NF_ACCEPT;
+	}
+	if (f->flags & F_REFUSED) {
+		// Only the SYN goes on, to be reflected; anything else of a
+		// refused flow stops here.
+		if (!reply && (p.tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN)
+			return NF_ACCEPT;
+		return reply ? NF_ACCEPT : NF_DROP;
+	}
+	if (f->gen != lim->gen)
+		return NF_ACCEPT; // the slot was given to another exposure since
+
+	if (reply && !(f->flags & F_REPLIED))
+		__sync_fetch_and_or(&f->flags, F_REPLIED);
+	if (p.proto == IPPROTO_UDP) {
+		count_bytes(st, reply, p.payload);
+		return NF_ACCEPT;
+	}
+	__u8 fl = p.tcp_flags;
+	if (reply && (fl & TH_SYN) && !(f->flags & F_SEQ_REPL)) {
+		f->next_seq[1] = p.seq + 1;
+		__sync_fetch_and_or(&f->flags, F_SEQ_REPL);
+	}
+	if (p.payload) {
+		__u32 start = p.seq + ((fl & TH_SYN) ? 1 : 0);
+		if (reply && !(f->flags & F_SEQ_REPL)) {
+			count_bytes(st, 1, p.payload);
+			f->next_seq[1] = start + p.payload;
+			__sync_fetch_and_or(&f->flags, F_SEQ_REPL);
+		} else {
+			advance(f, st, reply, start + p.payload);
+		}
+	}
+	if (fl & TH_RST) {
+		// The guest refusing the connection (RST before any SYN-ACK)
+		// is a caller admitted but not carried.
+		if (reply && !(f->flags & F_SEQ_REPL) && !(__sync_fetch_and_or(&f->flags, F_DROPPED) & F_DROPPED))
+			__sync_fetch_and_add(&st->dropped, 1);
+		release(f, st, lim);
+		return NF_ACCEPT;
+	}
+	if (fl & TH_FIN) {
+		__u32 mine = reply ? F_FIN_REPL : F_FIN_ORIG;
+		__u32 other = reply ? F_FIN_ORIG : F_FIN_REPL;
+		__u32 old = __sync_fetch_and_or(&f->flags, mine);
+		if (old & other)
+			release(f, st, lim);
+	}
+	return NF_ACCEPT;
+}
+
+SEC("netfilter")
+int brk_nat_pre(struct bpf_nf_ctx *ctx)
+{
+	return account(ctx, NF_INET_PRE_ROUTING);
+}
+
+SEC("netfilter")
+int brk_nat_out(struct bpf_nf_ctx *ctx)
+{
+	return account(ctx, NF_INET_LOCAL_OUT);
+}
+
+static __always_inline __u32 csum_add16(__u32 sum, const __u16 *w, int n)
+{
+	for (int i = 0; i < n; i++)
+		sum += w[i];
+	return sum;
+}
+
+static __always_inline __u16 csum_fold(__u32 sum)
+{
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return ~sum;
+}
+
+struct pseudo {
+	__u32 saddr;
+	__u32 daddr;
+	__u8 zero;
+	__u8 proto;
+	__u16 len;
+};
+
+SEC("tc")
+int brk_nat_reflect(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return TC_ACT_OK;
+	struct iphdr *ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_TCP || ip->ihl != 5)
+		return TC_ACT_OK;
+	struct tcphdr *th = (void *)(ip + 1);
+	if ((void *)(th + 1) > end || !th->syn || th->ack)
+		return TC_ACT_OK;
+
+	struct sk_buff *k = bpf_cast_to_kern_ctx(skb);
+	__u64 ctp = k->_nfct & NFCT_PTRMASK;
+	if (!ctp)
+		return TC_ACT_OK;
+	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
+	if (!f || !(f->flags & F_REFUSED))
+		return TC_ACT_OK;
+
+	// The RST the guest would send: from the guest to the caller (as the
+	// packet now stands, after NAT), acknowledging the SYN.
+	__u8 mac_guest[6], mac_br[6];
+	__builtin_memcpy(mac_guest, eth->h_dest, 6);
+	__builtin_memcpy(mac_br, eth->h_source, 6);
+	__u32 saddr = ip->saddr, daddr = ip->daddr;
+	__u16 sport = th->source, dport = th->dest;
+	__u32 ack = bpf_htonl(bpf_ntohl(th->seq) + 1);
+
+	if (bpf_skb_change_tail(skb, ETH_HLEN + 40, 0))
+		return TC_ACT_SHOT;
+	data = (void *)(long)skb->data;
+	end = (void *)(long)skb->data_end;
+	eth = data;
+	ip = (void *)(eth + 1);
+	th = (void *)(ip + 1);
+	if ((void *)(th + 1) > end)
+		return TC_ACT_SHOT;
+
+	__builtin_memcpy(eth->h_dest, mac_br, 6);
+	__builtin_memcpy(eth->h_source, mac_guest, 6);
+	ip->tot_len = bpf_htons(40);
+	ip->id = 0;
+	ip->frag_off = bpf_htons(0x4000);
+	ip->ttl = 64;
+	ip->saddr = daddr;
+	ip->daddr = saddr;
+	ip->check = 0;
+	ip->check = csum_fold(csum_add16(0, (__u16 *)ip, 10));
+
+	__builtin_memset(th, 0, sizeof(*th));
+	th->source = dport;
+	th->dest = sport;
+	th->ack_seq = ack;
+	th->doff = 5;
+	th->rst = 1;
+	th->ack = 1;
+	struct pseudo ph = {.saddr = daddr, .daddr = saddr, .proto = IPPROTO_TCP, .len = bpf_htons(20)};
+	__u32 sum = csum_add16(0, (__u16 *)&ph, 6);
+	sum = csum_add16(sum, (__u16 *)th, 10);
+	th->check = csum_fold(sum);
+
+	bpf_csum_level(skb, BPF_CSUM_LEVEL_RESET);
+	return bpf_redirect(skb->ifindex, BPF_F_INGRESS);
+}
+
+char __license[] SEC("license") = "GPL";

@@ -1,0 +1,333 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// natTopo: client ns (10.99.0.2) -- veth -- host ns (10.99.0.1; bridge br0
+// 10.213.0.1/24) -- veth port -- guest ns (10.213.0.11) running TCP and UDP
+// echo servers on 7000. A plain nft DNAT rule publishes host:8080 (TCP and
+// UDP) and marks the connection for the exposure in slot, as netplane/nft
+// does.
+type natTopo struct {
+	client, host, guest *nstest.NS
+	store               *Store
+	slot                *Slot
+	pins                string
+	bridge              int
+}
+
+func newNatTopo(t *testing.T, cap uint32) *natTopo {
+	t.Helper()
+	pins := nstest.PrivateBPFFS(t)
+	tp := &natTopo{client: nstest.New(t, "cli"), host: nstest.New(t, "host"), guest: nstest.New(t, "g1"), pins: pins}
+	nstest.Link(t, tp.client, "eth0", "10.99.0.2/24", tp.host, "vh-cli", "10.99.0.1/24")
+	tp.client.MustRun(t, "ip", "route", "add", "default", "via", "10.99.0.1")
+	tp.host.MustRun(t, "ip", "link", "add", "br0", "type", "bridge")
+	tp.host.MustRun(t, "ip", "addr", "add", "10.213.0.1/24", "dev", "br0")
+	tp.host.MustRun(t, "ip", "link", "set", "br0", "up")
+	tp.host.MustRun(t, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+	nstest.Link(t, tp.host, "g1p", "", tp.guest, "eth0", "10.213.0.11/24")
+	tp.host.MustRun(t, "ip", "link", "set", "g1p", "master", "br0")
+	tp.host.MustRun(t, "ip", "link", "set", "dev", "g1p", "type", "bridge_slave", "hairpin", "on")
+	tp.guest.MustRun(t, "ip", "route", "add", "default", "via", "10.213.0.1")
+	serveEcho(t, tp.guest, "0.0.0.0:7000")
+
+	s, err := Open(pins)
+	require.NoError(t, err)
+	t.Cleanup(func() { s.Close() })
+	tp.store = s
+	tp.slot, err = s.Attach("web", ProtoTCP, 8080)
+	require.NoError(t, err)
+	tp.slot.SetCap(cap)
+	t.Cleanup(func() { tp.slot.Release(false) })
+	mark := fmt.Sprintf("0x%x", MarkOf(tp.slot.Index()))
+	script := `table ip brktest {
+  chain pre { type nat hook prerouting priority -100; policy accept;
+    fib daddr type local meta l4proto { tcp, udp } th dport 8080 ct mark set ` + mark + ` dnat to 10.213.0.11:7000
+  }
+  chain out { type nat hook output priority -100; policy accept;
+    fib daddr type local meta l4proto { tcp, udp } th dport 8080 ct mark set ` + mark + ` dnat to 10.213.0.11:7000
+  }
+  chain post { type nat hook postrouting priority 100; policy accept;
+    ct status dnat oifname "br0" ip saddr 10.213.0.0/24 masquerade
+  }
+}`
+	cmd := tp.host.Command("nft", "-f", "-")
+	cmd.Stdin = strings.NewReader(script)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, string(out))
+	tp.bridge = ifindex(t, tp.host, "br0")
+	return tp
+}
+
+func ifindex(t *testing.T, n *nstest.NS, name string) int {
+	t.Helper()
+	var idx int
+	require.NoError(t, n.Do(func() error {
+		i, err := net.InterfaceByName(name)
+		if err != nil {
+			return err
+		}
+		idx = i.Index
+		return nil
+	}))
+	return idx
+}
+
+func (tp *natTopo) load(t *testing.T) *NatPath {
+	t.Helper()
+	np, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do})
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("kernel lacks the nat path's hooks: %v", err)
+	}
+	require.NoError(t, err)
+	return np
+}
+
+// serveEcho runs TCP and UDP echo servers inside ns until the test ends.
+func serveEcho(t *testing.T, ns *nstest.NS, addr string) {
+	t.Helper()
+	var ln net.Listener
+	var pc net.PacketConn
+	require.NoError(t, ns.Do(func() (err error) {
+		if ln, err = net.Listen("tcp4", addr); err != nil {
+			return err
+		}
+		pc, err = net.ListenPacket("udp4", addr)
+		return err
+	}))
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); pc.Close(); wg.Wait() })
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, _ = io.Copy(c, c)
+				c.Close()
+			}()
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		buf := make([]byte, 65536)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			_, _ = pc.WriteTo(buf[:n], from)
+		}
+	}()
+}
+
+func dial(t *testing.T, ns *nstest.NS, network, addr string) (net.Conn, error) {
+	t.Helper()
+	var c net.Conn
+	err := ns.Do(func() (err error) {
+		c, err = net.DialTimeout(network, addr, 3*time.Second)
+		return err
+	})
+	return c, err
+}
+
+// roundTrip writes payload and reads it back.
+func roundTrip(t *testing.T, c net.Conn, payload []byte) {
+	t.Helper()
+	require.NoError(t, c.SetDeadline(time.Now().Add(5*time.Second)))
+	_, err := c.Write(payload)
+	require.NoError(t, err)
+	got := make([]byte, len(payload))
+	_, err = io.ReadFull(c, got)
+	require.NoError(t, err)
+	require.Equal(t, payload, got)
+}
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestNatPathCapsCountsAndReleasesInTheKernel(t *testing.T) {
+	tp := newNatTopo(t, 2)
+	np := tp.load(t)
+	defer np.Close()
+
+	a, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	defer a.Close()
+	b, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	roundTrip(t, a, []byte("hello"))
+	roundTrip(t, b, make([]byte, 100000))
+
+	// The third caller is refused at once, by a RST.
+	start := time.Now()
+	_, err = dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
+	assert.Less(t, time.Since(start), time.Second)
+
+	c := tp.slot.Read()
+	assert.EqualValues(t, 2, c.Active)
+	assert.EqualValues(t, 2, c.Accepted)
+	assert.EqualValues(t, 1, c.Refused)
+	assert.EqualValues(t, 100005, c.BytesIn)
+	assert.EqualValues(t, 100005, c.BytesOut)
+
+	// Closing one gives its place back, in the kernel.
+	require.NoError(t, b.Close())
+	eventually(t, "active 1", func() bool { return tp.slot.Read().Active == 1 })
+	d, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	roundTrip(t, d, []byte("x"))
+	d.Close()
+	a.Close()
+	eventually(t, "active 0", func() bool { return tp.slot.Read().Active == 0 })
+	c = tp.slot.Read()
+	assert.EqualValues(t, 3, c.Accepted)
+	assert.EqualValues(t, 1, c.Refused)
+	assert.EqualValues(t, 100006, c.BytesIn)
+	assert.EqualValues(t, 100006, c.BytesOut)
+	k, p := tp.slot.Shares()
+	assert.Zero(t, k)
+	assert.Zero(t, p)
+}
+
+func TestNatPathKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T) {
+	tp := newNatTopo(t, 1)
+	np := tp.load(t)
+	ids := linkIDs(t, np)
+	require.NoError(t, np.Close()) // the daemon is gone; the pins stay
+
+	a, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	roundTrip(t, a, []byte("abc"))
+	_, err = dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.ErrorIs(t, err, syscall.ECONNREFUSED, "the cap holds with no daemon")
+	a.Close()
+	eventually(t, "the place given back with no daemon", func() bool { return tp.slot.Read().Active == 0 })
+
+	np2 := tp.load(t)
+	defer np2.Close()
+	assert.Equal(t, ids, linkIDs(t, np2), "a restarted daemon adopts the pinned links")
+	assert.Equal(t, 1, linksRunning(t, np2.objs.BrkNatPre), "one copy of the prerouting program is attached")
+	assert.Equal(t, 1, linksRunning(t, np2.objs.BrkNatReflect), "one copy of the reflector is attached")
+
+	b, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	roundTrip(t, b, []byte("de"))
+	b.Close()
+	eventually(t, "active 0", func() bool { return tp.slot.Read().Active == 0 })
+	c := tp.slot.Read()
+	assert.EqualValues(t, 2, c.Accepted)
+	assert.EqualValues(t, 1, c.Refused)
+	assert.EqualValues(t, 5, c.BytesIn)
+	assert.EqualValues(t, 5, c.BytesOut)
+}
+
+func TestNatPathUDPFlowsAreCappedAndCountedAndFreedWhenConntrackForgetsThem(t *testing.T) {
+	tp := newNatTopo(t, 1)
+	np := tp.load(t)
+	defer np.Close()
+
+	u, err := dial(t, tp.client, "udp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	defer u.Close()
+	roundTrip(t, u, []byte("ping!"))
+	roundTrip(t, u, []byte("again"))
+
+	// A second flow is over the cap: dropped and counted.
+	v, err := dial(t, tp.client, "udp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	defer v.Close()
+	_, err = v.Write([]byte("nope"))
+	require.NoError(t, err)
+	require.NoError(t, v.SetReadDeadline(time.Now().Add(300*time.Millisecond)))
+	_, err = v.Read(make([]byte, 10))
+	require.Error(t, err)
+
+	c := tp.slot.Read()
+	assert.EqualValues(t, 1, c.Active)
+	assert.EqualValues(t, 1, c.Accepted)
+	assert.EqualValues(t, 1, c.Refused)
+	assert.EqualValues(t, 10, c.BytesIn)
+	assert.EqualValues(t, 10, c.BytesOut)
+
+	// conntrack forgetting the flow (as a timeout does) gives its place back.
+	tp.host.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "8080")
+	eventually(t, "active 0", func() bool { return tp.slot.Read().Active == 0 })
+	_, err = v.Write([]byte("now"))
+	require.NoError(t, err)
+	got := make([]byte, 10)
+	require.NoError(t, v.SetReadDeadline(time.Now().Add(3*time.Second)))
+	n, err := v.Read(got)
+	require.NoError(t, err)
+	assert.Equal(t, "now", string(got[:n]))
+}
+
+// linksRunning counts the links in the system whose program is prog's
+// (same tag: an adopted link runs the earlier daemon's load of it).
+func linksRunning(t *testing.T, prog *ebpf.Program) int {
+	t.Helper()
+	pi, err := prog.Info()
+	require.NoError(t, err)
+	it := new(link.Iterator)
+	defer it.Close()
+	n := 0
+	for it.Next() {
+		info, err := it.Link.Info()
+		if err != nil {
+			continue
+		}
+		p, err := ebpf.NewProgramFromID(info.Program)
+		if err != nil {
+			continue
+		}
+		if i, err := p.Info(); err == nil && i.Tag == pi.Tag {
+			n++
+		}
+		p.Close()
+	}
+	require.NoError(t, it.Err())
+	return n
+}
+
+func linkIDs(t *testing.T, np *NatPath) map[string]uint32 {
+	t.Helper()
+	out := map[string]uint32{}
+	for name, l := range np.links {
+		info, err := l.Info()
+		require.NoError(t, err)
+		out[name] = uint32(info.ID)
+	}
+	return out
+}
+
