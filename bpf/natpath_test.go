@@ -330,4 +330,3 @@ func linkIDs(t *testing.T, np *NatPath) map[string]uint32 {
 	}
 	return out
 }
-
