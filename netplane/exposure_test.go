@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/internal/nstest"
 )
 
@@ -55,8 +56,19 @@ func dial(ns *nstest.NS, addr string) (string, error) {
 // an external flush of the nft table is repaired and reported; Teardown
 // removes the table with the links.
 func TestExposureFromPendingToActiveWithCounters(t *testing.T) {
+	t.Run("nat path", func(t *testing.T) { exposureFromPendingToActive(t, true) })
+	t.Run("event-fed fallback", func(t *testing.T) { exposureFromPendingToActive(t, false) })
+}
+
+func exposureFromPendingToActive(t *testing.T, natPath bool) {
 	host, client := hostAndClient(t)
-	p, store := newPlane(t, host, t.TempDir())
+	var p *Plane
+	var store *bpf.Store
+	if natPath {
+		p, store = newPinnedPlane(t, host, t.TempDir())
+	} else {
+		p, store = newPlane(t, host, t.TempDir())
+	}
 
 	d := Desired{
 		Network: network(),
@@ -89,6 +101,13 @@ func TestExposureFromPendingToActiveWithCounters(t *testing.T) {
 	require.NoError(t, rep.Err)
 	assert.True(t, rep.Guests[0].Leased)
 	assert.Equal(t, "active", rep.Exposures[0].State, rep.Exposures[0].Reason)
+	table := host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
+	if natPath {
+		assert.Empty(t, p.NatPathReason())
+		assert.NotContains(t, table, "conns-web-http", "the cap is the BPF nat path's, not a set's")
+	} else {
+		assert.Contains(t, table, "conns-web-http")
+	}
 
 	for i := 0; i < 3; i++ {
 		got, err := dial(client, "10.99.0.1:8080")

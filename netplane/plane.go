@@ -74,6 +74,10 @@ type Plane struct {
 	dhcp       *dhcp.Server
 	dhcpIfIdx  int
 	feeds      map[string]*slotFeed
+	nat        *bpf.NatPath // the kernel nat path; nil: the event-fed fallback
+	natReason  string       // why nat is nil
+	natBridge  int
+	natGuests  netip.Prefix
 	madeBridge bool            // the bridge existed after an earlier pass of this process
 	madeTaps   map[string]bool // likewise per tap
 	forwarding bool
@@ -410,6 +414,9 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
 		}
 	}
+	p.ensureNatPath(n)
+	rules.KernelCap = p.kernelCap()
+	p.attachSlots(d.Exposures)
 	status := make([]ExposureStatus, len(d.Exposures))
 	for i, e := range d.Exposures {
 		status[i] = ExposureStatus{Name: e.Name, State: "active"}
@@ -431,24 +438,33 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 			}
 			target = l.Addr
 		}
-		rules.Exposures = append(rules.Exposures, nft.Exposure{
+		x := nft.Exposure{
 			Name: e.Name, Protocol: e.Protocol, HostAddr: e.HostAddress, HostPort: e.HostPort,
 			GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
-		})
+		}
+		if rules.KernelCap {
+			f := p.feeds[e.Name]
+			if f == nil {
+				status[i].State, status[i].Reason = "failed", "no counter slot"
+				continue
+			}
+			x.MarkID = bpf.MarkOf(f.slot.Index()) & bpf.MarkIDMask
+		}
+		rules.Exposures = append(rules.Exposures, x)
 	}
 
 	var counters map[string]nft.ExposureCounters
 	tableErr := p.applyTable(rules, &repaired)
-	// A counter read asks the kernel for brokkr's conntrack entries (a walk
-	// of the whole hash table, about 13 ms here, unless the namespace tracks
-	// nothing), so it is skipped when nothing is published.
-	if tableErr == nil && len(rules.Exposures) > 0 {
+	// In the event-fed fallback, a counter read asks the kernel for brokkr's
+	// conntrack entries, so it is skipped when nothing is published. The
+	// nat path writes the slots itself: nothing to read.
+	if tableErr == nil && len(rules.Exposures) > 0 && !rules.KernelCap {
 		var err error
 		if counters, err = p.table.Counters(); err != nil {
 			p.log.Warn("netplane: reading nft counters", "err", err)
 		}
 	}
-	p.feedSlots(d.Exposures, counters)
+	p.feedSlots(counters)
 	for i, e := range d.Exposures {
 		if tableErr != nil && status[i].State != "failed" {
 			status[i].State, status[i].Reason = "failed", tableErr.Error()
@@ -463,7 +479,7 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 }
 
 func (p *Plane) nftOptions() []nft.Option {
-	opts := []nft.Option{nft.WithLogger(p.log)}
+	opts := append([]nft.Option{nft.WithLogger(p.log)}, p.natOptions()...)
 	if p.opts.Overflow != nil {
 		opts = append(opts, nft.WithOverflow(p.opts.Overflow))
 	}
@@ -491,11 +507,11 @@ func (p *Plane) applyTable(r nft.Rules, repaired *[]string) error {
 	return nil
 }
 
-// feedSlots attaches a slot per desired exposure (re-attaching when its
-// protocol or host port changed, so bpftool shows the current shape), adds
-// the kernel counters, and releases the slots of exposures that left the
+// attachSlots attaches a slot per desired exposure (re-attaching when its
+// protocol or host port changed, so bpftool shows the current shape), sets
+// its cap for every path, and releases the slots of exposures that left the
 // desired state as deleted (zeroed once the proxy lets go too).
-func (p *Plane) feedSlots(exps []Exposure, counters map[string]nft.ExposureCounters) {
+func (p *Plane) attachSlots(exps []Exposure) {
 	want := map[string]bool{}
 	for _, e := range exps {
 		want[e.Name] = true
@@ -515,14 +531,21 @@ func (p *Plane) feedSlots(exps []Exposure, counters map[string]nft.ExposureCount
 				p.feeds[e.Name] = f
 			}
 		}
-		if c, ok := counters[e.Name]; ok {
-			f.feed(c)
-		}
+		f.slot.SetCap(uint32(e.MaxConns))
 	}
 	for name, f := range p.feeds {
 		if !want[name] {
 			f.slot.Release(true)
 			delete(p.feeds, name)
+		}
+	}
+}
+
+// feedSlots adds the event-fed fallback's kernel counters to the slots.
+func (p *Plane) feedSlots(counters map[string]nft.ExposureCounters) {
+	for name, c := range counters {
+		if f := p.feeds[name]; f != nil {
+			f.feed(c)
 		}
 	}
 }
@@ -544,6 +567,10 @@ func (p *Plane) Close() error {
 	var err error
 	if p.table != nil {
 		err = p.table.Close()
+	}
+	if p.nat != nil {
+		err = errors.Join(err, p.nat.Close())
+		p.nat = nil
 	}
 	p.links.Close()
 	if p.ownStats {
@@ -574,6 +601,10 @@ func (p *Plane) Teardown() error {
 		if err := p.table.Delete(); err != nil {
 			errs = append(errs, fmt.Errorf("deleting nft table: %w", err))
 		}
+	}
+	if p.nat != nil {
+		errs = append(errs, p.nat.Remove())
+		p.nat, p.natReason = nil, ""
 	}
 	taps, err := p.links.OwnedTaps()
 	if err != nil {

@@ -36,6 +36,19 @@ func newPlane(t *testing.T, ns *nstest.NS, stateDir string) (*Plane, *bpf.Store)
 	return p, store
 }
 
+// newPinnedPlane is newPlane on a pinned store in a bpffs of the test's own,
+// so the BPF nat path can load.
+func newPinnedPlane(t *testing.T, ns *nstest.NS, stateDir string) (*Plane, *bpf.Store) {
+	t.Helper()
+	store, err := bpf.Open(nstest.PrivateBPFFS(t))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = store.Close() })
+	p, err := New(Options{NetNS: ns.Path, StateDir: stateDir, Stats: store})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	return p, store
+}
+
 // hostAndClient is a host namespace and a client namespace joined by a veth:
 // the client is 10.99.0.2, the host 10.99.0.1.
 func hostAndClient(t *testing.T) (host, client *nstest.NS) {

@@ -118,26 +118,9 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 		rule(fam, "exposures bound to every local address", append(loadProtoPort(), lookupVmap(mapExpAny))...),
 	}})
 	addSharedMaps(inet)
-	// The cap's slow path: one element, the listener's port, so a new port
-	// (a restart that could not get the old one) is one element, not every
-	// capped chain.
-	ov := &setSpec{name: mapOverflow, key: nftables.TypeInetProto, data: nftables.TypeInetService, isMap: true,
-		comment: "cap slow path: listener port", elems: map[string]elemSpec{}}
-	if r.overflowPort != 0 {
-		k := []byte{unix.IPPROTO_TCP}
-		ov.elems[string(k)] = elemSpec{key: k, val: binaryutil.BigEndian.PutUint16(r.overflowPort), comment: "cap slow path"}
+	if !r.KernelCap {
+		desiredSetCap(inet, r)
 	}
-	inet.addSet(ov)
-
-	// Cap bookkeeping: FIN/RST of a marked connection updates its mark bits
-	// and, once closed, frees its slot. Only FIN/RST packets get past the
-	// first comparison, so established traffic pays one load and compare.
-	closeRule := rule(fam, "cap: closing connections",
-		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(MarkIDMask)...), lookupVmap(mapClosers))...)
-	inet.addChain(&chainSpec{name: chainClosePre, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -150},
-		rules: []ruleSpec{closeRule}})
-	inet.addChain(&chainSpec{name: chainCloseOut, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookOutput, -150},
-		rules: []ruleSpec{closeRule}})
 
 	// Masquerade: hairpin (a guest reaching a published port through the
 	// host) and egress.
@@ -161,20 +144,49 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 		fg = append(fg, rule(fam, "dns", append(l4Dport(unix.IPPROTO_UDP, 53), accept())...),
 			rule(fam, "dns", append(l4Dport(unix.IPPROTO_TCP, 53), accept())...))
 	}
-	// A guest calling a published port whose cap is full in the kernel is
-	// redirected to the slow-path listener on the host (only brokkr's
-	// redirect makes a connection to the host DNATed).
-	fg = append(fg, rule(fam, "redirected to the cap slow path", append(append(l4proto(unix.IPPROTO_TCP), ctStatusDNAT()...), accept())...))
+	if !r.KernelCap {
+		// A guest calling a published port whose cap is full in the kernel is
+		// redirected to the slow-path listener on the host (only brokkr's
+		// redirect makes a connection to the host DNATed).
+		fg = append(fg, rule(fam, "redirected to the cap slow path", append(append(l4proto(unix.IPPROTO_TCP), ctStatusDNAT()...), accept())...))
+	}
 	fg = append(fg, rule(fam, "nothing else reaches the host", drop()))
 	inet.addChain(&chainSpec{name: chainFromGuests, rules: fg})
 
 	for _, e := range r.Exposures {
 		if !e.loopbackOnly() {
-			addExposure(inet, e, ids[e.Name])
+			addExposure(inet, e, ids[e.Name], r.KernelCap)
 		}
 	}
 
 	return inet, desiredBridge(r)
+}
+
+// desiredSetCap adds the objects of the set-based cap (the fallback when the
+// BPF nat path cannot load): the slow path's port map and the FIN/RST
+// bookkeeping chains.
+func desiredSetCap(inet *tableSpec, r Rules) {
+	fam := inet.family
+	// The cap's slow path: one element, the listener's port, so a new port
+	// (a restart that could not get the old one) is one element, not every
+	// capped chain.
+	ov := &setSpec{name: mapOverflow, key: nftables.TypeInetProto, data: nftables.TypeInetService, isMap: true,
+		comment: "cap slow path: listener port", elems: map[string]elemSpec{}}
+	if r.overflowPort != 0 {
+		k := []byte{unix.IPPROTO_TCP}
+		ov.elems[string(k)] = elemSpec{key: k, val: binaryutil.BigEndian.PutUint16(r.overflowPort), comment: "cap slow path"}
+	}
+	inet.addSet(ov)
+
+	// Cap bookkeeping: FIN/RST of a marked connection updates its mark bits
+	// and, once closed, frees its slot. Only FIN/RST packets get past the
+	// first comparison, so established traffic pays one load and compare.
+	closeRule := rule(fam, "cap: closing connections",
+		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(MarkIDMask)...), lookupVmap(mapClosers))...)
+	inet.addChain(&chainSpec{name: chainClosePre, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -150},
+		rules: []ruleSpec{closeRule}})
+	inet.addChain(&chainSpec{name: chainCloseOut, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookOutput, -150},
+		rules: []ruleSpec{closeRule}})
 }
 
 // Key types of the two exposure maps (built once: every unit has the maps).
@@ -196,8 +208,9 @@ func addSharedMaps(inet *tableSpec) {
 
 // unitKey is everything one exposure's objects are built from.
 type unitKey struct {
-	e  Exposure
-	id uint32
+	e      Exposure
+	id     uint32
+	kernel bool // Rules.KernelCap
 }
 
 // unitOf is one exposure's objects alone: its chains, counters and cap set,
@@ -207,7 +220,7 @@ func unitOf(k *unitKey) *tableSpec {
 	t := newTableSpec(nftables.TableFamilyINet)
 	addSharedMaps(t)
 	if k != nil && !k.e.loopbackOnly() {
-		addExposure(t, k.e, k.id)
+		addExposure(t, k.e, k.id, k.kernel)
 	}
 	return t
 }
@@ -234,10 +247,21 @@ func mergeUnit(dst, u *tableSpec) {
 
 // addExposure adds everything one exposure needs: its chain, counters, map
 // element, and for a cap its slot set (and close chain for TCP).
-func addExposure(t *tableSpec, e Exposure, id uint32) {
+func addExposure(t *tableSpec, e Exposure, id uint32, kernelCap bool) {
 	fam := t.family
 	proto := protoNum(e.Protocol)
 	inet := func(exprs ...expr.Any) []expr.Any { return exprs }
+	if kernelCap {
+		// The BPF nat path reads the mark and does the rest.
+		t.addChain(&chainSpec{name: expChain(e.Name), owner: e.Name, rules: []ruleSpec{rule(fam, e.Name, append(l4proto(proto),
+			&expr.Immediate{Register: 1, Data: connMark(id)},
+			&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
+			&expr.Immediate{Register: 1, Data: e.GuestAddr.AsSlice()},
+			&expr.Immediate{Register: 2, Data: binaryutil.BigEndian.PutUint16(e.GuestPort)},
+			&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegProtoMin: 2, Specified: true})...)}})
+		addDispatch(t, e, proto)
+		return
+	}
 	t.counters[acceptedCounter(e.Name)] = counterSpec{name: acceptedCounter(e.Name), exposure: e.Name}
 	if e.MaxConns > 0 {
 		// Only a cap refuses: an uncapped exposure has no refused counter
@@ -303,7 +327,12 @@ func addExposure(t *tableSpec, e Exposure, id uint32) {
 		}
 	}
 	t.addChain(&chainSpec{name: expChain(e.Name), owner: e.Name, rules: rules})
+	addDispatch(t, e, proto)
+}
 
+// addDispatch adds the exposure's element in the dispatch map for its host
+// side.
+func addDispatch(t *tableSpec, e Exposure, proto byte) {
 	if e.wildcard() {
 		k := append(pad4([]byte{proto}), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...)
 		t.sets[mapExpAny].elems[string(k)] = elemSpec{key: k, verdict: expChain(e.Name), comment: e.Name}

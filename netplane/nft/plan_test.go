@@ -172,7 +172,7 @@ func BenchmarkWholeTable10000(b *testing.B) {
 	ids := assignIDs(r.Exposures, nil)
 	keys := map[string]unitKey{}
 	for _, e := range r.Exposures {
-		keys[e.Name] = unitKey{e, ids[e.Name]}
+		keys[e.Name] = unitKey{e: e, id: ids[e.Name]}
 	}
 	g, _ := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: true, DHCP: true}, nil)
 	b.ReportAllocs()

@@ -29,6 +29,10 @@ type Rules struct {
 	DNS           bool         // guests may reach udp+tcp/53 on the host
 	Guests        []Guest      // ports under anti-spoof
 	Exposures     []Exposure
+	// KernelCap: the cap, its release and the counters are the BPF nat
+	// path's (bpf.NatPath); exposures carry only their mark and DNAT, and
+	// each Exposure's MarkID is its counter slot's.
+	KernelCap bool
 
 	overflowPort uint16 // the cap slow path's listener (set by Table.Converge; 0 = none)
 }
@@ -50,7 +54,8 @@ type Exposure struct {
 	HostPort  uint16
 	GuestAddr netip.Addr
 	GuestPort uint16
-	MaxConns  int // 0 = unlimited
+	MaxConns  int    // 0 = unlimited
+	MarkID    uint32 // with Rules.KernelCap: the ct mark id (counter slot + 1)
 }
 
 // loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
@@ -183,6 +188,9 @@ func (r Rules) Validate() []error {
 		}
 		if !e.GuestAddr.Is4() || e.GuestAddr.IsUnspecified() || e.GuestAddr.IsLoopback() {
 			bad(f+".guestAddr", "%q must be a routable IPv4 address", e.GuestAddr)
+		}
+		if r.KernelCap && (e.MarkID == 0 || e.MarkID > MarkIDMask) {
+			bad(f+".markID", "%d must be a counter slot + 1 (1 .. %d)", e.MarkID, MarkIDMask)
 		}
 		if e.MaxConns < 0 || e.MaxConns > MaxConnsLimit {
 			bad(f+".maxConns", "%d must be 0 (unlimited) .. %d", e.MaxConns, MaxConnsLimit)

@@ -218,16 +218,26 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 
-	ids := assignIDs(r.Exposures, t.ids)
+	var ids map[string]uint32
+	if r.KernelCap {
+		// The mark is the counter slot the BPF nat path writes.
+		ids = make(map[string]uint32, len(r.Exposures))
+		for _, e := range r.Exposures {
+			ids[e.Name] = e.MarkID
+		}
+	} else {
+		ids = assignIDs(r.Exposures, t.ids)
+	}
 	t.pendingIDs = ids
 	defer func() { t.pendingIDs = nil }()
 	keys := make(map[string]unitKey, len(r.Exposures))
 	for _, e := range r.Exposures {
-		keys[e.Name] = unitKey{e, ids[e.Name]}
+		keys[e.Name] = unitKey{e, ids[e.Name], r.KernelCap}
 	}
 	tm.mark("ids")
 	dGlobal, dBridge := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: r.Masquerade,
-		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests, overflowPort: t.overflowPort()}, nil)
+		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests, overflowPort: t.overflowPort(),
+		KernelCap: r.KernelCap}, nil)
 	globalFP := fpString(fingerprints(dGlobal))
 	tm.mark("global")
 	var dInet *tableSpec             // the whole inet table, assembled only when needed
@@ -363,7 +373,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		t.ov.forget(keys)
 	}
 	tm.mark("remember")
-	if !t.acctOn {
+	if !t.acctOn && !r.KernelCap {
 		// Bytes per direction come from conntrack accounting, which is per
 		// namespace and exists once nf_conntrack is loaded (by our nat
 		// chains).
