@@ -356,14 +356,21 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 		if (reply && !(f->flags & F_SEQ_REPL) && !(__sync_fetch_and_or(&f->flags, F_DROPPED) & F_DROPPED))
 			__sync_fetch_and_add(&st->dropped, 1);
 		release(f, st, lim);
+		bpf_map_delete_elem(&nat_flows, &ctp);
 		return NF_ACCEPT;
 	}
 	if (fl & TH_FIN) {
 		__u32 mine = reply ? F_FIN_REPL : F_FIN_ORIG;
 		__u32 other = reply ? F_FIN_ORIG : F_FIN_REPL;
 		__u32 old = __sync_fetch_and_or(&f->flags, mine);
-		if (old & other)
+		if (old & other) {
 			release(f, st, lim);
+			// Nothing of the flow is counted after both FINs, and a late
+			// segment is no SYN, so it is never admitted again: the
+			// entry (and its timer) can go now rather than with
+			// conntrack's TIME_WAIT.
+			bpf_map_delete_elem(&nat_flows, &ctp);
+		}
 	}
 	return NF_ACCEPT;
 }

@@ -235,11 +235,11 @@ func TestNatPathKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T)
 	a.Close()
 	eventually(t, "the place given back with no daemon", func() bool { return tp.slot.Read().Active == 0 })
 
+	before := allLinks(t)
 	np2 := tp.load(t)
 	defer np2.Close()
 	assert.Equal(t, ids, linkIDs(t, np2), "a restarted daemon adopts the pinned links")
-	assert.Equal(t, 1, linksRunning(t, np2.objs.BrkNatPre), "one copy of the prerouting program is attached")
-	assert.Equal(t, 1, linksRunning(t, np2.objs.BrkNatReflect), "one copy of the reflector is attached")
+	assert.Equal(t, before, allLinks(t), "and attaches no second copy")
 
 	b, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
 	require.NoError(t, err)
@@ -293,31 +293,17 @@ func TestNatPathUDPFlowsAreCappedAndCountedAndFreedWhenConntrackForgetsThem(t *t
 	assert.Equal(t, "now", string(got[:n]))
 }
 
-// linksRunning counts the links in the system whose program is prog's
-// (same tag: an adopted link runs the earlier daemon's load of it).
-func linksRunning(t *testing.T, prog *ebpf.Program) int {
+// allLinks lists the IDs of every BPF link in the system.
+func allLinks(t *testing.T) []link.ID {
 	t.Helper()
-	pi, err := prog.Info()
-	require.NoError(t, err)
 	it := new(link.Iterator)
 	defer it.Close()
-	n := 0
+	var ids []link.ID
 	for it.Next() {
-		info, err := it.Link.Info()
-		if err != nil {
-			continue
-		}
-		p, err := ebpf.NewProgramFromID(info.Program)
-		if err != nil {
-			continue
-		}
-		if i, err := p.Info(); err == nil && i.Tag == pi.Tag {
-			n++
-		}
-		p.Close()
+		ids = append(ids, it.ID)
 	}
 	require.NoError(t, it.Err())
-	return n
+	return ids
 }
 
 func linkIDs(t *testing.T, np *NatPath) map[string]uint32 {
@@ -329,4 +315,42 @@ func linkIDs(t *testing.T, np *NatPath) map[string]uint32 {
 		out[name] = uint32(info.ID)
 	}
 	return out
+}
+
+func TestANewExposureInAReusedSlotStartsAtZeroWhileOldFlowsLinger(t *testing.T) {
+	tp := newNatTopo(t, 4)
+	np := tp.load(t)
+	defer np.Close()
+
+	old, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	defer old.Close()
+	roundTrip(t, old, []byte("before"))
+	require.EqualValues(t, 1, tp.slot.Read().Active)
+
+	// The exposure is deleted and a new one takes its slot; the old flow's
+	// conntrack entry (and with it its mark) is still there.
+	idx := tp.slot.Index()
+	tp.slot.Release(true)
+	fresh, err := tp.store.Attach("other", ProtoTCP, 8080)
+	require.NoError(t, err)
+	defer fresh.Release(false)
+	require.Equal(t, idx, fresh.Index(), "the freed slot is reused")
+	fresh.SetCap(4)
+	assert.Equal(t, Counters{}, fresh.Read())
+
+	roundTrip(t, old, []byte("after the slot changed hands"))
+	require.NoError(t, old.Close())
+	time.Sleep(200 * time.Millisecond)
+	assert.Equal(t, Counters{}, fresh.Read(), "the old exposure's flow neither counts nor frees a place in the new one")
+
+	c, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	roundTrip(t, c, []byte("new"))
+	c.Close()
+	eventually(t, "the new flow's place given back", func() bool { return fresh.Read().Active == 0 })
+	got := fresh.Read()
+	assert.EqualValues(t, 1, got.Accepted)
+	assert.EqualValues(t, 3, got.BytesIn)
+	assert.EqualValues(t, 3, got.BytesOut)
 }

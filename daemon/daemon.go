@@ -572,6 +572,7 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 		st.Exposures = append(st.Exposures, r)
 	}
 	st.Warnings = append(st.Warnings, d.opts.Warnings...)
+	st.Warnings = append(st.Warnings, nrep.Warnings...)
 	if d.store != nil && !d.store.Pinned() {
 		st.Warnings = append(st.Warnings, d.store.Reason())
 	}

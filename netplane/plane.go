@@ -263,6 +263,9 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	}
 
 	rep.Exposures, rep.Repaired = p.convergeExposures(d, leases, hasAddr, guestErr, rep.Repaired)
+	if p.natReason != "" && len(d.Exposures) > 0 {
+		rep.Warnings = append(rep.Warnings, p.natReason)
+	}
 	return rep
 }
 

@@ -71,4 +71,5 @@ type Report struct {
 	Exposures []ExposureStatus
 	Repaired  []string // drift found and repaired on this pass ("tap brk-web was missing")
 	Err       error    // a failure of the whole pass (the network section itself)
+	Warnings  []string // conditions an operator should know of (the nat path's fallback)
 }

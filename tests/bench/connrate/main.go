@@ -13,6 +13,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -64,11 +65,13 @@ func runRate(addr string, workers int, dur time.Duration) {
 	var done, failed atomic.Int64
 	stop := time.Now().Add(dur)
 	var wg sync.WaitGroup
+	lat := make([][]time.Duration, workers)
 	for i := 0; i < workers; i++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(stop) {
+				t0 := time.Now()
 				c, err := net.DialTimeout("tcp", addr, 2*time.Second)
 				if err != nil {
 					failed.Add(1)
@@ -81,11 +84,24 @@ func runRate(addr string, workers int, dur time.Duration) {
 					failed.Add(1)
 				}
 				c.Close()
+				lat[i] = append(lat[i], time.Since(t0))
 			}
 		}()
 	}
 	wg.Wait()
-	fmt.Printf("%.0f conns/s (%d ok, %d failed)\n", float64(done.Load())/dur.Seconds(), done.Load(), failed.Load())
+	var all []time.Duration
+	for _, l := range lat {
+		all = append(all, l...)
+	}
+	slices.Sort(all)
+	pct := func(q float64) int64 {
+		if len(all) == 0 {
+			return 0
+		}
+		return all[int(q*float64(len(all)-1))].Microseconds()
+	}
+	// connect, one byte each way, close: the whole short connection.
+	fmt.Printf("%.0f conns/s (%d ok, %d failed) p50=%dus p99=%dus\n", float64(done.Load())/dur.Seconds(), done.Load(), failed.Load(), pct(0.50), pct(0.99))
 }
 
 func runHold(addr string, n int) {

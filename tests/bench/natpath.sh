@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The kernel nat path at kernel cost. In one run, interleaved per round, the
+# same caller (a client namespace) reaches the same guest server:
+#   direct        routed to the guest, no NAT (the baseline)
+#   plain-nft     one hand-written nft DNAT rule, no cap, no counting
+#   nat-capped    brokkrd's `nat` exposure, maxConns 256
+#   nat-uncapped  brokkrd's `nat` exposure, maxConns 0
+#   docker-proxy  Debian's docker-proxy, one process for the port
+# Measured: iperf3 -P1/-P8, short connections/s (8 connectors), p50/p99 of a
+# whole short connection (1 connector), brokkrd's CPU per connection, the
+# docker-proxy's rate with brokkrd running and stopped, and brokkrd's
+# netplane pass with 0 and 200,000 unrelated conntrack entries.
+# Standalone as root; creates and deletes its own brk-np-* namespaces.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+[ "$(id -u)" = 0 ] || { echo "natpath.sh: needs root" >&2; exit 1; }
+export PATH=/usr/local/go/bin:$PATH
+P=brk-np
+CL=$P-cli HO=$P-host GU=$P-g1
+ROUNDS=${ROUNDS:-3} SECS=${SECS:-4} DUR=${DUR:-4}
+work=$(mktemp -d /tmp/brk-np.XXXXXX)
+pids=()
+daemon=""
+cleanup() {
+  if [ -n "$daemon" ]; then kill "$daemon" 2>/dev/null || true; fi
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  for n in $CL $HO $GU; do ip netns pids $n 2>/dev/null | xargs -r kill -9 2>/dev/null; ip netns delete $n 2>/dev/null || true; done
+  umount "$work/bpf" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+go build -o "$work/" ./cmd/brokkrd ./tests/bench/connrate ./tests/bench/ctfill
+DP=.cache/docker-proxy/usr/sbin/docker-proxy
+if [ ! -x "$DP" ]; then
+  (cd "$work" && { apt-get download docker.io 2>/dev/null || { apt-get update -qq && apt-get download docker.io; }; } && dpkg -x docker.io_*.deb dx)
+  mkdir -p "$(dirname "$DP")"; cp "$work/dx/usr/sbin/docker-proxy" "$DP"
+fi
+
+inns() { local n=$1; shift; nsenter --net=/run/netns/$n -- "$@"; }
+for n in $CL $HO $GU; do ip netns delete $n 2>/dev/null || true; ip netns add $n; ip -n $n link set lo up; done
+ip -n $CL link add eth0 type veth peer name vh-cli netns $HO
+ip -n $CL addr add 10.99.0.2/24 dev eth0; ip -n $CL link set eth0 up
+ip -n $CL route add default via 10.99.0.1
+ip -n $HO addr add 10.99.0.1/24 dev vh-cli; ip -n $HO link set vh-cli up
+for n in $CL $HO; do ip netns exec $n sysctl -qw net.ipv4.tcp_tw_reuse=1 net.ipv4.ip_local_port_range="1024 65000"; done
+ulimit -n "$(ulimit -Hn)"
+
+mkdir -p "$work/bpf" && mount -t bpf bpf "$work/bpf"
+cat >"$work/brokkr.yaml" <<YAML
+stateDir: $work/state
+runDir: $work/run
+bpfDir: $work/bpf/brokkr
+network:
+  bridge: brk-np0
+  cidr: 10.213.0.1/24
+hypervisor:
+  kind: qemu
+exposures:
+  - {name: iperf-capped, target: 10.213.0.200, guestPort: 5201, hostPort: 20001, mode: nat, maxConns: 256}
+  - {name: rate-capped, target: 10.213.0.200, guestPort: 7000, hostPort: 20002, mode: nat, maxConns: 256}
+  - {name: rate-uncapped, target: 10.213.0.200, guestPort: 7000, hostPort: 20003, mode: nat, maxConns: 0}
+YAML
+start_daemon() {
+  inns $HO "$work/brokkrd" --config "$work/brokkr.yaml" >>"$work/brokkrd.log" 2>&1 &
+  daemon=$!
+  for i in $(seq 100); do [ -S "$work/run/brokkr.sock" ] && break; sleep 0.1; done
+  sleep 1.5
+}
+stop_daemon() { kill "$daemon"; wait "$daemon" 2>/dev/null || true; daemon=""; }
+start_daemon
+grep -i "nat path\|conntrack events" "$work/brokkrd.log" || echo "brokkrd: the BPF nat path is in use"
+
+# The guest: a namespace on brokkr's bridge at an address brokkr does not run.
+ip -n $HO link add g1p type veth peer name eth0 netns $GU
+ip -n $HO link set g1p master brk-np0 up
+ip -n $GU addr add 10.213.0.200/24 dev eth0; ip -n $GU link set eth0 up
+ip -n $GU route add default via 10.213.0.1
+nsenter --net=/run/netns/$GU -- iperf3 -s -p 5201 >"$work/iperf3.log" 2>&1 & pids+=($!)
+nsenter --net=/run/netns/$GU -- "$work/connrate" -serve 10.213.0.200:7000 >"$work/serve.log" 2>&1 & pids+=($!)
+
+# A plain nft DNAT rule in a table of its own, beside brokkr's.
+inns $HO nft -f - <<'NFT'
+table ip plain {
+  chain pre { type nat hook prerouting priority -110; policy accept;
+    ip daddr 10.99.0.1 tcp dport 30001 dnat to 10.213.0.200:5201
+    ip daddr 10.99.0.1 tcp dport 30002 dnat to 10.213.0.200:7000
+  }
+}
+NFT
+nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 10.99.0.1 -host-port 40001 -container-ip 10.213.0.200 -container-port 5201 3>"$work/dp1.ready" >"$work/dp1.log" 2>&1 & pids+=($!)
+nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 10.99.0.1 -host-port 40002 -container-ip 10.213.0.200 -container-port 7000 3>"$work/dp2.ready" >"$work/dp2.log" 2>&1 & pids+=($!)
+sleep 1
+
+declare -A IPERF=( [direct]=10.213.0.200:5201 [plain-nft]=10.99.0.1:30001 [nat-capped]=10.99.0.1:20001 [docker-proxy]=10.99.0.1:40001 )
+declare -A RATE=( [direct]=10.213.0.200:7000 [plain-nft]=10.99.0.1:30002 [nat-capped]=10.99.0.1:20002 [nat-uncapped]=10.99.0.1:20003 [docker-proxy]=10.99.0.1:40002 )
+gbps() {
+  local a=${1%:*} p=${1#*:}
+  for try in 1 2 3; do
+    sleep 0.5
+    if out=$(inns $CL iperf3 -c "$a" -p "$p" -t "$DUR" -P "$2" -f g 2>/dev/null); then
+      echo "$out" | awk '/receiver/ {v=$(NF-2)} END {print v}'; return
+    fi
+  done
+  echo nan
+}
+ticks() { awk '{print $14+$15}' /proc/"$1"/stat; }
+hz=$(getconf CLK_TCK)
+
+echo "# $(date -u +%FT%TZ) kernel $(uname -r), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); rounds=$ROUNDS, ${SECS}s rate runs, ${DUR}s iperf3"
+for r in $(seq "$ROUNDS"); do
+  for path in direct plain-nft nat-capped docker-proxy; do
+    echo "round=$r path=$path iperf3 P1=$(gbps "${IPERF[$path]}" 1) P8=$(gbps "${IPERF[$path]}" 8)"
+  done
+  for path in direct plain-nft nat-capped nat-uncapped docker-proxy; do
+    t0=$(ticks "$daemon")
+    rate=$(inns $CL "$work/connrate" -rate "${RATE[$path]}" -c 8 -d "${SECS}s")
+    t1=$(ticks "$daemon")
+    n=$(echo "$rate" | sed -E 's/.*\(([0-9]+) ok.*/\1/')
+    cpu=$(awk -v d=$((t1 - t0)) -v hz="$hz" -v n="$n" 'BEGIN { if (n > 0) printf "%.2f", d / hz * 1e6 / n; else print "nan" }')
+    lat=$(inns $CL "$work/connrate" -rate "${RATE[$path]}" -c 1 -d "${SECS}s")
+    echo "round=$r path=$path rate: $rate | brokkrd CPU per conn: ${cpu}us | 1 connector: $lat"
+  done
+  # docker-proxy in the same namespace, brokkrd stopped then running.
+  stop_daemon
+  off=$(inns $CL "$work/connrate" -rate "${RATE[docker-proxy]}" -c 8 -d "${SECS}s")
+  start_daemon
+  on=$(inns $CL "$work/connrate" -rate "${RATE[docker-proxy]}" -c 8 -d "${SECS}s")
+  echo "round=$r docker-proxy with brokkrd stopped: $off | running: $on"
+done
+
+# A netplane pass with 0 and 200,000 unrelated conntrack entries: the mean of
+# brokkr_converge_duration_seconds{engine="netplane"} over 10 s of passes.
+pass() {
+  local m1 m2
+  m1=$(curl -s --unix-socket "$work/run/brokkr.sock" http://brokkrd/metrics | awk '/^brokkr_converge_duration_seconds_(sum|count)\{engine="netplane"\}/ {print $2}' | paste -sd' ')
+  sleep 10
+  m2=$(curl -s --unix-socket "$work/run/brokkr.sock" http://brokkrd/metrics | awk '/^brokkr_converge_duration_seconds_(sum|count)\{engine="netplane"\}/ {print $2}' | paste -sd' ')
+  awk -v a="$m1" -v b="$m2" 'BEGIN { split(a, x, " "); split(b, y, " "); printf "%.3f ms (%d passes)", (y[1]-x[1]) / (y[2]-x[2]) * 1000, y[2]-x[2] }'
+}
+p0=$(pass)
+"$work/ctfill" -ns /run/netns/$HO -n "${CT_ENTRIES:-200000}" >/dev/null
+echo "conntrack entries in the host namespace: $(inns $HO cat /proc/sys/net/netfilter/nf_conntrack_count)"
+p1=$(pass)
+echo "netplane pass: 0 unrelated entries $p0 | ${CT_ENTRIES:-200000} unrelated entries $p1"
+rate=$(inns $CL "$work/connrate" -rate "${RATE[nat-capped]}" -c 8 -d "${SECS}s")
+echo "nat-capped with ${CT_ENTRIES:-200000} unrelated entries: $rate"
+echo "brokkrd's warnings and errors:"; grep -i '"level":"\(WARN\|ERROR\)"\|level=\(WARN\|ERROR\)' "$work/brokkrd.log" | cut -c1-300 || echo "(none)"
