@@ -111,38 +111,52 @@ struct pkt {
 	__u32 payload;
 };
 
-// read_pkt reads the IPv4 and L4 headers of skb; 0 when it is not a TCP or
-// UDP packet brokkr can account.
+extern int bpf_dynptr_from_skb(struct sk_buff *skb, __u64 flags, struct bpf_dynptr *ptr__uninit) __ksym;
+extern void *bpf_dynptr_slice(const struct bpf_dynptr *ptr, __u32 offset, void *buffer__opt, __u32 buffer__szk) __ksym;
+extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym;
+
+// read_pkt reads the IPv4 and L4 headers of skb (its data starts at the
+// network header in these hooks); 0 when it is not a TCP or UDP packet
+// brokkr can account.
 static __always_inline int read_pkt(struct sk_buff *skb, struct pkt *p)
 {
-	unsigned char *head = BPF_CORE_READ(skb, head);
-	__u16 nh = BPF_CORE_READ(skb, network_header);
-	__u32 len = BPF_CORE_READ(skb, len);
-	struct iphdr ip;
-	if (bpf_probe_read_kernel(&ip, sizeof(ip), head + nh))
+	struct bpf_dynptr d;
+	__u8 buf[sizeof(struct iphdr) + sizeof(struct tcphdr)];
+	__u32 len = skb->len;
+	if (len < sizeof(struct iphdr) + 8 || bpf_dynptr_from_skb(skb, 0, &d))
 		return 0;
-	if (ip.version != 4)
+	struct iphdr *ip = bpf_dynptr_slice(&d, 0, buf, sizeof(struct iphdr));
+	if (!ip || ip->version != 4)
 		return 0;
-	__u32 ihl = ip.ihl * 4;
-	p->proto = ip.protocol;
-	p->saddr = ip.saddr;
-	if (ip.protocol == IPPROTO_TCP) {
-		struct tcphdr th;
-		if (bpf_probe_read_kernel(&th, sizeof(th), head + nh + ihl))
+	__u32 ihl = ip->ihl * 4;
+	p->proto = ip->protocol;
+	p->saddr = ip->saddr;
+	if (ihl < sizeof(struct iphdr) || ihl > 60)
+		return 0;
+	if (p->proto == IPPROTO_TCP) {
+		struct tcphdr *th = bpf_dynptr_slice(&d, ihl, buf, sizeof(struct tcphdr));
+		if (!th)
 			return 0;
-		__u32 hl = ihl + th.doff * 4;
+		__u32 hl = ihl + th->doff * 4;
 		p->payload = len > hl ? len - hl : 0;
-		p->seq = bpf_ntohl(th.seq);
-		p->tcp_flags = ((__u8 *)&th)[13];
+		p->seq = bpf_ntohl(th->seq);
+		p->tcp_flags = ((__u8 *)th)[13];
 		return 1;
 	}
-	if (ip.protocol == IPPROTO_UDP) {
+	if (p->proto == IPPROTO_UDP) {
 		__u32 hl = ihl + 8;
 		p->payload = len > hl ? len - hl : 0;
 		p->tcp_flags = 0;
 		return 1;
 	}
 	return 0;
+}
+
+// conn is the conntrack entry at ctp, readable by plain loads (faulting
+// loads are caught, as in a probe read, but without a helper call).
+static __always_inline struct nf_conn *conn(__u64 ctp)
+{
+	return bpf_rdonly_cast((void *)ctp, bpf_core_type_id_kernel(struct nf_conn));
 }
 
 static __always_inline void count_bytes(struct exposure_stat *st, int reply, __u64 n)
@@ -191,16 +205,16 @@ static __always_inline int in_guest_net(__u32 saddr)
 // live, unexpired entry.
 static __always_inline int flow_alive(__u64 ctp, struct nat_flow *f)
 {
-	struct nf_conn *ct = (struct nf_conn *)ctp;
-	if (BPF_CORE_READ(ct, ct_general.use.refs.counter) == 0)
+	struct nf_conn *ct = conn(ctp);
+	if (ct->ct_general.use.refs.counter == 0)
 		return 0;
-	if (BPF_CORE_READ(ct, status) & (1UL << IPS_DYING_BIT))
+	if (ct->status & (1UL << IPS_DYING_BIT))
 		return 0;
-	struct nf_conntrack_tuple t = BPF_CORE_READ(ct, tuplehash[0].tuple);
-	if (t.src.u3.ip != f->saddr || t.dst.u3.ip != f->daddr || t.src.u.all != f->sport ||
-	    t.dst.u.all != f->dport || t.dst.protonum != f->proto)
+	struct nf_conntrack_tuple *t = &ct->tuplehash[0].tuple;
+	if (t->src.u3.ip != f->saddr || t->dst.u3.ip != f->daddr || t->src.u.all != f->sport ||
+	    t->dst.u.all != f->dport || t->dst.protonum != f->proto)
 		return 0;
-	__s32 left = (__s32)(BPF_CORE_READ(ct, timeout) - (__u32)bpf_jiffies64());
+	__s32 left = (__s32)(ct->timeout - (__u32)bpf_jiffies64());
 	return left > 0;
 }
 
@@ -233,12 +247,12 @@ static int flow_timer(void *map, __u64 *key, struct nat_flow *f)
 // track inserts the flow and starts its timer; 0 on success.
 static __always_inline int track(__u64 ctp, struct nf_conn *ct, struct nat_flow *nf)
 {
-	struct nf_conntrack_tuple t = BPF_CORE_READ(ct, tuplehash[0].tuple);
-	nf->saddr = t.src.u3.ip;
-	nf->daddr = t.dst.u3.ip;
-	nf->sport = t.src.u.all;
-	nf->dport = t.dst.u.all;
-	nf->proto = t.dst.protonum;
+	struct nf_conntrack_tuple *t = &ct->tuplehash[0].tuple;
+	nf->saddr = t->src.u3.ip;
+	nf->daddr = t->dst.u3.ip;
+	nf->sport = t->src.u.all;
+	nf->dport = t->dst.u.all;
+	nf->proto = t->dst.protonum;
 	if (bpf_map_update_elem(&nat_flows, &ctp, nf, BPF_NOEXIST))
 		return -1;
 	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
@@ -257,8 +271,8 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	__u64 ctp = nfct & NFCT_PTRMASK;
 	if (!ctp)
 		return NF_ACCEPT;
-	struct nf_conn *ct = (struct nf_conn *)ctp;
-	__u32 mark = BPF_CORE_READ(ct, mark);
+	struct nf_conn *ct = conn(ctp);
+	__u32 mark = ct->mark;
 	if (!(mark & MARK_OWNED))
 		return NF_ACCEPT;
 	__u32 id = mark & MARK_ID_MASK;
@@ -276,7 +290,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	int reply = ctinfo >= IP_CT_IS_REPLY;
 
 	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
-	if (f && !(BPF_CORE_READ(ct, status) & (1UL << IPS_CONFIRMED_BIT))) {
+	if (f && !(ct->status & (1UL << IPS_CONFIRMED_BIT))) {
 		// An entry for a conntrack entry not confirmed yet is a
 		// leftover: its entry died and the memory was reused before the
 		// flow's timer noticed. Settle it and start afresh.
