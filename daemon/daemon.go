@@ -151,8 +151,21 @@ func (d *Daemon) Desired() *config.Config {
 // Status returns the last merged status.
 func (d *Daemon) Status() api.Status {
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.status
+	st := d.status
+	d.mu.Unlock()
+	if d.store == nil {
+		return st
+	}
+	// The counters are read now, not at the last pass: the kernel and the
+	// proxy write them continuously, and reading the mapped slots is cheap.
+	st.Exposures = slices.Clone(st.Exposures)
+	for i := range st.Exposures {
+		r := &st.Exposures[i]
+		if c, ok := d.store.Lookup(r.Name); ok {
+			r.Active, r.Accepted, r.Refused, r.Dropped, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.BytesIn, c.BytesOut
+		}
+	}
+	return st
 }
 
 // Wake asks for a pass now.

@@ -365,6 +365,8 @@ type bpftoolEntry struct {
 	Accepted uint64 `json:"accepted"`
 	Refused  uint64 `json:"refused"`
 	Active   uint64 `json:"active"`
+	BytesIn  uint64 `json:"bytes_in"`
+	BytesOut uint64 `json:"bytes_out"`
 }
 
 // bpftoolDump reads the pinned map with bpftool itself, as an operator would.

@@ -1,0 +1,185 @@
+package e2e
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The nat path with no VM: a `target:` exposure to a guest namespace on
+// brokkr's bridge at an address brokkr does not run.
+const natConfig = `
+stateDir: {{state}}
+runDir: {{run}}
+bpfDir: {{bpf}}
+network:
+  bridge: brk-e2n0
+  cidr: 10.213.8.1/24
+hypervisor:
+  kind: qemu
+exposures:
+  - {name: echo-nat, target: 10.213.8.200, guestPort: 7000, hostPort: 7000, mode: nat, maxConns: 2}
+`
+
+func newNatEnv(t *testing.T) *env {
+	t.Helper()
+	nstest.RequireRoot(t)
+	e := &env{t: t}
+	e.host = nstest.New(t, "host")
+	e.client = nstest.New(t, "client")
+	nstest.Link(t, e.host, "brk-e2n-h", hostIP+"/24", e.client, "brk-e2n-c", clientIP+"/24")
+	e.state = t.TempDir()
+	run, err := os.MkdirTemp("", "brk-e2n-")
+	require.NoError(t, err)
+	e.run = run
+	e.bpfDir = fmt.Sprintf("/sys/fs/bpf/brk-e2n-%d", os.Getpid())
+	e.sock = filepath.Join(run, "brokkr.sock")
+	e.logPath = filepath.Join(e.state, "brokkrd.log")
+	e.cfgPath = filepath.Join(e.state, "brokkr.yaml")
+	cfg := strings.NewReplacer("{{state}}", e.state, "{{run}}", e.run, "{{bpf}}", e.bpfDir).Replace(natConfig)
+	require.NoError(t, os.WriteFile(e.cfgPath, []byte(cfg), 0o600))
+	t.Cleanup(e.cleanup)
+	return e
+}
+
+// attachEchoGuest puts a guest namespace on the daemon's bridge with an echo
+// server on 7000.
+func (e *env) attachEchoGuest() {
+	t := e.t
+	g := nstest.New(t, "guest")
+	e.host.MustRun(t, "ip", "link", "add", "brk-e2n-g", "type", "veth", "peer", "name", "eth0", "netns", g.Name)
+	e.host.MustRun(t, "ip", "link", "set", "brk-e2n-g", "master", "brk-e2n0", "up")
+	g.MustRun(t, "ip", "addr", "add", "10.213.8.200/24", "dev", "eth0")
+	g.MustRun(t, "ip", "link", "set", "eth0", "up")
+	g.MustRun(t, "ip", "route", "add", "default", "via", "10.213.8.1")
+	var ln net.Listener
+	require.NoError(t, g.Do(func() (err error) { ln, err = net.Listen("tcp4", ":7000"); return err }))
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() { defer wg.Done(); _, _ = io.Copy(c, c); c.Close() }()
+		}
+	}()
+}
+
+// shortCalls makes n connections through addr, each echoing msg once and
+// closing both ways before the next (a connection holds its place in the cap
+// until both sides have closed).
+func (e *env) shortCalls(addr string, n int, msg string) {
+	e.t.Helper()
+	for i := 0; i < n; i++ {
+		c, err := dial(e.client, addr, 3*time.Second)
+		require.NoError(e.t, err, "call %d", i)
+		got, err := echo(c, msg)
+		require.NoError(e.t, err)
+		require.Equal(e.t, msg, got)
+		require.NoError(e.t, c.(*net.TCPConn).CloseWrite())
+		_, err = io.Copy(io.Discard, c)
+		require.NoError(e.t, err, "the guest closes after the caller")
+		c.Close()
+	}
+}
+
+func (e *env) waitCounters(what string, want func(bpftoolEntry) bool) bpftoolEntry {
+	e.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		got := e.bpftoolDump(e.t)["echo-nat"]
+		if want(got) {
+			return got
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("%s: bpftool shows %+v", what, got)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// The nat path's counters and cap live in the kernel: exact against what the
+// client saw, across a SIGKILL of the daemon (while it is down the cap
+// holds, closed connections give their place back and counting goes on),
+// a restart, and the table deleted under a running daemon with flows open.
+func TestNatPathCountersAndCapAreExactAcrossSIGKILLRestartAndTableLoss(t *testing.T) {
+	e := newNatEnv(t)
+	e.startDaemon()
+	e.waitStatus("the exposure active", 20*time.Second, func(st api.Status) bool {
+		x, ok := exposure(st, "echo-nat")
+		return ok && x.State == "active"
+	})
+	e.attachEchoGuest()
+	addr := hostIP + ":7000"
+	const msg = "0123456789" // 10 payload bytes each way per call
+
+	e.shortCalls(addr, 20, msg)
+	got := e.waitCounters("20 calls counted", func(b bpftoolEntry) bool { return b.Accepted == 20 && b.Active == 0 })
+	assert.EqualValues(t, 0, got.Refused)
+	t.Logf("after 20 calls: %+v", got)
+	st := e.status()
+	x, _ := exposure(st, "echo-nat")
+	assert.EqualValues(t, 200, x.BytesIn, "payload bytes, caller to guest")
+	assert.EqualValues(t, 200, x.BytesOut, "payload bytes, guest to caller")
+	assert.Empty(t, st.Warnings, "the BPF nat path is in use")
+
+	a := hold(t, e.client, addr)
+	b := hold(t, e.client, addr)
+	e.stopDaemon(syscall.SIGKILL)
+
+	// No daemon: the cap holds, a closed connection gives its place back,
+	// counting goes on.
+	assert.True(t, refused(e.client, addr), "a third caller is refused with no daemon")
+	a.Close()
+	e.waitCounters("the place given back with no daemon", func(b bpftoolEntry) bool { return b.Active == 1 })
+	e.shortCalls(addr, 10, msg)
+	e.waitCounters("calls counted with no daemon", func(b bpftoolEntry) bool { return b.Accepted == 32 && b.Refused == 1 })
+
+	e.startDaemon()
+	st = e.waitStatus("the restarted daemon's pass", 20*time.Second, func(st api.Status) bool {
+		x, ok := exposure(st, "echo-nat")
+		return ok && x.State == "active"
+	})
+	x, _ = exposure(st, "echo-nat")
+	assert.EqualValues(t, 32, x.Accepted, "a restart neither loses nor doubles")
+	assert.EqualValues(t, 1, x.Refused)
+	assert.EqualValues(t, 1, x.Active, "the held connection still holds its place")
+	// 20+10 calls, 2 holds ("hold" each way), the refused caller carried nothing.
+	assert.EqualValues(t, 300+8, x.BytesIn)
+	assert.EqualValues(t, 300+8, x.BytesOut)
+
+	// The table deleted under the running daemon with a flow open: the
+	// daemon puts it back and flushes the exposure's flows; the flushed
+	// flow's place is given back, totals stay.
+	e.host.MustRun(t, "nft", "delete", "table", "inet", "brokkr")
+	e.waitStatus("the table repaired", 20*time.Second, func(api.Status) bool {
+		out, err := e.host.Run("nft", "list", "table", "inet", "brokkr")
+		return err == nil && strings.Contains(out, "echo-nat")
+	})
+	e.waitCounters("the flushed flow's place given back", func(b bpftoolEntry) bool { return b.Active == 0 })
+	b.Close()
+	e.shortCalls(addr, 5, msg)
+	got = e.waitCounters("calls counted after the repair", func(b bpftoolEntry) bool { return b.Accepted == 37 })
+	assert.EqualValues(t, 0, got.Active)
+	assert.EqualValues(t, 1, got.Refused)
+	x, _ = exposure(e.status(), "echo-nat")
+	assert.EqualValues(t, 350+8, x.BytesIn)
+	assert.EqualValues(t, 350+8, x.BytesOut)
+}
