@@ -313,3 +313,49 @@ func TestInvalidSpecIsReportedAndNotApplied(t *testing.T) {
 	assert.Equal(t, 1, f.eng.workerCount())
 	assert.Equal(t, PhaseRunning, rowOf(f.eng.Step(context.Background(), []VMSpec{good}), "vm").Phase)
 }
+
+// A VM waiting for a create slot boots from the newest desired state: under
+// a cap of 1, with "a" holding the only slot, "b" is set stopped, "c" is
+// deleted and "d" changed while they wait. None of b and c is ever booted,
+// and d is booted once, from its new spec.
+func TestAVMWaitingForACreateSlotBootsTheNewestSpec(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.MaxConcurrentCreates = 1 })
+	arrived, release := make(chan string, 1), make(chan struct{})
+	wedged := wedge(arrived, release)
+	f.images.fetch = func(ctx context.Context, src Source, progress func(int64, int64)) (string, error) {
+		if strings.HasPrefix(src.Location, "/img/a/") {
+			return wedged(ctx, src, progress)
+		}
+		return src.Location, nil
+	}
+	stepNoWait(t, f.eng, vmSpec("a"))
+	waitFor(t, arrived, "a inside its create, holding the slot")
+	all := []VMSpec{vmSpec("a"), vmSpec("b"), vmSpec("c"), vmSpec("d")}
+	stepNoWait(t, f.eng, all...)
+	for _, name := range []string{"b", "c", "d"} {
+		waitRow(t, f.eng, name, func(s VMStatus) bool { return s.Detail == "waiting for a create slot" }, all...)
+	}
+
+	stopped := vmSpec("b", func(s *VMSpec) { s.Power = PowerStopped })
+	changed := vmSpec("d", func(s *VMSpec) { s.CPUs = 2 })
+	now := []VMSpec{vmSpec("a"), stopped, changed}
+	stepNoWait(t, f.eng, now...)
+	close(release)
+
+	waitRow(t, f.eng, "a", phaseIs(PhaseRunning), now...)
+	waitRow(t, f.eng, "b", phaseIs(PhaseStopped), now...)
+	waitRow(t, f.eng, "d", phaseIs(PhaseRunning), now...)
+	deadline := time.Now().Add(testWait)
+	for rowOf(f.eng.Step(context.Background(), now), "c") != nil && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.Nil(t, rowOf(f.eng.Step(context.Background(), now), "c"), "the deleted VM is gone")
+	assert.NoDirExists(t, filepath.Join(f.cfg.StateDir, "vms", "c"))
+
+	starts := map[string][]int{}
+	for _, lc := range f.hv.startList() {
+		starts[lc.Name] = append(starts[lc.Name], lc.CPUs)
+	}
+	assert.Equal(t, map[string][]int{"a": {1}, "d": {2}}, starts,
+		"a VM set stopped or deleted while waiting was booted, or one was booted from its superseded spec")
+}

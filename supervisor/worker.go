@@ -157,6 +157,13 @@ func (w *worker) take() (spec *VMSpec, seen, restart bool) {
 	return spec, seen, restart
 }
 
+// isFresh reports whether desired state changed since this pass took it.
+func (w *worker) isFresh() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.fresh
+}
+
 func (w *worker) endPass() {
 	w.mu.Lock()
 	w.busy = false
@@ -427,9 +434,20 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 			w.publish(PhaseCreating, "waiting for a create slot")
 			select {
 			case w.e.creates <- struct{}{}:
+			case <-w.wake:
+				// Newer desired state (or a restart request) arrived while
+				// waiting: this pass's spec is stale. The next pass takes
+				// the newest, so put the wake back and leave.
+				w.signal()
+				return
 			case <-ctx.Done():
 				return
 			}
+		}
+		if w.isFresh() {
+			// The slot and a newer spec arrived together.
+			<-w.e.creates
+			return
 		}
 		defer func() { <-w.e.creates }()
 	}
