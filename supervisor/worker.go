@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -524,7 +525,7 @@ func (w *worker) launchConfig(ctx context.Context, spec *VMSpec) (LaunchConfig, 
 	}
 	lc := LaunchConfig{
 		Name: w.name, Dir: dir, RunDir: run,
-		CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Cmdline: spec.Cmdline,
+		CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Cmdline: strings.TrimSpace(spec.Cmdline + " " + spec.IP),
 		Tap: spec.Tap, MAC: spec.MAC,
 		ConsoleLog: filepath.Join(dir, "console.log"), ConsoleSize: w.e.cfg.ConsoleMaxBytes,
 	}
