@@ -2,6 +2,7 @@ package supervisor
 
 import (
 	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -358,4 +359,58 @@ func TestAVMWaitingForACreateSlotBootsTheNewestSpec(t *testing.T) {
 	}
 	assert.Equal(t, map[string][]int{"a": {1}, "d": {2}}, starts,
 		"a VM set stopped or deleted while waiting was booted, or one was booted from its superseded spec")
+}
+
+// holdingHandler is a slog handler that parks the goroutine logging msg
+// until release is closed, signalling arrived: it stops a worker at an
+// exact point of its pass.
+type holdingHandler struct {
+	msg     string
+	arrived chan<- struct{}
+	release <-chan struct{}
+}
+
+func (h holdingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h holdingHandler) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == h.msg {
+		select {
+		case h.arrived <- struct{}{}:
+		default:
+		}
+		<-h.release
+	}
+	return nil
+}
+func (h holdingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h holdingHandler) WithGroup(string) slog.Handler      { return h }
+
+// The window where only busyness protects a worker: a destroy pass that has
+// removed the record (hasRecord is false, desired is nil, nothing is fresh)
+// but has not ended. Steps in that window must not reap the worker, and a
+// Step naming the VM again must reach the same worker rather than spawn a
+// second one for it.
+func TestAWorkerFinishingADestroyIsNotReaped(t *testing.T) {
+	arrived, release := make(chan struct{}, 1), make(chan struct{})
+	releaseAll := sync.OnceFunc(func() { close(release) })
+	f := newFixture(t, func(c *Config) {
+		c.Logger = slog.New(holdingHandler{msg: "VM removed", arrived: arrived, release: release})
+	})
+	t.Cleanup(releaseAll) // before the fixture's Stop, which waits for the held worker
+	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm"))
+
+	stepNoWait(t, f.eng) // removed from desired state: the destroy pass runs
+	select {
+	case <-arrived:
+	case <-time.After(testWait):
+		t.Fatal("the destroy pass never got past removing the record")
+	}
+	require.NoDirExists(t, filepath.Join(f.cfg.StateDir, "vms", "vm"), "precondition: the record is gone")
+	for range 3 {
+		stepNoWait(t, f.eng)
+		require.Equal(t, 1, f.eng.workerCount(), "a worker still inside its destroy pass was reaped")
+	}
+	stepNoWait(t, f.eng, vmSpec("vm")) // wanted again while the destroy finishes
+	assert.Equal(t, 1, f.eng.workerCount(), "a second worker was spawned for a VM whose worker is still busy")
+	releaseAll()
+	waitRow(t, f.eng, "vm", func(s VMStatus) bool { return s.Phase == PhaseRunning && f.hv.startCount() == 2 }, vmSpec("vm"))
 }

@@ -733,5 +733,8 @@ func (w *worker) destroy(ctx context.Context) {
 	w.mu.Lock()
 	w.hasRecord = false
 	w.mu.Unlock()
+	// From here to the end of the pass only busy keeps this worker from
+	// being reaped (and a second one spawned beside it).
+	w.e.cfg.Logger.Info("VM removed", "vm", w.name)
 	w.publish(PhaseStopped, "removed")
 }
