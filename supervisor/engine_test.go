@@ -414,3 +414,61 @@ func TestAWorkerFinishingADestroyIsNotReaped(t *testing.T) {
 	releaseAll()
 	waitRow(t, f.eng, "vm", func(s VMStatus) bool { return s.Phase == PhaseRunning && f.hv.startCount() == 2 }, vmSpec("vm"))
 }
+
+// Step never waits on a worker, even one wedged inside a backend call: one
+// VM is stuck in Hypervisor.Start, another in Hypervisor.Stop, and every
+// Step (and Restart) returns within stepBound with their rows saying so.
+func TestStepNeverWaitsOnAWorkerInsideABackendCall(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.StartTimeout = time.Minute; c.StopGrace = time.Minute })
+	in, release := make(chan string, 2), make(chan struct{})
+	releaseAll := sync.OnceFunc(func() { close(release) })
+	t.Cleanup(releaseAll) // before the fixture's Stop: the wedged calls must end
+	park := func(ctx context.Context, what string) {
+		select {
+		case in <- what:
+		default: // after the release, later calls pass straight through
+		}
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+	}
+	f.hv.beforeStart = func(ctx context.Context, lc LaunchConfig) error {
+		if lc.Name == "starting" {
+			park(ctx, "start")
+		}
+		return nil
+	}
+	f.hv.beforeStop = func(ctx context.Context, _ Instance) { park(ctx, "stop") }
+	waitRow(t, f.eng, "stopping", phaseIs(PhaseRunning), vmSpec("stopping"))
+
+	desired := []VMSpec{vmSpec("starting"), vmSpec("stopping", func(s *VMSpec) { s.Power = PowerStopped })}
+	f.eng.Step(context.Background(), desired)
+	got := map[string]bool{}
+	for range 2 {
+		got[waitFor(t, in, "both workers inside a backend call")] = true
+	}
+	require.Equal(t, map[string]bool{"start": true, "stop": true}, got)
+
+	var slowest time.Duration
+	var last Report
+	for range 20 {
+		t0 := time.Now()
+		done := make(chan Report, 1)
+		go func() { done <- f.eng.Step(context.Background(), desired) }()
+		select {
+		case last = <-done:
+		case <-time.After(stepBound):
+			t.Fatalf("Step took longer than %s with workers inside Start and Stop: it waits on a busy VM", stepBound)
+		}
+		slowest = max(slowest, time.Since(t0))
+		t0 = time.Now()
+		require.NoError(t, f.eng.Restart("starting"))
+		require.Less(t, time.Since(t0), stepBound, "Restart waited on a busy VM")
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Logf("slowest Step: %s", slowest)
+	assert.Equal(t, VMStatus{Name: "starting", Phase: PhaseStarting, Detail: "starting proc"}, *rowOf(last, "starting"))
+	assert.Equal(t, PhaseStopping, rowOf(last, "stopping").Phase)
+	releaseAll()
+}
