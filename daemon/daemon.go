@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -197,7 +198,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.m.observe("netplane", time.Since(t0), err == nil && nrep.Err == nil)
 	errs = append(errs, err)
 	if nrep.Err != nil {
-		errs = append(errs, fmt.Errorf("netplane: %w", nrep.Err))
+		errs = append(errs, netplaneErr(nrep.Err))
 	}
 	for _, r := range nrep.Repaired {
 		d.log.Warn("drift repaired", "what", r)
@@ -314,6 +315,15 @@ func (d *Daemon) updateFacts(want *config.Config, rep netplane.Report) map[strin
 	return out
 }
 
+// netplaneErr names the network plane once: its own errors already start
+// with "netplane: ".
+func netplaneErr(err error) error {
+	if strings.HasPrefix(err.Error(), "netplane: ") {
+		return err
+	}
+	return fmt.Errorf("netplane: %w", err)
+}
+
 // AddressBook is the proxy's Resolver: guest addresses by VM name, swapped
 // whole on each pass, read per connection.
 type AddressBook struct {
@@ -329,6 +339,13 @@ func (a *AddressBook) Set(addrs map[string]string) {
 	a.mu.Lock()
 	a.addrs = addrs
 	a.mu.Unlock()
+}
+
+func (a *AddressBook) lookup(vm string) (string, bool) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	addr, ok := a.addrs[vm]
+	return addr, ok
 }
 
 // Resolve is a proxy.Resolver.
@@ -494,11 +511,20 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 	d.mu.Lock()
 	facts := d.facts
 	d.mu.Unlock()
+	// A pass the network plane refused as a whole reports no guest and no
+	// exposure: what waits on it fails with its reason.
+	netErr := ""
+	if nrep.Err != nil {
+		netErr = strings.TrimPrefix(nrep.Err.Error(), "netplane: ")
+	}
 	listed := map[string]bool{}
 	row := func(name, power string) api.VM {
 		r := api.VM{Name: name, Phase: supervisor.PhasePending, Power: power}
 		if s, ok := sv[name]; ok {
 			r.Phase, r.Detail, r.PID, r.Restarts = s.Phase, s.Detail, s.PID, s.Restarts
+		}
+		if f, ok := facts[name]; (!ok || f.Tap == "") && netErr != "" && r.Detail == "" {
+			r.Detail = "network: " + netErr
 		}
 		if f, ok := facts[name]; ok {
 			r.Tap = f.Tap
@@ -536,9 +562,12 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 		r := api.Exposure{Name: e.Name, VM: e.VM, Target: e.Target, Mode: e.Mode, HostAddress: e.HostAddress,
 			HostPort: e.HostPort, Protocol: e.Protocol, GuestPort: e.GuestPort, MaxConns: *e.MaxConns}
 		var parts []part
+		_, hasAddr := d.addrs.lookup(e.VM)
 		if usesKernel(e) {
 			if n, ok := ns[e.Name]; ok {
 				parts = append(parts, part{"nat", n.State, n.Reason})
+			} else if netErr != "" {
+				parts = append(parts, part{"nat", proxy.StateFailed, netErr})
 			} else {
 				parts = append(parts, part{"nat", proxy.StatePending, "the network plane has not reported it yet"})
 			}
@@ -546,6 +575,10 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 		if binds := proxyBinds(e, d.opts.IPv6Loopback); len(binds) > 0 {
 			if p := ps[e.Name]; len(p) > 0 {
 				for _, s := range p {
+					if s.State == proxy.StatePending && e.VM != "" && !hasAddr && netErr != "" {
+						// Waiting for a guest address the refused network cannot give.
+						s.State, s.Reason = proxy.StateFailed, netErr
+					}
 					parts = append(parts, part{"proxy", s.State, s.Reason})
 				}
 			} else {
