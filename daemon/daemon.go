@@ -401,6 +401,9 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	plan := diff(cur, next)
 	plan.DryRun = dryRun
 	plan.Warnings = hostWarnings(cfg, d.host)
+	if w := budgetWarning(next); w != "" {
+		plan.Warnings = append(plan.Warnings, w)
+	}
 	if dryRun {
 		return plan, nil
 	}
@@ -605,6 +608,9 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 		st.Exposures = append(st.Exposures, r)
 	}
 	st.Warnings = append(st.Warnings, d.opts.Warnings...)
+	if w := budgetWarning(want); w != "" {
+		st.Warnings = append(st.Warnings, w)
+	}
 	if d.store != nil && !d.store.Pinned() {
 		st.Warnings = append(st.Warnings, d.store.Reason())
 	}

@@ -62,3 +62,40 @@ exposures:
 	assert.NotContains(t, all, "netplane: netplane:")
 	assert.Empty(t, ns.MustRun(t, "ip", "-br", "link", "show", "master", "brokkr0"), "nothing was attached to the foreign bridge")
 }
+
+// apply (also --dry-run) and status warn when the proxied exposures' caps
+// could take more descriptors than brokkrd has, naming them; the exposures
+// the proxy does not carry are not counted.
+func TestApplyAndStatusWarnWhenProxyCapsExceedTheDescriptorLimit(t *testing.T) {
+	r := newRig(t, rigConfig)
+	limit := uint64(65536)
+	old := noFileLimit
+	noFileLimit = func() (uint64, error) { return limit, nil }
+	t.Cleanup(func() { noFileLimit = old })
+
+	cfg, err := config.Parse([]byte(rigConfig))
+	require.NoError(t, err)
+	plan, err := r.d.Apply(cfg, true)
+	require.NoError(t, err)
+	for _, w := range plan.Warnings {
+		assert.NotContains(t, w, "descriptor budget", "within the limit")
+	}
+
+	// web-auto, web-proxy and lo-auto at 256, ext at 3: 2 × 771 = 1542.
+	limit = 1024
+	for _, dry := range []bool{true, false} {
+		plan, err = r.d.Apply(cfg, dry)
+		require.NoError(t, err)
+		w := strings.Join(plan.Warnings, "\n")
+		assert.Contains(t, w, "2 × 771 = 1542 descriptors, more than brokkrd's RLIMIT_NOFILE of 1024")
+		assert.Contains(t, w, "web-auto (256), web-proxy (256), lo-auto (256), ext (3)")
+		assert.NotContains(t, w, "web-nat", "nat mode is carried by the kernel")
+	}
+	r.d.Pass(context.Background())
+	assert.Contains(t, strings.Join(r.d.Status().Warnings, "\n"), "descriptor budget: at their caps")
+
+	// The budget counts exactly the exposures the proxy is given.
+	for _, e := range cfg.Exposures {
+		assert.Equal(t, len(proxyBinds(e, true)) > 0, e.Proxied(), e.Name)
+	}
+}
