@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -210,7 +211,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.m.observe("netplane", time.Since(t0), err == nil && nrep.Err == nil)
 	errs = append(errs, err)
 	if nrep.Err != nil {
-		errs = append(errs, fmt.Errorf("netplane: %w", nrep.Err))
+		errs = append(errs, netplaneErr(nrep.Err))
 	}
 	for _, r := range nrep.Repaired {
 		d.log.Warn("drift repaired", "what", r)
@@ -327,6 +328,15 @@ func (d *Daemon) updateFacts(want *config.Config, rep netplane.Report) map[strin
 	return out
 }
 
+// netplaneErr names the network plane once: its own errors already start
+// with "netplane: ".
+func netplaneErr(err error) error {
+	if strings.HasPrefix(err.Error(), "netplane: ") {
+		return err
+	}
+	return fmt.Errorf("netplane: %w", err)
+}
+
 // AddressBook is the proxy's Resolver: guest addresses by VM name, swapped
 // whole on each pass, read per connection.
 type AddressBook struct {
@@ -342,6 +352,13 @@ func (a *AddressBook) Set(addrs map[string]string) {
 	a.mu.Lock()
 	a.addrs = addrs
 	a.mu.Unlock()
+}
+
+func (a *AddressBook) lookup(vm string) (string, bool) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	addr, ok := a.addrs[vm]
+	return addr, ok
 }
 
 // Resolve is a proxy.Resolver.
@@ -397,6 +414,9 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	plan := diff(cur, next)
 	plan.DryRun = dryRun
 	plan.Warnings = hostWarnings(cfg, d.host)
+	if w := budgetWarning(next); w != "" {
+		plan.Warnings = append(plan.Warnings, w)
+	}
 	if dryRun {
 		return plan, nil
 	}
@@ -507,11 +527,20 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 	d.mu.Lock()
 	facts := d.facts
 	d.mu.Unlock()
+	// A pass the network plane refused as a whole reports no guest and no
+	// exposure: what waits on it fails with its reason.
+	netErr := ""
+	if nrep.Err != nil {
+		netErr = strings.TrimPrefix(nrep.Err.Error(), "netplane: ")
+	}
 	listed := map[string]bool{}
 	row := func(name, power string) api.VM {
 		r := api.VM{Name: name, Phase: supervisor.PhasePending, Power: power}
 		if s, ok := sv[name]; ok {
 			r.Phase, r.Detail, r.PID, r.Restarts = s.Phase, s.Detail, s.PID, s.Restarts
+		}
+		if f, ok := facts[name]; (!ok || f.Tap == "") && netErr != "" && r.Detail == "" {
+			r.Detail = "network: " + netErr
 		}
 		if f, ok := facts[name]; ok {
 			r.Tap = f.Tap
@@ -549,9 +578,12 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 		r := api.Exposure{Name: e.Name, VM: e.VM, Target: e.Target, Mode: e.Mode, HostAddress: e.HostAddress,
 			HostPort: e.HostPort, Protocol: e.Protocol, GuestPort: e.GuestPort, MaxConns: *e.MaxConns}
 		var parts []part
+		_, hasAddr := d.addrs.lookup(e.VM)
 		if usesKernel(e) {
 			if n, ok := ns[e.Name]; ok {
 				parts = append(parts, part{"nat", n.State, n.Reason})
+			} else if netErr != "" {
+				parts = append(parts, part{"nat", proxy.StateFailed, netErr})
 			} else {
 				parts = append(parts, part{"nat", proxy.StatePending, "the network plane has not reported it yet"})
 			}
@@ -559,6 +591,10 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 		if binds := proxyBinds(e, d.opts.IPv6Loopback); len(binds) > 0 {
 			if p := ps[e.Name]; len(p) > 0 {
 				for _, s := range p {
+					if s.State == proxy.StatePending && e.VM != "" && !hasAddr && netErr != "" {
+						// Waiting for a guest address the refused network cannot give.
+						s.State, s.Reason = proxy.StateFailed, netErr
+					}
 					parts = append(parts, part{"proxy", s.State, s.Reason})
 				}
 			} else {
@@ -586,6 +622,9 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 	}
 	st.Warnings = append(st.Warnings, d.opts.Warnings...)
 	st.Warnings = append(st.Warnings, nrep.Warnings...)
+	if w := budgetWarning(want); w != "" {
+		st.Warnings = append(st.Warnings, w)
+	}
 	if d.store != nil && !d.store.Pinned() {
 		st.Warnings = append(st.Warnings, d.store.Reason())
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -274,10 +275,63 @@ func TestTheSupervisorIsHeldUntilEveryVMHasItsTap(t *testing.T) {
 	assert.Equal(t, "52:54:00:00:00:01", sup.specs()[0].MAC.String())
 }
 
-func TestWithoutDHCPTheGuestGetsItsAddressOnTheCommandLine(t *testing.T) {
-	r := newRig(t, "network: {dhcp: false}\nvms: [{name: web, kernel: /k}]\n")
-	r.d.Pass(context.Background())
-	assert.Equal(t, "10.213.0.10::10.213.0.1:255.255.255.0::eth0:off", r.sup.specs()[0].IP)
+// launchRecorder is a supervisor.Hypervisor that records each launch config
+// and refuses to start: what the test looks at is the launch.
+type launchRecorder struct {
+	mu  sync.Mutex
+	got []supervisor.LaunchConfig
+}
+
+func (h *launchRecorder) Kind() string { return "recorder" }
+func (h *launchRecorder) Start(_ context.Context, lc supervisor.LaunchConfig) (supervisor.Instance, error) {
+	h.mu.Lock()
+	h.got = append(h.got, lc)
+	h.mu.Unlock()
+	return supervisor.Instance{}, errors.New("recorded, not started")
+}
+func (h *launchRecorder) Adopt(context.Context, supervisor.Instance) error { return errors.New("none") }
+func (h *launchRecorder) Info(context.Context, supervisor.Instance) (supervisor.VMState, error) {
+	return supervisor.VMShutdown, nil
+}
+func (h *launchRecorder) Stop(context.Context, supervisor.Instance, time.Duration) error { return nil }
+func (h *launchRecorder) launches() []supervisor.LaunchConfig {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]supervisor.LaunchConfig(nil), h.got...)
+}
+
+// With DHCP off, the address netplane assigned reaches the hypervisor's
+// launch command line as the kernel's ip= parameter, after the user's
+// cmdline; with DHCP on, nothing is added. The real supervisor sits between
+// the daemon and the launch, so a value computed but never passed on fails.
+func TestWithoutDHCPTheAddressReachesTheLaunchCommandLine(t *testing.T) {
+	kernel := filepath.Join(t.TempDir(), "vmlinuz")
+	require.NoError(t, os.WriteFile(kernel, []byte("k"), 0o600))
+	for _, tc := range []struct {
+		dhcp bool
+		want string
+	}{
+		{false, "console=ttyS0 quiet ip=10.213.0.10::10.213.0.1:255.255.255.0:web:eth0:off"},
+		{true, "console=ttyS0 quiet"},
+	} {
+		host, err := config.Parse([]byte(fmt.Sprintf("network: {dhcp: %v}\nvms: [{name: web, kernel: %s, cmdline: \"console=ttyS0 quiet\"}]\n", tc.dhcp, kernel)))
+		require.NoError(t, err)
+		host.StateDir, host.RunDir = t.TempDir(), shortDir(t)
+		hv := &launchRecorder{}
+		sup, err := supervisor.NewEngine(supervisor.Config{StateDir: host.StateDir, RunDir: host.RunDir, Hypervisor: hv})
+		require.NoError(t, err)
+		c := &calls{}
+		addrs := NewAddressBook()
+		store := bpf.NewInMemory("test")
+		d, err := New(Options{Host: host, Store: store, Supervisor: sup, Network: &recNet{calls: c}, Proxy: &recProxy{calls: c, resolve: addrs.Resolve},
+			Addresses: addrs, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		require.NoError(t, err)
+		d.Pass(context.Background())
+		require.Eventually(t, func() bool { return len(hv.launches()) > 0 }, 10*time.Second, 10*time.Millisecond)
+		sup.Stop()
+		_ = store.Close()
+		assert.Equal(t, tc.want, hv.launches()[0].Cmdline, "dhcp: %v", tc.dhcp)
+	}
 }
 
 func TestModesSplitBetweenKernelAndProxy(t *testing.T) {

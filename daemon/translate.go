@@ -145,10 +145,8 @@ func vmSpecs(c *config.Config, facts map[string]guestFacts) []supervisor.VMSpec 
 		}
 		if f, ok := facts[v.Name]; ok {
 			s.Tap, s.MAC = f.Tap, f.MAC
-			// Without DHCP the guest learns its address from the kernel
-			// command line (ip=client::gateway:netmask::eth0:off).
 			if !*c.Network.DHCP && f.Address.IsValid() {
-				s.IP = fmt.Sprintf("%s::%s:%s::eth0:off", f.Address, cidr.Addr(), netmask(cidr))
+				s.IP = kernelIPParam(cidr, v.Name, f.Address)
 			}
 		}
 		out = append(out, s)
@@ -156,9 +154,14 @@ func vmSpecs(c *config.Config, facts map[string]guestFacts) []supervisor.VMSpec 
 	return out
 }
 
-func netmask(p netip.Prefix) string {
-	m := net.CIDRMask(p.Bits(), 32)
-	return net.IP(m).String()
+// kernelIPParam is the kernel parameter that gives a guest booted without
+// DHCP its assigned address (Documentation/admin-guide/nfs/nfsroot.rst,
+// "ip="): client, no server, the bridge as gateway, the subnet mask, the VM
+// name as hostname, eth0, no autoconfiguration. Kernels without IP
+// autoconfiguration leave it to the guest's init (the test guest reads it).
+func kernelIPParam(bridge netip.Prefix, vm string, addr netip.Addr) string {
+	mask := net.IP(net.CIDRMask(bridge.Bits(), 32)).String()
+	return fmt.Sprintf("ip=%s::%s:%s:%s:eth0:off", addr, bridge.Addr(), mask, vm)
 }
 
 // resolveTarget handles the proxy Resolver's explicit-target form.

@@ -29,7 +29,7 @@ import (
 //     persisted with its address. Exposure targets are reserved.
 //   - "Leased" means the guest took its DHCP lease, or the bridge's
 //     neighbour table shows its MAC at its address (a guest booted with
-//     ip=, see KernelIPParam, or one whose lease predates this process).
+//     the kernel's ip= parameter, or one whose lease predates this process).
 //   - An exposure's DNAT is installed as soon as its guest has an assigned
 //     address; State stays "pending" until the guest is seen with it, so a
 //     daemon restart never interrupts traffic while it waits to hear back.

@@ -95,11 +95,6 @@ func TestValidateSpecFieldErrors(t *testing.T) {
 	assert.Empty(t, validateSpec(withDefaults(ok), assigned))
 }
 
-func TestKernelIPParam(t *testing.T) {
-	n := Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.213.0.1/24")}
-	assert.Equal(t, "ip=10.213.0.7::10.213.0.1:255.255.255.0:web::off", KernelIPParam(n, "web", netip.MustParseAddr("10.213.0.7")))
-}
-
 // Validation never panics, and whatever it accepts is something the
 // kernel side can take: a valid IPv4 bridge address with room for guests,
 // a bridge name that fits, unique tap names.

@@ -54,14 +54,19 @@ type Manager struct {
 	quitCarriers chan struct{}
 	quitOnce     sync.Once
 	carrierWG    sync.WaitGroup
+
+	logs logLimiter
 }
 
 // NewManager returns a Manager that finds guests through resolve and counts
 // into stats. With stats nil it counts into an in-memory store of its own.
-func NewManager(resolve Resolver, stats *bpf.Store) *Manager {
+func NewManager(resolve Resolver, stats *bpf.Store, opts ...Option) *Manager {
 	m := &Manager{resolve: resolve, stats: stats, dialer: guestDialer(),
 		listenTCP: listenTCP, live: map[string]*exposure{}, carried: map[net.Conn]struct{}{},
-		carriers: make(chan carryJob), quitCarriers: make(chan struct{})}
+		carriers: make(chan carryJob), quitCarriers: make(chan struct{}), logs: newLogLimiter()}
+	for _, o := range opts {
+		o(m)
+	}
 	if stats == nil {
 		m.stats = bpf.NewInMemory("counters in memory only: the proxy was given no BPF store")
 	}
@@ -148,6 +153,7 @@ func (c *counterRef) release() {
 // listener whose loop died counts as not running), so calling it again with
 // the same input changes nothing and repairs whatever broke in between.
 func (m *Manager) Converge(desired []Spec) []Status {
+	m.logs.flush()
 	checks, errs, owners := validateAll(desired)
 
 	m.mu.Lock()

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -384,14 +385,21 @@ func TestTheCapResetsCallersPastItAndLeavesTheOthersAlone(t *testing.T) {
 	assert.Zero(t, cs.Dropped)
 }
 
+// The place an ended connection held is given back, exactly once: before
+// it ends a second caller is refused, after it a new one is carried, and the
+// cap still holds behind that one.
 func TestTheCapIsReleasedWhenAConnectionEnds(t *testing.T) {
 	m, _ := newManager(t)
 	spec := tcpSpec("web", echoServer(t, "g:"))
 	spec.MaxConns = 1
 	st := only(t, m, spec)
-	require.NoError(t, hold(t, st.BoundAddr).Close())
+	first := hold(t, st.BoundAddr)
+	requireReset(t, st.BoundAddr)
+	require.NoError(t, first.Close())
 	eventually(t, "the ended connection gives its place back", func() bool { return conns(m, "web") == 0 })
 	hold(t, st.BoundAddr)
+	requireReset(t, st.BoundAddr)
+	assert.EqualValues(t, 2, only(t, m, spec).Counters.Refused)
 }
 
 func TestConnectionsDrainingThroughARebindStillCountTowardTheCap(t *testing.T) {
@@ -427,16 +435,43 @@ func TestAChangedCapAppliesWithoutARebind(t *testing.T) {
 	hold(t, st.BoundAddr)
 }
 
+// MaxConns 0 refuses nobody, also past the daemon's default of 256. The
+// callers and the guest service live in a child process, so this process
+// spends two descriptors per connection (accepted, guest dial) and the test
+// fits a default `ulimit -n 1024`.
 func TestMaxConnsZeroIsUnlimited(t *testing.T) {
+	const n = 300
+	ensureNoFile(t, 2*n+256)
+	lines, stdin := child(t, "callers")
+	port, err := strconv.Atoi(expectLine(t, lines, "echo "))
+	require.NoError(t, err)
 	m, _ := newManager(t)
-	spec := tcpSpec("web", echoServer(t, "g:"))
+	spec := tcpSpec("web", port)
 	st := only(t, m, spec)
-	for i := 0; i < 300; i++ { // past the daemon's default of 256
-		hold(t, st.BoundAddr)
-	}
+	_, err = fmt.Fprintf(stdin, "hold %s %d\n", st.BoundAddr, n)
+	require.NoError(t, err)
+	assert.Equal(t, strconv.Itoa(n), expectLine(t, lines, "held "))
 	cs := only(t, m, spec).Counters
 	assert.Zero(t, cs.Refused)
-	assert.EqualValues(t, 300, cs.Active)
+	assert.EqualValues(t, n, cs.Active)
+}
+
+// ensureNoFile raises RLIMIT_NOFILE to at least want for the rest of the
+// test (root may raise the hard limit too), restoring it afterwards; it
+// skips the test when the limit cannot be raised.
+func ensureNoFile(t *testing.T, want uint64) {
+	t.Helper()
+	var old syscall.Rlimit
+	require.NoError(t, syscall.Getrlimit(syscall.RLIMIT_NOFILE, &old))
+	if old.Cur >= want {
+		return
+	}
+	raised := syscall.Rlimit{Cur: want, Max: max(old.Max, want)}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &raised); err != nil {
+		t.Skipf("needs %d descriptors, RLIMIT_NOFILE is %d/%d and cannot be raised: %v", want, old.Cur, old.Max, err)
+	}
+	// Registered before the connections' own cleanups, so it runs after them.
+	t.Cleanup(func() { _ = syscall.Setrlimit(syscall.RLIMIT_NOFILE, &old) })
 }
 
 func TestActiveIsAGaugeWhileRefusedAndDroppedAreTotals(t *testing.T) {

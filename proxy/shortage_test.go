@@ -102,6 +102,34 @@ func TestADescriptorShortagePausesTheLoopKeepsThePortAndIsReported(t *testing.T)
 	})
 }
 
+// A good accept ends the shortage's backoff: the next shortage starts again
+// at 5 ms, not where the last one left off. Seven failures take the pause to
+// 320 ms, so a loop that kept it would wait 640 ms after the next one.
+func TestAGoodAcceptResetsTheBackoffTo5ms(t *testing.T) {
+	m, _ := newManager(t)
+	sl := &scriptedListener{errs: make(chan error, 8)}
+	for range 7 {
+		sl.errs <- syscall.EMFILE
+	}
+	m.listenTCP = func(c checked) (net.Listener, error) {
+		ln, err := listenTCP(c)
+		sl.Listener = ln
+		return sl, err
+	}
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	eventually(t, "the loop waits in a real accept after the shortage", func() bool { return len(sl.callTimes()) >= 8 })
+
+	// Call 7 is parked in the real accept: the caller below ends it with a
+	// good accept, and call 8 takes the next shortage.
+	sl.errs <- syscall.EMFILE
+	assert.Equal(t, "g:hi", roundTrip(t, dial(t, st.BoundAddr), "g:", "hi"))
+	eventually(t, "the loop retries after the new shortage", func() bool { return len(sl.callTimes()) >= 10 })
+	calls := sl.callTimes()
+	pause := calls[9].Sub(calls[8])
+	assert.GreaterOrEqual(t, pause, acceptPauseFloor)
+	assert.Less(t, pause, 320*time.Millisecond, "the pause after a good accept is %s: the backoff was not reset", pause)
+}
+
 // ---- the shortage for real, and splice, in a child process ----
 
 const childEnv = "BRK_PX_CHILD"
@@ -112,6 +140,8 @@ func runChild(role string) int {
 		return childShortage()
 	case "splice":
 		return childSplice()
+	case "callers":
+		return childCallers()
 	}
 	fmt.Fprintf(os.Stderr, "unknown child role %q\n", role)
 	return 2
@@ -197,6 +227,65 @@ func childShortage() int {
 		case "quit":
 			return 0
 		}
+	}
+	return 0
+}
+
+// childCallers serves an echo on loopback (printing "echo PORT") and, on
+// "hold ADDR N", opens N connections to ADDR, checks an echo on each and
+// holds them all ("held N") until stdin closes.
+func childCallers() int {
+	guest, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	defer guest.Close()
+	go func() {
+		for {
+			c, err := guest.Accept()
+			if err != nil {
+				return
+			}
+			// Through memory: io.Copy between two TCPConns would splice and
+			// spend a pipe (two descriptors) per connection.
+			go func() { defer c.Close(); io.Copy(struct{ io.Writer }{c}, c) }()
+		}
+	}()
+	fmt.Println("echo", guest.Addr().(*net.TCPAddr).Port)
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	sc := bufio.NewScanner(os.Stdin)
+	for sc.Scan() {
+		var addr string
+		var n int
+		if _, err := fmt.Sscanf(sc.Text(), "hold %s %d", &addr, &n); err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		for i := 0; i < n; i++ {
+			c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+			if err == nil {
+				_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+				buf := make([]byte, 4)
+				if _, err = c.Write([]byte("ping")); err == nil {
+					_, err = io.ReadFull(c, buf)
+				}
+				if err == nil && string(buf) != "ping" {
+					err = fmt.Errorf("echo %q", buf)
+				}
+			}
+			if err != nil {
+				fmt.Println("error connection", i, err)
+				return 1
+			}
+			held = append(held, c)
+		}
+		fmt.Println("held", len(held))
 	}
 	return 0
 }

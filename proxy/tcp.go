@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"strconv"
 	"sync/atomic"
@@ -35,6 +36,8 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, vm
 			if outOfDescriptors(err) {
 				if pause == 0 {
 					m.setReason(ex, ln, "out of descriptors: "+err.Error()+" (port stays bound; retrying)")
+					m.logs.event(slog.LevelWarn, ex.id, evShortage,
+						"proxy: out of descriptors; accepting paused, the port stays bound", "err", err)
 				}
 				pause = nextPause(pause)
 				select {
@@ -45,17 +48,23 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, vm
 				}
 			}
 			m.mu.Lock()
-			if ex.ln == ln { // not closed on purpose
+			dead := ex.ln == ln // not closed on purpose
+			if dead {
 				ex.closeSocket()
 				ex.reason = "accept: " + err.Error()
 				ex.lost = ex.reason
 			}
 			m.mu.Unlock()
+			if dead {
+				m.logs.event(slog.LevelError, ex.id, evDeadLoop,
+					"proxy: accept loop ended; the listener is rebound on the next converge", "err", err)
+			}
 			return
 		}
 		if pause != 0 {
 			pause = 0
 			m.setReason(ex, ln, "")
+			m.logs.event(slog.LevelInfo, ex.id, evRecover, "proxy: accepting again after a descriptor shortage")
 		}
 		m.admit(ex, c, vm, target)
 	}
@@ -92,6 +101,7 @@ func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string) {
 		ex.conns.Add(-1)
 		ex.ctr.slot.AddRefused(1)
 		reset(c)
+		m.logs.event(slog.LevelWarn, ex.id, evRefused, "proxy: caller refused at the connection cap", "maxConns", limit)
 		return
 	}
 	if !m.track(c) {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"log/slog"
 	"net"
 	"net/netip"
 	"os"
@@ -75,12 +76,17 @@ func (r *udpRelay) serve() {
 		n, oobn, _, from, err := r.conn.ReadMsgUDPAddrPort(buf, oob)
 		if err != nil {
 			r.m.mu.Lock()
-			if r.ex.udp == r { // not closed on purpose
+			dead := r.ex.udp == r // not closed on purpose
+			if dead {
 				r.ex.closeSocket()
 				r.ex.reason = "read: " + err.Error()
 				r.ex.lost = r.ex.reason
 			}
 			r.m.mu.Unlock()
+			if dead {
+				r.m.logs.event(slog.LevelError, r.ex.id, evDeadLoop,
+					"proxy: UDP read loop ended; the socket is rebound on the next converge", "err", err)
+			}
 			return
 		}
 		key := flowKey{client: netip.AddrPortFrom(from.Addr().Unmap(), from.Port())}
@@ -113,6 +119,7 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 	if limit := ex.maxConns.Load(); limit > 0 && n > limit {
 		ex.conns.Add(-1)
 		slot.AddRefused(1)
+		r.m.logs.event(slog.LevelWarn, ex.id, evRefused, "proxy: UDP flow refused at the connection cap", "maxConns", limit)
 		return nil
 	}
 	addr := r.m.resolve(r.vm)
@@ -120,7 +127,10 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 	if addr != "" {
 		ga, err := net.ResolveUDPAddr("udp", net.JoinHostPort(addr, r.guestPort))
 		if err == nil {
-			guest, _ = net.DialUDP("udp", nil, ga)
+			guest, err = net.DialUDP("udp", nil, ga)
+		}
+		if outOfDescriptors(err) {
+			r.m.logs.event(slog.LevelWarn, ex.id, evShortage, "proxy: out of descriptors; UDP flow dropped", "err", err)
 		}
 	}
 	if guest == nil {

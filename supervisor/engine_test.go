@@ -2,6 +2,7 @@ package supervisor
 
 import (
 	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -312,4 +313,162 @@ func TestInvalidSpecIsReportedAndNotApplied(t *testing.T) {
 	assert.Equal(t, 1, f.hv.startCount(), "an invalid spec must not stop or restart the VM")
 	assert.Equal(t, 1, f.eng.workerCount())
 	assert.Equal(t, PhaseRunning, rowOf(f.eng.Step(context.Background(), []VMSpec{good}), "vm").Phase)
+}
+
+// A VM waiting for a create slot boots from the newest desired state: under
+// a cap of 1, with "a" holding the only slot, "b" is set stopped, "c" is
+// deleted and "d" changed while they wait. None of b and c is ever booted,
+// and d is booted once, from its new spec.
+func TestAVMWaitingForACreateSlotBootsTheNewestSpec(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.MaxConcurrentCreates = 1 })
+	arrived, release := make(chan string, 1), make(chan struct{})
+	wedged := wedge(arrived, release)
+	f.images.fetch = func(ctx context.Context, src Source, progress func(int64, int64)) (string, error) {
+		if strings.HasPrefix(src.Location, "/img/a/") {
+			return wedged(ctx, src, progress)
+		}
+		return src.Location, nil
+	}
+	stepNoWait(t, f.eng, vmSpec("a"))
+	waitFor(t, arrived, "a inside its create, holding the slot")
+	all := []VMSpec{vmSpec("a"), vmSpec("b"), vmSpec("c"), vmSpec("d")}
+	stepNoWait(t, f.eng, all...)
+	for _, name := range []string{"b", "c", "d"} {
+		waitRow(t, f.eng, name, func(s VMStatus) bool { return s.Detail == "waiting for a create slot" }, all...)
+	}
+
+	stopped := vmSpec("b", func(s *VMSpec) { s.Power = PowerStopped })
+	changed := vmSpec("d", func(s *VMSpec) { s.CPUs = 2 })
+	now := []VMSpec{vmSpec("a"), stopped, changed}
+	stepNoWait(t, f.eng, now...)
+	close(release)
+
+	waitRow(t, f.eng, "a", phaseIs(PhaseRunning), now...)
+	waitRow(t, f.eng, "b", phaseIs(PhaseStopped), now...)
+	waitRow(t, f.eng, "d", phaseIs(PhaseRunning), now...)
+	deadline := time.Now().Add(testWait)
+	for rowOf(f.eng.Step(context.Background(), now), "c") != nil && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.Nil(t, rowOf(f.eng.Step(context.Background(), now), "c"), "the deleted VM is gone")
+	assert.NoDirExists(t, filepath.Join(f.cfg.StateDir, "vms", "c"))
+
+	starts := map[string][]int{}
+	for _, lc := range f.hv.startList() {
+		starts[lc.Name] = append(starts[lc.Name], lc.CPUs)
+	}
+	assert.Equal(t, map[string][]int{"a": {1}, "d": {2}}, starts,
+		"a VM set stopped or deleted while waiting was booted, or one was booted from its superseded spec")
+}
+
+// holdingHandler is a slog handler that parks the goroutine logging msg
+// until release is closed, signalling arrived: it stops a worker at an
+// exact point of its pass.
+type holdingHandler struct {
+	msg     string
+	arrived chan<- struct{}
+	release <-chan struct{}
+}
+
+func (h holdingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h holdingHandler) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == h.msg {
+		select {
+		case h.arrived <- struct{}{}:
+		default:
+		}
+		<-h.release
+	}
+	return nil
+}
+func (h holdingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h holdingHandler) WithGroup(string) slog.Handler      { return h }
+
+// The window where only busyness protects a worker: a destroy pass that has
+// removed the record (hasRecord is false, desired is nil, nothing is fresh)
+// but has not ended. Steps in that window must not reap the worker, and a
+// Step naming the VM again must reach the same worker rather than spawn a
+// second one for it.
+func TestAWorkerFinishingADestroyIsNotReaped(t *testing.T) {
+	arrived, release := make(chan struct{}, 1), make(chan struct{})
+	releaseAll := sync.OnceFunc(func() { close(release) })
+	f := newFixture(t, func(c *Config) {
+		c.Logger = slog.New(holdingHandler{msg: "VM removed", arrived: arrived, release: release})
+	})
+	t.Cleanup(releaseAll) // before the fixture's Stop, which waits for the held worker
+	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm"))
+
+	stepNoWait(t, f.eng) // removed from desired state: the destroy pass runs
+	select {
+	case <-arrived:
+	case <-time.After(testWait):
+		t.Fatal("the destroy pass never got past removing the record")
+	}
+	require.NoDirExists(t, filepath.Join(f.cfg.StateDir, "vms", "vm"), "precondition: the record is gone")
+	for range 3 {
+		stepNoWait(t, f.eng)
+		require.Equal(t, 1, f.eng.workerCount(), "a worker still inside its destroy pass was reaped")
+	}
+	stepNoWait(t, f.eng, vmSpec("vm")) // wanted again while the destroy finishes
+	assert.Equal(t, 1, f.eng.workerCount(), "a second worker was spawned for a VM whose worker is still busy")
+	releaseAll()
+	waitRow(t, f.eng, "vm", func(s VMStatus) bool { return s.Phase == PhaseRunning && f.hv.startCount() == 2 }, vmSpec("vm"))
+}
+
+// Step never waits on a worker, even one wedged inside a backend call: one
+// VM is stuck in Hypervisor.Start, another in Hypervisor.Stop, and every
+// Step (and Restart) returns within stepBound with their rows saying so.
+func TestStepNeverWaitsOnAWorkerInsideABackendCall(t *testing.T) {
+	f := newFixture(t, func(c *Config) { c.StartTimeout = time.Minute; c.StopGrace = time.Minute })
+	in, release := make(chan string, 2), make(chan struct{})
+	releaseAll := sync.OnceFunc(func() { close(release) })
+	t.Cleanup(releaseAll) // before the fixture's Stop: the wedged calls must end
+	park := func(ctx context.Context, what string) {
+		select {
+		case in <- what:
+		default: // after the release, later calls pass straight through
+		}
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+	}
+	f.hv.beforeStart = func(ctx context.Context, lc LaunchConfig) error {
+		if lc.Name == "starting" {
+			park(ctx, "start")
+		}
+		return nil
+	}
+	f.hv.beforeStop = func(ctx context.Context, _ Instance) { park(ctx, "stop") }
+	waitRow(t, f.eng, "stopping", phaseIs(PhaseRunning), vmSpec("stopping"))
+
+	desired := []VMSpec{vmSpec("starting"), vmSpec("stopping", func(s *VMSpec) { s.Power = PowerStopped })}
+	f.eng.Step(context.Background(), desired)
+	got := map[string]bool{}
+	for range 2 {
+		got[waitFor(t, in, "both workers inside a backend call")] = true
+	}
+	require.Equal(t, map[string]bool{"start": true, "stop": true}, got)
+
+	var slowest time.Duration
+	var last Report
+	for range 20 {
+		t0 := time.Now()
+		done := make(chan Report, 1)
+		go func() { done <- f.eng.Step(context.Background(), desired) }()
+		select {
+		case last = <-done:
+		case <-time.After(stepBound):
+			t.Fatalf("Step took longer than %s with workers inside Start and Stop: it waits on a busy VM", stepBound)
+		}
+		slowest = max(slowest, time.Since(t0))
+		t0 = time.Now()
+		require.NoError(t, f.eng.Restart("starting"))
+		require.Less(t, time.Since(t0), stepBound, "Restart waited on a busy VM")
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Logf("slowest Step: %s", slowest)
+	assert.Equal(t, VMStatus{Name: "starting", Phase: PhaseStarting, Detail: "starting proc"}, *rowOf(last, "starting"))
+	assert.Equal(t, PhaseStopping, rowOf(last, "stopping").Phase)
+	releaseAll()
 }

@@ -57,7 +57,9 @@ type VMSpec struct {
 
 	Tap string           // tap device to attach (made by netplane)
 	MAC net.HardwareAddr // the guest's MAC (stable per VM)
-	IP  string           // optional kernel ip= argument for direct-kernel boots
+	// IP is a kernel parameter ("ip=...") appended to Cmdline at launch: a
+	// guest on a network without DHCP takes its address from it.
+	IP string
 }
 
 // VMStatus is one VM's row in a Report.

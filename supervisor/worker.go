@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -155,6 +156,13 @@ func (w *worker) take() (spec *VMSpec, seen, restart bool) {
 	spec, seen, restart = w.desired, w.seen, w.restart
 	w.restart = false
 	return spec, seen, restart
+}
+
+// isFresh reports whether desired state changed since this pass took it.
+func (w *worker) isFresh() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.fresh
 }
 
 func (w *worker) endPass() {
@@ -427,9 +435,20 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 			w.publish(PhaseCreating, "waiting for a create slot")
 			select {
 			case w.e.creates <- struct{}{}:
+			case <-w.wake:
+				// Newer desired state (or a restart request) arrived while
+				// waiting: this pass's spec is stale. The next pass takes
+				// the newest, so put the wake back and leave.
+				w.signal()
+				return
 			case <-ctx.Done():
 				return
 			}
+		}
+		if w.isFresh() {
+			// The slot and a newer spec arrived together.
+			<-w.e.creates
+			return
 		}
 		defer func() { <-w.e.creates }()
 	}
@@ -506,7 +525,7 @@ func (w *worker) launchConfig(ctx context.Context, spec *VMSpec) (LaunchConfig, 
 	}
 	lc := LaunchConfig{
 		Name: w.name, Dir: dir, RunDir: run,
-		CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Cmdline: spec.Cmdline,
+		CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Cmdline: strings.TrimSpace(spec.Cmdline + " " + spec.IP),
 		Tap: spec.Tap, MAC: spec.MAC,
 		ConsoleLog: filepath.Join(dir, "console.log"), ConsoleSize: w.e.cfg.ConsoleMaxBytes,
 	}
@@ -714,5 +733,8 @@ func (w *worker) destroy(ctx context.Context) {
 	w.mu.Lock()
 	w.hasRecord = false
 	w.mu.Unlock()
+	// From here to the end of the pass only busy keeps this worker from
+	// being reaped (and a second one spawned beside it).
+	w.e.cfg.Logger.Info("VM removed", "vm", w.name)
 	w.publish(PhaseStopped, "removed")
 }

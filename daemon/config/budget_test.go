@@ -1,0 +1,32 @@
+package config
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestDescriptorBudgetNamesTheProxiedExposures(t *testing.T) {
+	c, err := Parse([]byte(`
+exposures:
+  - {name: px, target: 10.213.0.200, guestPort: 80, hostPort: 80, mode: proxy, maxConns: 200}
+  - {name: auto-any, target: 10.213.0.200, guestPort: 80, hostPort: 81, maxConns: 150}
+  - {name: auto-lo, target: 10.213.0.200, guestPort: 80, hostPort: 82, hostAddress: 127.0.0.1, maxConns: 100}
+  - {name: nat, target: 10.213.0.200, guestPort: 80, hostPort: 83, mode: nat, maxConns: 100000}
+`))
+	require.NoError(t, err)
+	// 2 × (200 + 150 + 100) = 900: nat's cap costs the daemon nothing.
+	assert.Empty(t, c.DescriptorBudget(900))
+	w := c.DescriptorBudget(899)
+	assert.Contains(t, w, "2 × 450 = 900")
+	assert.Contains(t, w, "899")
+	assert.Contains(t, w, "px (200), auto-any (150), auto-lo (100)")
+	assert.NotContains(t, w, "nat")
+
+	c.Exposures[1].MaxConns = intp(0)
+	w = c.DescriptorBudget(DefaultNoFile)
+	assert.Contains(t, w, "without a cap")
+	assert.Contains(t, w, "auto-any")
+	assert.NotContains(t, w, "px")
+}
