@@ -507,3 +507,67 @@ func sockLinkIDs(t *testing.T, s *SockLB) map[string]uint32 {
 	}
 	return out
 }
+
+// What byte counting costs per packet: the cgroup_skb programs run on every
+// packet of every socket in the cgroup; a TCP packet leaves after the
+// protocol test (TCP is counted once, at close), a translated UDP datagram
+// is counted. The figures are logged (go test -v); the counts are checked.
+func TestSockLBCountingCostPerPacket(t *testing.T) {
+	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("no BPF run-time statistics: %v", err)
+	}
+	require.NoError(t, err)
+	defer stats.Close()
+	tp := newSockTopo(t, ProtoUDP, 0)
+	lb := tp.load(t)
+	defer lb.Close()
+	require.NoError(t, lb.SetTarget(anyHost, ProtoUDP, 8080, SockTarget{Guest: guest("10.213.0.11:7000"), Slot: tp.slot.Index()}))
+	require.NoError(t, lb.SetTarget(anyHost, ProtoTCP, 8080, SockTarget{Guest: guest("10.213.0.11:7000"), Slot: tp.slot.Index()}))
+
+	cost := func(p *ebpf.Program) (time.Duration, uint64) {
+		st, err := p.Stats()
+		require.NoError(t, err)
+		return st.Runtime, st.RunCount
+	}
+	measure := func(what string, run func()) {
+		e0, en0 := cost(lb.objs.BrkSockEgress)
+		i0, in0 := cost(lb.objs.BrkSockIngress)
+		run()
+		e1, en1 := cost(lb.objs.BrkSockEgress)
+		i1, in1 := cost(lb.objs.BrkSockIngress)
+		require.Greater(t, en1, en0, what)
+		require.Greater(t, in1, in0, what)
+		t.Logf("%s: egress %d packets, %.1f ns each; ingress %d packets, %.1f ns each", what,
+			en1-en0, float64(e1-e0)/float64(en1-en0), in1-in0, float64(i1-i0)/float64(in1-in0))
+	}
+
+	const n = 2000
+	c, err := dial(t, tp.host, "udp", "127.0.0.1:8080")
+	require.NoError(t, err)
+	defer c.Close()
+	msg := make([]byte, 100)
+	measure("UDP, counted", func() {
+		for i := 0; i < n; i++ {
+			roundTrip(t, c, msg)
+		}
+	})
+	eventually(t, "UDP bytes", func() bool {
+		r := tp.slot.Read()
+		return r.BytesIn == n*100 && r.BytesOut == n*100
+	})
+
+	tc, err := dial(t, tp.host, "tcp", "127.0.0.1:8080")
+	require.NoError(t, err)
+	big := make([]byte, 1<<20)
+	measure("TCP, passed over", func() {
+		for i := 0; i < 16; i++ {
+			roundTrip(t, tc, big)
+		}
+	})
+	require.NoError(t, tc.Close())
+	eventually(t, "TCP bytes at close", func() bool {
+		r := tp.slot.Read()
+		return r.BytesIn == n*100+16<<20 && r.BytesOut == n*100+16<<20
+	})
+}
