@@ -328,7 +328,7 @@ func TestSockLBKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T) 
 	defer lb2.Close()
 	assert.Equal(t, ids, sockLinkIDs(t, lb2), "a restarted daemon adopts the pinned links")
 	for _, h := range lb2.hooks() {
-		assert.Equal(t, 1, cgroupLinksRunning(t, h.prog, h.attach), "one copy of %s", h.pin)
+		assert.Equal(t, 1, cgroupLinksRunning(t, tp.cgroup, h.prog, h.attach), "one copy of %s", h.pin)
 	}
 	b, err := dial(t, tp.host, "tcp4", "127.0.0.1:8080")
 	require.NoError(t, err, "the translation survived the restart")
@@ -469,11 +469,12 @@ func TestSockLBAndNatPathShareOneCap(t *testing.T) {
 	assert.Zero(t, p)
 }
 
-// cgroupLinksRunning counts the cgroup links in the system at attach that
-// run prog (by tag; recvmsg and getpeername share code, so their tags
-// match).
-func cgroupLinksRunning(t *testing.T, prog *ebpf.Program, attach ebpf.AttachType) int {
+// cgroupLinksRunning counts the links on cgroup at attach that run prog
+// (by tag; recvmsg and getpeername share code, so their tags match).
+func cgroupLinksRunning(t *testing.T, cgroup string, prog *ebpf.Program, attach ebpf.AttachType) int {
 	t.Helper()
+	cgid, err := cgroupID(cgroup)
+	require.NoError(t, err)
 	pi, err := prog.Info()
 	require.NoError(t, err)
 	it := new(link.Iterator)
@@ -481,7 +482,7 @@ func cgroupLinksRunning(t *testing.T, prog *ebpf.Program, attach ebpf.AttachType
 	n := 0
 	for it.Next() {
 		info, err := it.Link.Info()
-		if err != nil || info.Cgroup() == nil || ebpf.AttachType(info.Cgroup().AttachType) != attach {
+		if err != nil || info.Cgroup() == nil || info.Cgroup().CgroupId != cgid || ebpf.AttachType(info.Cgroup().AttachType) != attach {
 			continue
 		}
 		p, err := ebpf.NewProgramFromID(info.Program)
