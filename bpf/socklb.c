@@ -168,6 +168,10 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, const __u32 a[4]
 	__u8 proto = ctx->protocol;
 	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
 		return SK_ALLOW;
+	// The kernel refuses a sendmsg6 rewritten to a v4-mapped address
+	// (ENOTSUPP): unconnected IPv6 UDP callers are left alone.
+	if (v6 && !connect)
+		return SK_ALLOW;
 	__u16 port = ctx->user_port;
 	struct bpf_sock *sk = ctx->sk;
 	if (!sk)
