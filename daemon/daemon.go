@@ -44,6 +44,11 @@ type Options struct {
 	// then carry ::1 specs next to 127.0.0.1 ones under the same name; see
 	// ProxyPair).
 	IPv6Loopback bool
+	// SocketPath, when set, serves auto exposures' host-local callers in
+	// the kernel (and the loopback proxies go away); SocketPathReason says
+	// why it is not (shown in status, the proxies serve them instead).
+	SocketPath       SocketPath
+	SocketPathReason string
 }
 
 // Daemon is one running brokkrd.
@@ -57,6 +62,10 @@ type Daemon struct {
 	px    Proxy
 	addrs *AddressBook
 	m     *metrics
+	sock  *sockPath // nil: the loopback proxies serve host-local callers
+	// sockParts is the socket path's last report per exposure (the loop's
+	// goroutine only).
+	sockParts map[string]part
 
 	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
 	// netMu keeps netplane's Validate (which reads the kernel) from running
@@ -125,6 +134,9 @@ func New(opts Options) (*Daemon, error) {
 		pxRun:   bounded[[]proxy.Status]{name: "proxy"},
 	}
 	d.m = newMetrics(d)
+	if opts.SocketPath != nil && opts.Store != nil {
+		d.sock = newSockPath(opts.SocketPath, opts.Store)
+	}
 	if d.store != nil {
 		// Connections the previous process proxied died with it; the kernel
 		// path re-adds what conntrack still holds.
@@ -244,7 +256,12 @@ func (d *Daemon) Pass(ctx context.Context) {
 	}
 
 	t0 = time.Now()
-	pspecs := proxySpecs(want, d.opts.IPv6Loopback)
+	if d.sock != nil {
+		parts, err := d.sock.converge(want, d.addrs.Resolve)
+		d.sockParts = parts
+		errs = append(errs, err)
+	}
+	pspecs := proxySpecs(want, d.opts.IPv6Loopback, d.sock != nil)
 	pst, err := d.pxRun.run(ctx, d.opts.Timeout, func(context.Context) []proxy.Status {
 		return d.px.Converge(pspecs)
 	})
@@ -588,7 +605,14 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 				parts = append(parts, part{"nat", proxy.StatePending, "the network plane has not reported it yet"})
 			}
 		}
-		if binds := proxyBinds(e, d.opts.IPv6Loopback); len(binds) > 0 {
+		if d.sock != nil && usesSocketPath(e) {
+			if p, ok := d.sockParts[e.Name]; ok {
+				parts = append(parts, p)
+			} else {
+				parts = append(parts, part{"socket", proxy.StatePending, "the socket path has not reported it yet"})
+			}
+		}
+		if binds := proxyBinds(e, d.opts.IPv6Loopback, d.sock != nil); len(binds) > 0 {
 			if p := ps[e.Name]; len(p) > 0 {
 				for _, s := range p {
 					if s.State == proxy.StatePending && e.VM != "" && !hasAddr && netErr != "" {
@@ -624,6 +648,9 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 	st.Warnings = append(st.Warnings, nrep.Warnings...)
 	if w := budgetWarning(want); w != "" {
 		st.Warnings = append(st.Warnings, w)
+	}
+	if r := d.opts.SocketPathReason; r != "" {
+		st.Warnings = append(st.Warnings, r)
 	}
 	if d.store != nil && !d.store.Pinned() {
 		st.Warnings = append(st.Warnings, d.store.Reason())

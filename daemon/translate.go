@@ -32,8 +32,9 @@ func usesKernel(e config.Exposure) bool {
 // proxyBinds lists the addresses the userspace proxy binds for an exposure:
 // proxy mode binds hostAddress; auto binds loopback (which DNAT cannot serve)
 // when hostAddress covers it: 127.0.0.1, and ::1 when the host has IPv6
-// loopback (ipv6).
-func proxyBinds(e config.Exposure, ipv6 bool) []string {
+// loopback (ipv6). With the socket path (sock) auto binds nothing: it
+// serves loopback callers.
+func proxyBinds(e config.Exposure, ipv6, sock bool) []string {
 	a, err := netip.ParseAddr(e.HostAddress)
 	if err != nil {
 		return nil
@@ -43,6 +44,8 @@ func proxyBinds(e config.Exposure, ipv6 bool) []string {
 		return []string{e.HostAddress}
 	case config.ModeAuto:
 		switch {
+		case sock:
+			return nil
 		case a.IsLoopback():
 			return []string{e.HostAddress}
 		case a.IsUnspecified() && ipv6:
@@ -88,10 +91,10 @@ func netDesired(c *config.Config) netplane.Desired {
 	return d
 }
 
-func proxySpecs(c *config.Config, ipv6 bool) []proxy.Spec {
+func proxySpecs(c *config.Config, ipv6, sock bool) []proxy.Spec {
 	var out []proxy.Spec
 	for _, e := range c.Exposures {
-		for _, addr := range proxyBinds(e, ipv6) {
+		for _, addr := range proxyBinds(e, ipv6, sock) {
 			vm := e.VM
 			if e.Target != "" {
 				vm = targetPrefix + e.Target

@@ -26,6 +26,7 @@ import (
 type system struct {
 	d     *daemon.Daemon
 	store *bpf.Store
+	sock  *bpf.SockLB // nil when the socket path is off
 	lock  *os.File
 }
 
@@ -37,6 +38,9 @@ func (s *system) countersWhere() string {
 }
 
 func (s *system) close() {
+	if s.sock != nil {
+		_ = s.sock.Close() // the pinned links stay: translation goes on
+	}
 	_ = s.store.Close()
 	_ = s.lock.Close()
 }
@@ -113,11 +117,21 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	} else {
 		log.Info("no IPv6 loopback here: auto exposures serve local callers on 127.0.0.1 only")
 	}
-	dd, err := daemon.New(daemon.Options{
+	sock, sockReason := openSocketPath(cfg, store)
+	opts := daemon.Options{
 		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
-		Logger: log, Warnings: warnings, IPv6Loopback: ipv6,
-	})
+		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, SocketPathReason: sockReason,
+	}
+	if sock != nil {
+		opts.SocketPath = sock
+	} else {
+		log.Warn("auto exposures serve local callers through loopback proxies", "reason", sockReason)
+	}
+	dd, err := daemon.New(opts)
 	if err != nil {
+		if sock != nil {
+			sock.Close()
+		}
 		eng.Stop()
 		plane.Close()
 		store.Close()
@@ -125,7 +139,34 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	}
 	d.Store(dd)
 	_ = ctx
-	return &system{d: dd, store: store, lock: lock}, nil
+	return &system{d: dd, store: store, sock: sock, lock: lock}, nil
+}
+
+// openSocketPath attaches the socket path to the cgroup v2 root (mounting
+// a cgroup2 hierarchy under runDir if none is mounted), or says why not.
+// BROKKR_CGROUP names another cgroup to attach to, or "off": test
+// harnesses use it so that a daemon under test never attaches to the
+// host's root cgroup.
+func openSocketPath(cfg *config.Config, store *bpf.Store) (*bpf.SockLB, string) {
+	if !store.Pinned() {
+		return nil, "socket path off: the counter map is not pinned"
+	}
+	cg := os.Getenv("BROKKR_CGROUP")
+	if cg == "off" {
+		return nil, "socket path off (BROKKR_CGROUP=off)"
+	}
+	if cg == "" {
+		root, err := bpf.CgroupV2Root(filepath.Join(cfg.RunDir, "cgroup2"))
+		if err != nil {
+			return nil, fmt.Sprintf("socket path unavailable: %v", err)
+		}
+		cg = root
+	}
+	lb, err := bpf.LoadSockLB(bpf.SockLBConfig{PinDir: cfg.BPFDir, Cgroup: cg})
+	if err != nil {
+		return nil, fmt.Sprintf("socket path unavailable: %v", err)
+	}
+	return lb, ""
 }
 
 // openStore makes bpfDir usable (mounting bpffs at /sys/fs/bpf if needed)

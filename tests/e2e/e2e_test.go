@@ -146,6 +146,8 @@ func (e *env) startDaemon() {
 	logf, err := os.OpenFile(e.logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
 	require.NoError(e.t, err)
 	cmd := e.host.Command(filepath.Join(bin, "brokkrd"), "--config", e.cfgPath)
+	// Never attach the socket path to the host's root cgroup from a test.
+	cmd.Env = append(os.Environ(), "BROKKR_CGROUP=off")
 	cmd.Stdout, cmd.Stderr = logf, logf
 	require.NoError(e.t, cmd.Start())
 	logf.Close()

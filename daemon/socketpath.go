@@ -1,0 +1,140 @@
+package daemon
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/proxy"
+)
+
+// SocketPath is the eBPF socket path (bpf.SockLB): auto exposures'
+// host-local callers are sent to the guest when their socket connects, so
+// no loopback proxy is needed.
+type SocketPath interface {
+	SetTarget(host netip.Addr, proto uint32, hostPort uint16, t bpf.SockTarget) error
+	DeleteTarget(host netip.Addr, proto uint32, hostPort uint16) error
+	SetLocalAddrs(addrs []netip.Addr) error
+}
+
+type sockKey struct {
+	host  netip.Addr
+	proto uint32
+	port  uint16
+}
+
+// sockPath is what the control loop put into the socket path: the
+// translations and the counter slots it holds for them.
+type sockPath struct {
+	lb        SocketPath
+	store     *bpf.Store
+	slots     map[string]*bpf.Slot
+	have      map[sockKey]bool
+	localAddr func() ([]netip.Addr, error)
+}
+
+func newSockPath(lb SocketPath, store *bpf.Store) *sockPath {
+	return &sockPath{lb: lb, store: store, slots: map[string]*bpf.Slot{}, have: map[sockKey]bool{}, localAddr: interfaceAddrs}
+}
+
+// interfaceAddrs lists the daemon's namespace's own addresses.
+func interfaceAddrs() ([]netip.Addr, error) {
+	as, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil, err
+	}
+	var out []netip.Addr
+	for _, a := range as {
+		if n, ok := a.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(n.IP); ok {
+				out = append(out, ip.Unmap())
+			}
+		}
+	}
+	return out, nil
+}
+
+// usesSocketPath reports whether the socket path serves an exposure's
+// host-local callers: every auto exposure.
+func usesSocketPath(e config.Exposure) bool { return e.Mode == config.ModeAuto }
+
+// converge makes the translations match c: one per auto exposure, to the
+// guest's current address (refusing at once while it has none). It returns
+// each exposure's part for the status.
+func (p *sockPath) converge(c *config.Config, resolve func(vm string) string) (map[string]part, error) {
+	var errs []error
+	if addrs, err := p.localAddr(); err != nil {
+		errs = append(errs, fmt.Errorf("socket path: local addresses: %w", err))
+	} else if err := p.lb.SetLocalAddrs(addrs); err != nil {
+		errs = append(errs, err)
+	}
+	parts := map[string]part{}
+	want := map[sockKey]bool{}
+	wantSlots := map[string]bool{}
+	for _, e := range c.Exposures {
+		if !usesSocketPath(e) {
+			continue
+		}
+		host, err := netip.ParseAddr(e.HostAddress)
+		if err != nil {
+			parts[e.Name] = part{"socket", proxy.StateFailed, err.Error()}
+			continue
+		}
+		proto := bpf.ProtoNumber(e.Protocol)
+		sl := p.slots[e.Name]
+		if sl == nil {
+			if sl, err = p.store.Attach(e.Name, proto, uint16(e.HostPort)); err != nil {
+				parts[e.Name] = part{"socket", proxy.StateFailed, err.Error()}
+				continue
+			}
+			p.slots[e.Name] = sl
+		}
+		wantSlots[e.Name] = true
+		sl.SetCap(uint32(*e.MaxConns))
+		vm := e.VM
+		if e.Target != "" {
+			vm = targetPrefix + e.Target
+		}
+		t := bpf.SockTarget{Slot: sl.Index()}
+		g, err := netip.ParseAddr(resolve(vm))
+		if err == nil && g.Is4() {
+			t.Guest = netip.AddrPortFrom(g, uint16(e.GuestPort))
+		} else {
+			// No address yet: callers are refused at once rather than
+			// left to time out.
+			t.Guest = netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(e.GuestPort))
+			t.Down = true
+		}
+		k := sockKey{host, proto, uint16(e.HostPort)}
+		want[k] = true
+		if err := p.lb.SetTarget(k.host, k.proto, k.port, t); err != nil {
+			parts[e.Name] = part{"socket", proxy.StateFailed, err.Error()}
+			continue
+		}
+		if t.Down {
+			parts[e.Name] = part{"socket", proxy.StatePending, ""}
+		} else {
+			parts[e.Name] = part{"socket", proxy.StateActive, ""}
+		}
+	}
+	for k := range p.have {
+		if want[k] {
+			continue
+		}
+		if err := p.lb.DeleteTarget(k.host, k.proto, k.port); err != nil {
+			errs = append(errs, err)
+			want[k] = true // try again next pass
+		}
+	}
+	p.have = want
+	for name, sl := range p.slots {
+		if !wantSlots[name] {
+			sl.Release(false) // Prune frees it once no path holds it
+			delete(p.slots, name)
+		}
+	}
+	return parts, errors.Join(errs...)
+}

@@ -1,0 +1,141 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// recSock records the socket path's translations.
+type recSock struct {
+	mu      sync.Mutex
+	targets map[string]bpf.SockTarget
+	local   []netip.Addr
+}
+
+func sockName(host netip.Addr, proto uint32, port uint16) string {
+	return fmt.Sprintf("%s/%s:%d", bpf.ProtoName(proto), host, port)
+}
+
+func (s *recSock) SetTarget(host netip.Addr, proto uint32, port uint16, t bpf.SockTarget) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.targets[sockName(host, proto, port)] = t
+	return nil
+}
+
+func (s *recSock) DeleteTarget(host netip.Addr, proto uint32, port uint16) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.targets, sockName(host, proto, port))
+	return nil
+}
+
+func (s *recSock) SetLocalAddrs(a []netip.Addr) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.local = a
+	return nil
+}
+
+func (s *recSock) get() map[string]bpf.SockTarget {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string]bpf.SockTarget{}
+	for k, v := range s.targets {
+		out[k] = v
+	}
+	return out
+}
+
+func newSockRig(t *testing.T, sock SocketPath, reason string) *rig {
+	t.Helper()
+	host, err := config.Parse([]byte(rigConfig))
+	require.NoError(t, err)
+	host.StateDir, host.RunDir = t.TempDir(), shortDir(t)
+	c := &calls{}
+	addrs := NewAddressBook()
+	r := &rig{calls: c, sup: &recSup{calls: c}, net: &recNet{calls: c}, px: &recProxy{calls: c, resolve: addrs.Resolve},
+		store: bpf.NewInMemory("test"), host: host}
+	d, err := New(Options{Host: host, Store: r.store, Supervisor: r.sup, Network: r.net, Proxy: r.px, Addresses: addrs,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Timeout: 200 * time.Millisecond,
+		IPv6Loopback: true, SocketPath: sock, SocketPathReason: reason})
+	require.NoError(t, err)
+	r.d = d
+	t.Cleanup(func() { _ = r.store.Close() })
+	return r
+}
+
+func TestAutoServesLocalCallersThroughTheSocketPathNotLoopbackProxies(t *testing.T) {
+	sock := &recSock{targets: map[string]bpf.SockTarget{}}
+	r := newSockRig(t, sock, "")
+	r.d.Pass(context.Background())
+
+	specs, _ := r.px.specs()
+	var ids []string
+	for _, s := range specs {
+		ids = append(ids, s.ID+"@"+s.HostAddress)
+	}
+	assert.Equal(t, []string{"web-proxy@0.0.0.0", "ext@0.0.0.0"}, ids, "no loopback listeners for auto exposures")
+	got := sock.get()
+	require.Len(t, got, 2)
+	web, lo := got["tcp/0.0.0.0:8080"], got["tcp/127.0.0.1:5432"]
+	assert.True(t, web.Down, "no lease yet: callers are refused at once")
+	assert.True(t, lo.Down)
+	assert.Equal(t, "pending", expo(r.d.Status(), "web-auto").State)
+	assert.NotEmpty(t, sock.local, "the namespace's own addresses are listed")
+
+	r.net.mu.Lock()
+	r.net.leased = true
+	r.net.mu.Unlock()
+	r.d.Pass(context.Background())
+	got = sock.get()
+	web, lo = got["tcp/0.0.0.0:8080"], got["tcp/127.0.0.1:5432"]
+	assert.Equal(t, bpf.SockTarget{Guest: netip.MustParseAddrPort("10.213.0.10:80"), Slot: web.Slot}, web)
+	assert.Equal(t, bpf.SockTarget{Guest: netip.MustParseAddrPort("10.213.0.11:5432"), Slot: lo.Slot}, lo)
+	assert.NotEqual(t, web.Slot, lo.Slot)
+	st := r.d.Status()
+	assert.Equal(t, "active", expo(st, "web-auto").State)
+	assert.Equal(t, "active", expo(st, "lo-auto").State)
+	assert.Equal(t, "auto", expo(st, "web-auto").Mode)
+
+	// An exposure removed: its translation goes.
+	next := *r.d.Desired()
+	next.Exposures = nil
+	for _, e := range r.d.Desired().Exposures {
+		if e.Name != "lo-auto" {
+			next.Exposures = append(next.Exposures, e)
+		}
+	}
+	_, err := r.d.Apply(&next, false)
+	require.NoError(t, err)
+	r.d.Pass(context.Background())
+	got = sock.get()
+	assert.Contains(t, got, "tcp/0.0.0.0:8080")
+	assert.NotContains(t, got, "tcp/127.0.0.1:5432")
+	_, held := r.store.Lookup("lo-auto")
+	assert.False(t, held, "its counter slot is freed")
+}
+
+func TestWithoutTheSocketPathAutoFallsBackToLoopbackProxiesAndSaysWhy(t *testing.T) {
+	r := newSockRig(t, nil, "socket path unavailable: attaching to /sys/fs/cgroup: boom")
+	r.d.Pass(context.Background())
+	specs, _ := r.px.specs()
+	var ids []string
+	for _, s := range specs {
+		ids = append(ids, s.ID+"@"+s.HostAddress)
+	}
+	assert.Contains(t, ids, "web-auto@127.0.0.1")
+	assert.Contains(t, ids, "web-auto@::1")
+	assert.Contains(t, r.d.Status().Warnings, "socket path unavailable: attaching to /sys/fs/cgroup: boom")
+}
