@@ -96,6 +96,6 @@ func TestApplyAndStatusWarnWhenProxyCapsExceedTheDescriptorLimit(t *testing.T) {
 
 	// The budget counts exactly the exposures the proxy is given.
 	for _, e := range cfg.Exposures {
-		assert.Equal(t, len(proxyBinds(e, true)) > 0, e.Proxied(), e.Name)
+		assert.Equal(t, len(proxyBinds(e, true, false)) > 0, e.Proxied(), e.Name)
 	}
 }
