@@ -21,6 +21,8 @@ require (
 	golang.org/x/sys v0.50.0
 )
 
+require github.com/coreos/go-systemd/v22 v22.7.0 // indirect
+
 require (
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect

@@ -252,6 +252,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.status = st
 	d.passes++
 	d.mu.Unlock()
+	d.m.passDone(errs, len(nrep.Repaired))
 	// Log a problem when it appears and when it clears, not every second.
 	now := map[string]bool{}
 	for _, e := range errs {

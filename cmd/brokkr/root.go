@@ -27,7 +27,9 @@ func newRoot() *cobra.Command {
 		Short:         "Control brokkrd: VMs and the guest ports they publish",
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		Version:       api.CurrentBuild().String(),
 	}
+	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return userError{fmt.Errorf("%w\n%s", err, c.UsageString())}
 	})
@@ -205,10 +207,16 @@ func statusCmd(client func() *api.Client) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			line, warn := versions(api.CurrentBuild(), st.Daemon)
+			if warn != "" {
+				// stderr, so that -o json stays one JSON document.
+				fmt.Fprintln(cmd.ErrOrStderr(), "warning:", warn)
+			}
 			if out == "json" {
 				return printJSON(cmd.OutOrStdout(), st)
 			}
 			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "%s\n\n", line)
 			printVMs(w, st.VMs)
 			fmt.Fprintln(w)
 			printExposures(w, st.Exposures)
@@ -223,6 +231,22 @@ func statusCmd(client func() *api.Client) *cobra.Command {
 	}
 	c.Flags().StringVarP(&out, "output", "o", "table", "table or json")
 	return c
+}
+
+// versions is the status header naming both builds, and a warning when the
+// CLI and the daemon differ (an upgrade installed but brokkrd not restarted,
+// or an old CLI elsewhere on PATH).
+func versions(cli api.Build, d *api.Build) (line, warn string) {
+	if d == nil {
+		return fmt.Sprintf("brokkr %s, brokkrd unknown", cli),
+			"brokkrd does not report its version (it is older than this CLI); restart it to run the installed build"
+	}
+	line = fmt.Sprintf("brokkr %s, brokkrd %s", cli, d)
+	if cli.Version != d.Version || cli.Commit != d.Commit {
+		warn = fmt.Sprintf("brokkr (CLI) is %s %s but brokkrd is %s %s; restart brokkrd after an upgrade, or check which brokkr is on PATH",
+			cli.Version, cli.Commit, d.Version, d.Commit)
+	}
+	return line, warn
 }
 
 func checkOutput(o string) error {
