@@ -3,8 +3,8 @@ package main
 import (
 	"encoding/json"
 	"net"
-	"os"
 	"net/http"
+	"os"
 	"path/filepath"
 	"sync"
 	"testing"
