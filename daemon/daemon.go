@@ -136,7 +136,7 @@ func New(opts Options) (*Daemon, error) {
 // withHost returns c with the process-fixed keys taken from host.
 func withHost(c, host *config.Config) *config.Config {
 	cp := *c
-	cp.StateDir, cp.RunDir, cp.BPFDir, cp.Hypervisor = host.StateDir, host.RunDir, host.BPFDir, host.Hypervisor
+	cp.StateDir, cp.RunDir, cp.BPFDir, cp.Hypervisor, cp.Metrics = host.StateDir, host.RunDir, host.BPFDir, host.Hypervisor, host.Metrics
 	return &cp
 }
 
@@ -422,7 +422,7 @@ func hostWarnings(cfg, host *config.Config) []string {
 	var w []string
 	for _, k := range []struct{ key, got, have string }{
 		{"stateDir", cfg.StateDir, host.StateDir}, {"runDir", cfg.RunDir, host.RunDir},
-		{"bpfDir", cfg.BPFDir, host.BPFDir},
+		{"bpfDir", cfg.BPFDir, host.BPFDir}, {"metrics.listen", cfg.Metrics.Listen, host.Metrics.Listen},
 	} {
 		if k.got != k.have {
 			w = append(w, fmt.Sprintf("%s: %q differs from the running daemon's %q; it takes effect when brokkrd restarts with this file", k.key, k.got, k.have))

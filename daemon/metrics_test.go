@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -199,4 +202,31 @@ func TestStatusCarriesTheDaemonsBuild(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, st.Daemon)
 	assert.Equal(t, api.CurrentBuild(), *st.Daemon)
+}
+
+func TestMetricsOverTCPServeOnlyMetrics(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.d.ServeMetrics(ctx, ln) }()
+	defer func() { cancel(); require.NoError(t, <-done) }()
+	get := func(path string) (int, string) {
+		resp, err := http.Get("http://" + ln.Addr().String() + path)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	code, body := get("/metrics")
+	assert.Equal(t, http.StatusOK, code)
+	assert.Contains(t, body, `brokkr_vm_phase{phase="running",vm="web"} 1`)
+	code, _ = get("/v1/status")
+	assert.Equal(t, http.StatusNotFound, code, "the API stays on the root-only socket")
+	resp, err := http.Post("http://"+ln.Addr().String()+"/v1/vms/web/stop", "", nil)
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusNotFound, resp.StatusCode)
 }

@@ -55,6 +55,15 @@ type Config struct {
 	Hypervisor Hypervisor `yaml:"hypervisor" json:"hypervisor"`
 	VMs        []VM       `yaml:"vms" json:"vms"`
 	Exposures  []Exposure `yaml:"exposures" json:"exposures"`
+	Metrics    Metrics    `yaml:"metrics" json:"metrics"`
+}
+
+// Metrics is where else /metrics is served. The listener is opened when
+// brokkrd starts, so like stateDir the key is fixed for the process.
+type Metrics struct {
+	// Listen is a TCP host:port ("127.0.0.1:9464"); empty: only on the
+	// API socket.
+	Listen string `yaml:"listen" json:"listen"`
 }
 
 // Network is the guest network section.
