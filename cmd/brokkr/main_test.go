@@ -23,7 +23,7 @@ func run(t *testing.T, args ...string) (string, string, int) {
 	var out, errb bytes.Buffer
 	root.SetOut(&out)
 	root.SetErr(&errb)
-	root.SetArgs(args)
+	root.SetArgs(socketFirst(args))
 	err := root.Execute()
 	if err != nil {
 		var se silentError

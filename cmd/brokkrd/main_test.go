@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"flag"
 	"os"
 	"path/filepath"
 	"testing"
@@ -116,4 +117,23 @@ func TestLegacyArgs(t *testing.T) {
 	assert.Equal(t, []string{"--config", "f", "--log-json", "--debug=true"}, legacyArgs([]string{"-config", "f", "-log-json", "-debug=true"}))
 	assert.Equal(t, []string{"--config", "f", "-x", "--", "-config"}, legacyArgs([]string{"--config", "f", "-x", "--", "-config"}),
 		"unknown shorthands and anything after -- are left alone")
+}
+
+var update = flag.Bool("update", false, "rewrite testdata/help.txt")
+
+// Changes to --help are deliberate: go test ./cmd/brokkrd -run Help -update.
+func TestHelpGolden(t *testing.T) {
+	out, errs, code := brokkrd(t, "--help")
+	require.Equal(t, 0, code, errs)
+	golden := filepath.Join("testdata", "help.txt")
+	if *update {
+		require.NoError(t, os.MkdirAll("testdata", 0o755))
+		require.NoError(t, os.WriteFile(golden, []byte(out), 0o644))
+		return
+	}
+	want, err := os.ReadFile(golden)
+	require.NoError(t, err)
+	assert.Equal(t, string(want), out, "brokkrd --help changed; if deliberate, run go test ./cmd/brokkrd -run Help -update")
+	assert.Contains(t, out, "Examples:")
+	assert.NotContains(t, out, "log-json", "the deprecated flag is not advertised")
 }
