@@ -178,7 +178,9 @@ func TestVMWaitGivesUp(t *testing.T) {
 	assert.Equal(t, 2, code, "a VM that never stops")
 	assert.Contains(t, errs, "--wait: web is still running after 150ms, not stopped")
 
-	f.set(func(st *api.Status) { st.VMs[1].Phase, st.VMs[1].PID, st.VMs[1].Detail = "failed", 0, "kernel not found" })
+	f.set(func(st *api.Status) {
+		st.VMs[1].Phase, st.VMs[1].PID, st.VMs[1].Detail = "failed", 0, "kernel not found"
+	})
 	_, errs, code = run(t, "vm", "start", "db", "--wait", "--socket", f.sock)
 	assert.Equal(t, 2, code, "a VM failed for longer than the grace")
 	assert.Contains(t, errs, "--wait: db failed: kernel not found")

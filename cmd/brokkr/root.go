@@ -153,8 +153,6 @@ func loadConfigFile(cmd *cobra.Command, file string) ([]byte, *config.Config, er
 	return b, cfg, nil
 }
 
-
-
 func printPlan(w io.Writer, p *api.Plan) {
 	verb := "applied"
 	if p.DryRun {
@@ -186,7 +184,6 @@ func printPlan(w io.Writer, p *api.Plan) {
 		fmt.Fprintf(w, "warning: %s\n", warn)
 	}
 }
-
 
 // versions is the status header naming both builds, and a warning when the
 // CLI and the daemon differ (an upgrade installed but brokkrd not restarted,
@@ -268,7 +265,3 @@ func human(b uint64) string {
 	}
 	return fmt.Sprintf("%.1f%ciB", float64(b)/float64(div), "KMGTPE"[exp])
 }
-
-
-
-
