@@ -79,6 +79,9 @@ func (d *Daemon) handleApply(w http.ResponseWriter, r *http.Request) {
 		var plan api.Plan
 		plan, err = d.Apply(cfg, dry)
 		if err == nil {
+			if !dry {
+				d.noteAPIApply(body)
+			}
 			writeJSON(w, http.StatusOK, plan)
 			return
 		}

@@ -160,18 +160,24 @@ func check(flagPath string, stdout, stderr io.Writer) int {
 // path if it exists, else the embedded defaults. path is "" for defaults.
 // A config that does not validate comes back as config.Errors, with path.
 func loadConfig(flagPath string) (string, *config.Config, error) {
+	path, _, cfg, err := loadConfigData(flagPath)
+	return path, cfg, err
+}
+
+// loadConfigData is loadConfig with the file's bytes (nil for defaults).
+func loadConfigData(flagPath string) (string, []byte, *config.Config, error) {
 	path, b, err := readConfig(flagPath)
 	if err != nil {
-		return path, nil, err
+		return path, nil, nil, err
 	}
 	if path == "" {
-		return "", config.Defaults(), nil
+		return "", nil, config.Defaults(), nil
 	}
 	cfg, err := config.Parse(b)
 	if err != nil {
-		return path, nil, err
+		return path, nil, nil, err
 	}
-	return path, cfg, nil
+	return path, b, cfg, nil
 }
 
 // readConfig reads the file loadConfig would use; path "" is none.

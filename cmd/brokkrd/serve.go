@@ -40,7 +40,7 @@ func serve(o options, stderr io.Writer) int {
 	// is root's alone; set before the socket exists, so there is no window.
 	unix.Umask(0o077)
 
-	path, cfg, err := loadConfig(o.config)
+	path, data, cfg, err := loadConfigData(o.config)
 	if err != nil {
 		var ce config.Errors
 		if errors.As(err, &ce) {
@@ -64,6 +64,24 @@ func serve(o options, stderr io.Writer) int {
 		return 2
 	}
 	defer sys.close()
+
+	if path != "" {
+		applied, plan, err := sys.d.StartWithFile(path, data, cfg)
+		if err != nil {
+			// Running on desired.json instead would silently ignore the
+			// file the operator edited.
+			fmt.Fprintf(stderr, "brokkrd: %s changed since it was last applied and is rejected; not starting:\n%v\n", path, err)
+			return 1
+		}
+		if applied {
+			log.Info("config file applied (changed since it was last applied, or never applied)", "file", path,
+				"vmsAdded", plan.VMs.Added, "vmsChanged", plan.VMs.Changed, "vmsRemoved", plan.VMs.Removed,
+				"exposuresAdded", plan.Exposures.Added, "exposuresChanged", plan.Exposures.Changed,
+				"exposuresRemoved", plan.Exposures.Removed, "warnings", plan.Warnings)
+		} else {
+			log.Info("config file unchanged since it was last applied; resuming from the persisted desired state", "file", path)
+		}
+	}
 
 	ln, err := daemon.Listen(cfg.RunDir)
 	if err != nil {
@@ -89,6 +107,8 @@ func serve(o options, stderr io.Writer) int {
 	}
 	loopDone := make(chan struct{})
 	go func() { sys.d.Run(ctx); close(loopDone) }()
+	notifyDone := make(chan struct{})
+	go func() { notifySystemd(ctx, sys.d, log); close(notifyDone) }()
 	log.Info("brokkrd serving", "socket", sock, "stateDir", cfg.StateDir, "bpfDir", cfg.BPFDir,
 		"hypervisor", cfg.Hypervisor.Kind, "counters", sys.countersWhere())
 
@@ -113,7 +133,9 @@ loop:
 			break loop
 		}
 	}
+	notify(log, "STOPPING=1\nSTATUS=stopping; VMs and nft rules stay in place")
 	cancel()
+	<-notifyDone
 	<-loopDone
 	for ; servers > 0; servers-- {
 		<-serveDone
@@ -144,6 +166,9 @@ func reload(d *daemon.Daemon, path string, log *slog.Logger) {
 		var plan daemon.ApplyResult
 		plan, err = d.Apply(cfg, false)
 		if err == nil {
+			if err := d.FileApplied(path, b); err != nil {
+				log.Warn("SIGHUP: recording the applied file", "err", err)
+			}
 			log.Info("SIGHUP: config reloaded", "file", path, "vmsAdded", plan.VMs.Added, "vmsChanged", plan.VMs.Changed,
 				"vmsRemoved", plan.VMs.Removed, "exposuresAdded", plan.Exposures.Added,
 				"exposuresChanged", plan.Exposures.Changed, "exposuresRemoved", plan.Exposures.Removed, "warnings", plan.Warnings)
