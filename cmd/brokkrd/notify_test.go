@@ -116,7 +116,7 @@ func TestNotifyReadyStatusAndWatchdog(t *testing.T) {
 
 	// A loop that stops finishing passes stops the pings.
 	loop.set(time.Now().Add(-time.Hour), nil)
-	time.Sleep(150 * time.Millisecond) // a ping already in flight
+	time.Sleep(150 * time.Millisecond)           // a ping already in flight
 	silent(t, sock, "\x00", 20*time.Millisecond) // drain what was queued before
 	assert.True(t, silent(t, sock, "WATCHDOG=1", 500*time.Millisecond), "no pings for a stuck loop")
 	loop.set(time.Now(), nil)
