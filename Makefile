@@ -13,8 +13,14 @@ all: build
 deps:
 	@scripts/deps.sh
 
+# --version and brokkr_build_info: git describe and the commit, stamped into
+# daemon/api (a plain go build falls back to Go's build info).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
+COMMIT ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null)
+LDFLAGS := -X github.com/brokkr/brokkr/daemon/api.version=$(VERSION) -X github.com/brokkr/brokkr/daemon/api.commit=$(COMMIT)
+
 build:
-	$(GO) build -o $(BIN)/ ./cmd/...
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/...
 
 vet:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt: files above need formatting"; exit 1; }

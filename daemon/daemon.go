@@ -118,7 +118,7 @@ func New(opts Options) (*Daemon, error) {
 		opts.Logger.Info("resuming from persisted desired state", "file", opts.Host.StateDir+"/"+DesiredFile,
 			"vms", len(desired.VMs), "exposures", len(desired.Exposures))
 		if p := diff(withHost(desired, opts.Host), withHost(opts.Host, opts.Host)); p.NetworkChanged || !p.VMs.Empty() || !p.Exposures.Empty() {
-			opts.Logger.Warn("the config file differs from the persisted desired state, which wins until the next apply or reload (brokkr apply -f FILE, or SIGHUP)",
+			opts.Logger.Warn("the config file differs from the persisted desired state (unless the file changed since it was last applied, the persisted state wins until the next apply or reload: brokkr apply -f FILE, or SIGHUP)",
 				"vmsOnlyInFile", p.VMs.Added, "vmsChangedInFile", p.VMs.Changed, "vmsNotInFile", p.VMs.Removed,
 				"exposuresOnlyInFile", p.Exposures.Added, "exposuresChangedInFile", p.Exposures.Changed, "exposuresNotInFile", p.Exposures.Removed)
 		}
@@ -149,7 +149,7 @@ func New(opts Options) (*Daemon, error) {
 // withHost returns c with the process-fixed keys taken from host.
 func withHost(c, host *config.Config) *config.Config {
 	cp := *c
-	cp.StateDir, cp.RunDir, cp.BPFDir, cp.Hypervisor = host.StateDir, host.RunDir, host.BPFDir, host.Hypervisor
+	cp.StateDir, cp.RunDir, cp.BPFDir, cp.Hypervisor, cp.Metrics = host.StateDir, host.RunDir, host.BPFDir, host.Hypervisor, host.Metrics
 	return &cp
 }
 
@@ -283,6 +283,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.status = st
 	d.passes++
 	d.mu.Unlock()
+	d.m.passDone(errs, len(nrep.Repaired))
 	// Log a problem when it appears and when it clears, not every second.
 	now := map[string]bool{}
 	for _, e := range errs {
@@ -471,7 +472,7 @@ func hostWarnings(cfg, host *config.Config) []string {
 	var w []string
 	for _, k := range []struct{ key, got, have string }{
 		{"stateDir", cfg.StateDir, host.StateDir}, {"runDir", cfg.RunDir, host.RunDir},
-		{"bpfDir", cfg.BPFDir, host.BPFDir},
+		{"bpfDir", cfg.BPFDir, host.BPFDir}, {"metrics.listen", cfg.Metrics.Listen, host.Metrics.Listen},
 	} {
 		if k.got != k.have {
 			w = append(w, fmt.Sprintf("%s: %q differs from the running daemon's %q; it takes effect when brokkrd restarts with this file", k.key, k.got, k.have))

@@ -764,8 +764,8 @@ func TestMetricsCarryExposuresVMsAndTheLoop(t *testing.T) {
 	text, err := c.Metrics(context.Background())
 	require.NoError(t, err)
 	for _, want := range []string{
-		`brokkr_exposure_refused_total{exposure="ext",mode="proxy",protocol="tcp"} 2`,
-		`brokkr_exposure_max_connections{exposure="ext",mode="proxy",protocol="tcp"} 3`,
+		`brokkr_exposure_refused_total{exposure="ext"} 2`,
+		`brokkr_exposure_max_connections{exposure="ext"} 3`,
 		`brokkr_exposure_state{exposure="web-auto",state="pending"} 1`,
 		`brokkr_vm_phase{phase="running",vm="web"} 1`,
 		`brokkr_vm_restarts_total{vm="db"} 0`,

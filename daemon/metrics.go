@@ -2,8 +2,11 @@ package daemon
 
 import (
 	"net/http"
+	"strconv"
+	"sync"
 	"time"
 
+	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -13,24 +16,35 @@ import (
 // metrics exports the merged status and the loop's own health in the
 // Prometheus text format (github.com/prometheus/client_golang: the reference
 // implementation of the exposition format, so scrapers parse what we write).
+//
+// Labels are names only (DESIGN.md §3): what describes an exposure (mode,
+// protocol, host address and port) sits in brokkr_exposure_info, so changing
+// an exposure's mode does not end its counter series and start another.
 type metrics struct {
-	reg      *prometheus.Registry
-	duration *prometheus.HistogramVec
-	errors   *prometheus.CounterVec
+	reg         *prometheus.Registry
+	duration    *prometheus.HistogramVec
+	errors      *prometheus.CounterVec
+	repaired    *prometheus.CounterVec
+	lastSuccess prometheus.Gauge
+
+	mu        sync.Mutex
+	lastPass  time.Time
+	firstPass chan struct{} // closed when the first pass has finished
 }
 
 var (
-	exposureLabels = []string{"exposure", "protocol", "mode"}
+	exposureLabels = []string{"exposure"}
 	descActive     = prometheus.NewDesc("brokkr_exposure_active_connections", "Connections open through the exposure now (both paths).", exposureLabels, nil)
 	descAccepted   = prometheus.NewDesc("brokkr_exposure_accepted_total", "Connections admitted.", exposureLabels, nil)
 	descRefused    = prometheus.NewDesc("brokkr_exposure_refused_total", "Connections refused at the connection cap.", exposureLabels, nil)
 	descDropped    = prometheus.NewDesc("brokkr_exposure_dropped_total", "Connections admitted that could not be carried to the guest.", exposureLabels, nil)
-	descBytesIn    = prometheus.NewDesc("brokkr_exposure_bytes_in_total", "Bytes from callers to the guest.", exposureLabels, nil)
-	descBytesOut   = prometheus.NewDesc("brokkr_exposure_bytes_out_total", "Bytes from the guest to callers.", exposureLabels, nil)
+	descBytes      = prometheus.NewDesc("brokkr_exposure_bytes_total", "Payload bytes carried: direction in is callers to the guest, out is the guest to callers.", []string{"exposure", "direction"}, nil)
 	descMaxConns   = prometheus.NewDesc("brokkr_exposure_max_connections", "The exposure's connection cap (0 = unlimited).", exposureLabels, nil)
 	descExpState   = prometheus.NewDesc("brokkr_exposure_state", "1 for the exposure's current state (active, pending, failed).", []string{"exposure", "state"}, nil)
+	descExpInfo    = prometheus.NewDesc("brokkr_exposure_info", "Always 1; the labels describe the exposure.", []string{"exposure", "mode", "protocol", "host_address", "host_port"}, nil)
 	descVMPhase    = prometheus.NewDesc("brokkr_vm_phase", "1 for the VM's current phase.", []string{"vm", "phase"}, nil)
 	descVMRestarts = prometheus.NewDesc("brokkr_vm_restarts_total", "Restarts of the VM by its restart policy or an operator.", []string{"vm"}, nil)
+	descBuild      = prometheus.NewDesc("brokkr_build_info", "Always 1; the labels say which brokkrd build is running.", []string{"version", "commit", "goversion"}, nil)
 )
 
 var vmPhases = []string{supervisor.PhasePending, supervisor.PhaseCreating, supervisor.PhaseStarting, supervisor.PhaseRunning,
@@ -48,11 +62,23 @@ func newMetrics(d *Daemon) *metrics {
 			Name: "brokkr_converge_errors_total",
 			Help: "Engine passes that failed or overran their deadline.",
 		}, []string{"engine"}),
+		repaired: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "brokkr_drift_repaired_total",
+			Help: "Things found changed from outside and put back (a deleted rule, a missing tap, a detached port).",
+		}, []string{"engine"}),
+		lastSuccess: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "brokkr_last_converge_success_timestamp_seconds",
+			Help: "Unix time of the end of the last pass in which every engine succeeded (0: none yet).",
+		}),
+		firstPass: make(chan struct{}),
 	}
 	for _, e := range []string{"supervisor", "netplane", "proxy"} {
 		m.errors.WithLabelValues(e) // present at 0 from the start
 	}
-	m.reg.MustRegister(m.duration, m.errors, statusCollector{d},
+	// Only the network plane reports repairs; a series for the others
+	// could never move.
+	m.repaired.WithLabelValues("netplane")
+	m.reg.MustRegister(m.duration, m.errors, m.repaired, m.lastSuccess, statusCollector{d},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -64,6 +90,39 @@ func (m *metrics) observe(engine string, took time.Duration, ok bool) {
 	}
 }
 
+// passDone records the end of a pass: its errors (nil entries are engines
+// that succeeded) and how many drifted things netplane put back.
+func (m *metrics) passDone(errs []error, netRepaired int) {
+	now := time.Now()
+	ok := true
+	for _, e := range errs {
+		ok = ok && e == nil
+	}
+	if ok {
+		m.lastSuccess.Set(float64(now.UnixNano()) / 1e9)
+	}
+	m.repaired.WithLabelValues("netplane").Add(float64(netRepaired))
+	m.mu.Lock()
+	first := m.lastPass.IsZero()
+	m.lastPass = now
+	m.mu.Unlock()
+	if first {
+		close(m.firstPass)
+	}
+}
+
+// LastPass is when the control loop last finished a pass (zero: never). The
+// systemd watchdog is fed only while it moves.
+func (d *Daemon) LastPass() time.Time {
+	d.m.mu.Lock()
+	defer d.m.mu.Unlock()
+	return d.m.lastPass
+}
+
+// FirstPass is closed once the first pass has finished (READY=1 waits for
+// it, so `systemctl start` returns with the host converged once).
+func (d *Daemon) FirstPass() <-chan struct{} { return d.m.firstPass }
+
 func (m *metrics) handler() http.Handler {
 	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{})
 }
@@ -72,29 +131,32 @@ func (m *metrics) handler() http.Handler {
 type statusCollector struct{ d *Daemon }
 
 func (c statusCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descActive, descAccepted, descRefused, descDropped, descBytesIn, descBytesOut,
-		descMaxConns, descExpState, descVMPhase, descVMRestarts} {
+	for _, d := range []*prometheus.Desc{descActive, descAccepted, descRefused, descDropped, descBytes,
+		descMaxConns, descExpState, descExpInfo, descVMPhase, descVMRestarts, descBuild} {
 		ch <- d
 	}
 }
 
 func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
+	b := api.CurrentBuild()
+	ch <- prometheus.MustNewConstMetric(descBuild, prometheus.GaugeValue, 1, b.Version, b.Commit, b.GoVersion)
 	st := c.d.Status()
 	for _, e := range st.Exposures {
-		l := []string{e.Name, e.Protocol, e.Mode}
-		ch <- prometheus.MustNewConstMetric(descActive, prometheus.GaugeValue, float64(e.Active), l...)
-		ch <- prometheus.MustNewConstMetric(descAccepted, prometheus.CounterValue, float64(e.Accepted), l...)
-		ch <- prometheus.MustNewConstMetric(descRefused, prometheus.CounterValue, float64(e.Refused), l...)
-		ch <- prometheus.MustNewConstMetric(descDropped, prometheus.CounterValue, float64(e.Dropped), l...)
-		ch <- prometheus.MustNewConstMetric(descBytesIn, prometheus.CounterValue, float64(e.BytesIn), l...)
-		ch <- prometheus.MustNewConstMetric(descBytesOut, prometheus.CounterValue, float64(e.BytesOut), l...)
-		ch <- prometheus.MustNewConstMetric(descMaxConns, prometheus.GaugeValue, float64(e.MaxConns), l...)
+		n := e.Name
+		ch <- prometheus.MustNewConstMetric(descExpInfo, prometheus.GaugeValue, 1, n, e.Mode, e.Protocol, e.HostAddress, strconv.Itoa(e.HostPort))
+		ch <- prometheus.MustNewConstMetric(descActive, prometheus.GaugeValue, float64(e.Active), n)
+		ch <- prometheus.MustNewConstMetric(descAccepted, prometheus.CounterValue, float64(e.Accepted), n)
+		ch <- prometheus.MustNewConstMetric(descRefused, prometheus.CounterValue, float64(e.Refused), n)
+		ch <- prometheus.MustNewConstMetric(descDropped, prometheus.CounterValue, float64(e.Dropped), n)
+		ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(e.BytesIn), n, "in")
+		ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(e.BytesOut), n, "out")
+		ch <- prometheus.MustNewConstMetric(descMaxConns, prometheus.GaugeValue, float64(e.MaxConns), n)
 		for _, s := range []string{"active", "pending", "failed"} {
 			v := 0.0
 			if e.State == s {
 				v = 1
 			}
-			ch <- prometheus.MustNewConstMetric(descExpState, prometheus.GaugeValue, v, e.Name, s)
+			ch <- prometheus.MustNewConstMetric(descExpState, prometheus.GaugeValue, v, n, s)
 		}
 	}
 	for _, v := range st.VMs {

@@ -30,7 +30,10 @@ const maxBody = 4 << 20
 func (d *Daemon) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, d.Status())
+		st := d.Status()
+		b := api.CurrentBuild()
+		st.Daemon = &b
+		writeJSON(w, http.StatusOK, st)
 	})
 	mux.HandleFunc("POST /v1/apply", d.handleApply)
 	mux.HandleFunc("POST /v1/vms/{name}/{action}", d.handleVMAction)
@@ -76,6 +79,9 @@ func (d *Daemon) handleApply(w http.ResponseWriter, r *http.Request) {
 		var plan api.Plan
 		plan, err = d.Apply(cfg, dry)
 		if err == nil {
+			if !dry {
+				d.noteAPIApply(body)
+			}
 			writeJSON(w, http.StatusOK, plan)
 			return
 		}
@@ -221,11 +227,29 @@ func copyFrom(w io.Writer, f *os.File, off int64, buf []byte) bool {
 	return ok
 }
 
+// MetricsHandler serves GET /metrics alone, for metrics.listen: a TCP
+// listener a scraper can reach must not carry the API, which can start VMs
+// and publish ports.
+func (d *Daemon) MetricsHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", d.m.handler())
+	return mux
+}
+
+// ServeMetrics serves MetricsHandler on ln (metrics.listen) until ctx ends.
+func (d *Daemon) ServeMetrics(ctx context.Context, ln net.Listener) error {
+	return serveUntil(ctx, ln, d.MetricsHandler())
+}
+
 // Serve listens on runDir/brokkr.sock (mode 0600: the API can start VMs and
 // publish ports, so it is root's alone) until ctx ends.
 func (d *Daemon) Serve(ctx context.Context, ln net.Listener) error {
+	return serveUntil(ctx, ln, d.Handler())
+}
+
+func serveUntil(ctx context.Context, ln net.Listener, h http.Handler) error {
 	srv := &http.Server{
-		Handler:           d.Handler(),
+		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
 		MaxHeaderBytes:    64 << 10,
 	}

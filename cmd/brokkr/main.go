@@ -3,7 +3,8 @@
 // map directly, so it works with the daemon down).
 //
 // Exit status: 0 ok, 1 user error (bad config, unknown VM, bad flags),
-// 2 daemon or system error (daemon unreachable, kernel error).
+// 2 daemon or system error (daemon unreachable, kernel error), 3 from
+// `brokkr status` while any VM or exposure is failed.
 package main
 
 import (
@@ -16,7 +17,9 @@ import (
 )
 
 func main() {
-	err := newRoot().Execute()
+	root := newRoot()
+	root.SetArgs(socketFirst(os.Args[1:]))
+	err := root.Execute()
 	os.Exit(report(err))
 }
 

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -22,7 +23,7 @@ func run(t *testing.T, args ...string) (string, string, int) {
 	var out, errb bytes.Buffer
 	root.SetOut(&out)
 	root.SetErr(&errb)
-	root.SetArgs(args)
+	root.SetArgs(socketFirst(args))
 	err := root.Execute()
 	if err != nil {
 		var se silentError
@@ -99,4 +100,35 @@ func TestConverged(t *testing.T) {
 func TestProgressBar(t *testing.T) {
 	assert.Equal(t, "[########............]", bar(api.VM{Phase: "creating", Detail: "downloading image 40%"}))
 	assert.True(t, strings.HasPrefix(bar(api.VM{Phase: "running"}), "[===================="))
+}
+
+func TestStatusShowsBothVersionsAndWarnsWhenTheyDiffer(t *testing.T) {
+	cli := api.CurrentBuild()
+	f := newFakeDaemon(t, api.Status{VMs: []api.VM{}, Exposures: []api.Exposure{}, Daemon: &cli})
+	out, errs, code := run(t, "--socket", f.sock, "status")
+	assert.Equal(t, 0, code)
+	assert.Contains(t, out, "brokkr "+cli.String()+", brokkrd "+cli.String())
+	assert.NotContains(t, errs, "warning")
+
+	old := api.Build{Version: "v0.1.0", Commit: "0123456789ab", GoVersion: "go1.25.0"}
+	f.set(func(st *api.Status) { st.Daemon = &old })
+	out, errs, code = run(t, "--socket", f.sock, "status", "-o", "json")
+	assert.Equal(t, 0, code, "a version difference is a warning, not a failure")
+	assert.Contains(t, errs, "warning: brokkr (CLI) is "+cli.Version)
+	assert.Contains(t, errs, "brokkrd is v0.1.0 0123456789ab")
+	var st api.Status
+	require.NoError(t, json.Unmarshal([]byte(out), &st), "the warning stays out of the JSON")
+	assert.Equal(t, "v0.1.0", st.Daemon.Version)
+
+	f.set(func(st *api.Status) { st.Daemon = nil })
+	_, errs, _ = run(t, "--socket", f.sock, "status")
+	assert.Contains(t, errs, "brokkrd does not report its version")
+}
+
+func TestVersionFlag(t *testing.T) {
+	out, _, code := run(t, "--version")
+	assert.Equal(t, 0, code)
+	b := api.CurrentBuild()
+	assert.Equal(t, "brokkr "+b.String()+"\n", out)
+	assert.Contains(t, out, b.GoVersion)
 }

@@ -5,13 +5,10 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
-	"path/filepath"
-	"syscall"
+	"slices"
+	"strings"
 	"text/tabwriter"
-	"time"
 
-	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
 	"github.com/spf13/cobra"
@@ -21,28 +18,79 @@ import (
 // per-command flags, generated help and usage errors are what it does, and
 // hand-rolled flag dispatch for that many verbs is where CLIs grow bugs.
 func newRoot() *cobra.Command {
-	var socket string
 	root := &cobra.Command{
-		Use:           "brokkr",
-		Short:         "Control brokkrd: VMs and the guest ports they publish",
+		Use:   "brokkr",
+		Short: "Control brokkrd: VMs and the guest ports they publish",
+		Long: `brokkr controls brokkrd, the daemon that runs this host's microVMs and publishes
+their ports. It talks to brokkrd over its unix socket (--socket, env BROKKR_SOCKET,
+default ` + api.DefaultSocket + `), except validate (offline) and stats (reads the
+pinned counter map, so it works with the daemon down).
+
+Exit status: 0 ok, 1 a user error (bad config, unknown VM, bad flags), 2 a daemon or
+system error, 3 from status while any VM or exposure is failed.`,
+		Example: `  brokkr validate -f brokkr.yaml
+  brokkr apply -f brokkr.yaml --dry-run
+  brokkr status
+  brokkr vm stop web --wait
+  source <(brokkr completion bash)   # complete VM and exposure names`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		Version:       api.CurrentBuild().String(),
 	}
+	root.SetVersionTemplate("{{.Name}} {{.Version}}\n")
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return userError{fmt.Errorf("%w\n%s", err, c.UsageString())}
 	})
-	def := os.Getenv("BROKKR_SOCKET")
-	if def == "" {
-		def = api.DefaultSocket
-	}
-	root.PersistentFlags().StringVar(&socket, "socket", def, "brokkrd's API socket (env BROKKR_SOCKET)")
+	var socket string
 	client := func() *api.Client { return api.NewClient(socket) }
+	// Only the commands that talk to the daemon take --socket.
+	withSocket := func(c *cobra.Command) *cobra.Command {
+		def := os.Getenv("BROKKR_SOCKET")
+		if def == "" {
+			def = api.DefaultSocket
+		}
+		c.PersistentFlags().StringVar(&socket, "socket", def, "brokkrd's API socket (env BROKKR_SOCKET)")
+		return c
+	}
 
-	root.AddCommand(validateCmd(), applyCmd(client), statusCmd(client), vmCmd(client), exposeCmd(client), statsCmd())
+	root.AddCommand(validateCmd(), withSocket(applyCmd(client)), withSocket(statusCmd(client)),
+		withSocket(vmCmd(client)), withSocket(exposeCmd(client)), statsCmd())
 	for _, c := range root.Commands() {
 		wrapArgs(c)
 	}
 	return root
+}
+
+// socketFirst moves a leading --socket PATH (the spelling from before the
+// flag moved onto the commands that use it) behind the command words, so
+// "brokkr --socket S status" keeps working. It goes before a "--", and in a
+// shell completion request (__complete ARGS... WORD) before the word being
+// completed.
+func socketFirst(args []string) []string {
+	complete := len(args) > 0 && (args[0] == cobra.ShellCompRequestCmd || args[0] == cobra.ShellCompNoDescRequestCmd)
+	head, rest := []string(nil), args
+	if complete {
+		head, rest = args[:1], args[1:]
+	}
+	n := 0
+	switch {
+	case len(rest) > 1 && rest[0] == "--socket":
+		n = 2
+	case len(rest) > 0 && strings.HasPrefix(rest[0], "--socket="):
+		n = 1
+	default:
+		return args
+	}
+	flag, rest := rest[:n], rest[n:]
+	at := len(rest)
+	if i := slices.Index(rest, "--"); i >= 0 {
+		at = i
+	} else if complete && at > 0 {
+		at--
+	}
+	out := append(append([]string{}, head...), rest[:at]...)
+	out = append(out, flag...)
+	return append(out, rest[at:]...)
 }
 
 // wrapArgs makes argument-count errors user errors (exit 1).
@@ -105,60 +153,6 @@ func loadConfigFile(cmd *cobra.Command, file string) ([]byte, *config.Config, er
 	return b, cfg, nil
 }
 
-func validateCmd() *cobra.Command {
-	var file string
-	c := &cobra.Command{
-		Use:   "validate -f FILE",
-		Short: "Check a config file offline; field-named errors, exit 1 if invalid",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			_, cfg, err := loadConfigFile(cmd, file)
-			if err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s: valid (%d VMs, %d exposures)\n", file, len(cfg.VMs), len(cfg.Exposures))
-			return nil
-		},
-	}
-	c.Flags().StringVarP(&file, "file", "f", "", "config file (- for standard input)")
-	return c
-}
-
-func applyCmd(client func() *api.Client) *cobra.Command {
-	var file string
-	var dry, wait bool
-	var timeout time.Duration
-	c := &cobra.Command{
-		Use:   "apply -f FILE [--dry-run] [--wait]",
-		Short: "Make a config the desired state (validated as a whole; nothing applied unless all of it is valid)",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			// Checked here first so a bad file is reported the same way,
-			// daemon or not.
-			b, _, err := loadConfigFile(cmd, file)
-			if err != nil {
-				return err
-			}
-			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
-			defer stop()
-			plan, err := client().Apply(ctx, b, dry)
-			if err != nil {
-				return err
-			}
-			printPlan(cmd.OutOrStdout(), plan)
-			if wait && !dry {
-				return waitConverged(ctx, cmd.OutOrStdout(), client(), timeout)
-			}
-			return nil
-		},
-	}
-	c.Flags().StringVarP(&file, "file", "f", "", "config file (- for standard input)")
-	c.Flags().BoolVar(&dry, "dry-run", false, "only print what would change")
-	c.Flags().BoolVar(&wait, "wait", false, "wait until every VM runs and every exposure is active (progress on a terminal)")
-	c.Flags().DurationVar(&timeout, "timeout", 10*time.Minute, "how long --wait waits")
-	return c
-}
-
 func printPlan(w io.Writer, p *api.Plan) {
 	verb := "applied"
 	if p.DryRun {
@@ -191,38 +185,20 @@ func printPlan(w io.Writer, p *api.Plan) {
 	}
 }
 
-func statusCmd(client func() *api.Client) *cobra.Command {
-	var out string
-	c := &cobra.Command{
-		Use:   "status [-o json]",
-		Short: "VMs and exposures with their state and counters",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := checkOutput(out); err != nil {
-				return err
-			}
-			st, err := client().Status(cmd.Context())
-			if err != nil {
-				return err
-			}
-			if out == "json" {
-				return printJSON(cmd.OutOrStdout(), st)
-			}
-			w := cmd.OutOrStdout()
-			printVMs(w, st.VMs)
-			fmt.Fprintln(w)
-			printExposures(w, st.Exposures)
-			for _, warn := range st.Warnings {
-				fmt.Fprintf(w, "\nwarning: %s", warn)
-			}
-			if len(st.Warnings) > 0 {
-				fmt.Fprintln(w)
-			}
-			return nil
-		},
+// versions is the status header naming both builds, and a warning when the
+// CLI and the daemon differ (an upgrade installed but brokkrd not restarted,
+// or an old CLI elsewhere on PATH).
+func versions(cli api.Build, d *api.Build) (line, warn string) {
+	if d == nil {
+		return fmt.Sprintf("brokkr %s, brokkrd unknown", cli),
+			"brokkrd does not report its version (it is older than this CLI); restart it to run the installed build"
 	}
-	c.Flags().StringVarP(&out, "output", "o", "table", "table or json")
-	return c
+	line = fmt.Sprintf("brokkr %s, brokkrd %s", cli, d)
+	if cli.Version != d.Version || cli.Commit != d.Commit {
+		warn = fmt.Sprintf("brokkr (CLI) is %s %s but brokkrd is %s %s; restart brokkrd after an upgrade, or check which brokkr is on PATH",
+			cli.Version, cli.Commit, d.Version, d.Commit)
+	}
+	return line, warn
 }
 
 func checkOutput(o string) error {
@@ -288,128 +264,4 @@ func human(b uint64) string {
 		exp++
 	}
 	return fmt.Sprintf("%.1f%ciB", float64(b)/float64(div), "KMGTPE"[exp])
-}
-
-func vmCmd(client func() *api.Client) *cobra.Command {
-	c := &cobra.Command{Use: "vm", Short: "List, start, stop, restart VMs; follow a VM's console"}
-	c.AddCommand(listCmd("List VMs", client, func(w io.Writer, st *api.Status, asJSON bool) error {
-		if asJSON {
-			return printJSON(w, st.VMs)
-		}
-		printVMs(w, st.VMs)
-		return nil
-	}))
-	for _, a := range []struct{ verb, short string }{
-		{"start", "Set a VM's desired power to running (persisted)"},
-		{"stop", "Set a VM's desired power to stopped (persisted)"},
-		{"restart", "Restart a running VM"},
-	} {
-		verb := a.verb
-		c.AddCommand(&cobra.Command{
-			Use: verb + " NAME", Short: a.short, Args: cobra.ExactArgs(1),
-			RunE: func(cmd *cobra.Command, args []string) error {
-				if err := client().VMAction(cmd.Context(), args[0], verb); err != nil {
-					return err
-				}
-				fmt.Fprintf(cmd.OutOrStdout(), "%s: %s requested\n", args[0], verb)
-				return nil
-			},
-		})
-	}
-	var noFollow bool
-	console := &cobra.Command{
-		Use: "console NAME", Short: "Print a VM's serial console log and follow it (Ctrl-C ends)", Args: cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
-			defer stop()
-			body, err := client().Console(ctx, args[0], !noFollow)
-			if err != nil {
-				return err
-			}
-			defer body.Close()
-			_, err = io.Copy(cmd.OutOrStdout(), body)
-			if ctx.Err() != nil {
-				return nil
-			}
-			return err
-		},
-	}
-	console.Flags().BoolVar(&noFollow, "no-follow", false, "print what is there and exit")
-	c.AddCommand(console)
-	return c
-}
-
-func exposeCmd(client func() *api.Client) *cobra.Command {
-	c := &cobra.Command{Use: "expose", Short: "Published guest ports"}
-	c.AddCommand(listCmd("List exposures with state and counters", client, func(w io.Writer, st *api.Status, asJSON bool) error {
-		if asJSON {
-			return printJSON(w, st.Exposures)
-		}
-		printExposures(w, st.Exposures)
-		return nil
-	}))
-	return c
-}
-
-// listCmd is an `ls` verb showing one part of the daemon's status, as a
-// table or (-o json) as JSON.
-func listCmd(short string, client func() *api.Client, show func(w io.Writer, st *api.Status, asJSON bool) error) *cobra.Command {
-	var out string
-	ls := &cobra.Command{
-		Use: "ls", Short: short, Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := checkOutput(out); err != nil {
-				return err
-			}
-			st, err := client().Status(cmd.Context())
-			if err != nil {
-				return err
-			}
-			return show(cmd.OutOrStdout(), st, out == "json")
-		},
-	}
-	ls.Flags().StringVarP(&out, "output", "o", "table", "table or json")
-	return ls
-}
-
-func statsCmd() *cobra.Command {
-	var dir, out string
-	c := &cobra.Command{
-		Use:   "stats [--bpf-dir DIR]",
-		Short: "Read the pinned exposure_stats map directly (works with the daemon down)",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := checkOutput(out); err != nil {
-				return err
-			}
-			entries, err := bpf.Dump(filepath.Join(dir, bpf.MapName))
-			if err != nil {
-				return err
-			}
-			if out == "json" {
-				type row struct {
-					Name     string `json:"name"`
-					Slot     int    `json:"slot"`
-					Protocol string `json:"protocol"`
-					HostPort uint32 `json:"hostPort"`
-					bpf.Counters
-				}
-				rows := make([]row, 0, len(entries))
-				for _, e := range entries {
-					rows = append(rows, row{e.Name, e.Slot, bpf.ProtoName(e.Protocol), e.HostPort, e.Counters})
-				}
-				return printJSON(cmd.OutOrStdout(), rows)
-			}
-			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "EXPOSURE\tSLOT\tPORT\tACTIVE\tACCEPTED\tREFUSED\tDROPPED\tIN\tOUT")
-			for _, e := range entries {
-				fmt.Fprintf(tw, "%s\t%d\t%d/%s\t%d\t%d\t%d\t%d\t%s\t%s\n", e.Name, e.Slot, e.HostPort, bpf.ProtoName(e.Protocol),
-					e.Active, e.Accepted, e.Refused, e.Dropped, human(e.BytesIn), human(e.BytesOut))
-			}
-			return tw.Flush()
-		},
-	}
-	c.Flags().StringVar(&dir, "bpf-dir", config.DefaultBPFDir, "bpfDir of the daemon (where exposure_stats is pinned)")
-	c.Flags().StringVarP(&out, "output", "o", "table", "table or json")
-	return c
 }

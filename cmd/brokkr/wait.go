@@ -28,7 +28,7 @@ func isTerminal(w io.Writer) bool {
 }
 
 // failGrace is how long --wait tolerates a failed VM or exposure.
-const failGrace = 15 * time.Second
+var failGrace = 15 * time.Second
 
 var percentRE = regexp.MustCompile(`(\d{1,3})%`)
 
@@ -153,6 +153,93 @@ func waitConverged(ctx context.Context, w io.Writer, c *api.Client, timeout time
 		case <-ctx.Done():
 			return fmt.Errorf("--wait: not converged after %s", timeout)
 		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+// pollEvery is how often --wait reads the status.
+var pollEvery = 500 * time.Millisecond
+
+func findVM(st *api.Status, name string) (api.VM, bool) {
+	for _, v := range st.VMs {
+		if v.Name == name {
+			return v, true
+		}
+	}
+	return api.VM{}, false
+}
+
+// vmReached reports whether v is where `vm <verb> --wait` waits for it:
+// running, stopped, or running in a process other than before's.
+func vmReached(v api.VM, until string, before api.VM) bool {
+	switch until {
+	case "running":
+		return v.Phase == "running"
+	case "stopped":
+		return v.Phase == "stopped"
+	case "restarted":
+		return v.Phase == "running" && ((v.PID > 0 && v.PID != before.PID) || v.Restarts > before.Restarts)
+	}
+	return false
+}
+
+// waitVM follows one VM until vmReached, with one progress line: redrawn
+// in place on a terminal, a new line per change otherwise. A failure that
+// lasts failGrace, the VM leaving the desired state, or the timeout end it
+// with exit 2.
+func waitVM(ctx context.Context, w io.Writer, c *api.Client, name, until string, before api.VM, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	tty := isTerminal(w)
+	start := time.Now()
+	last := ""
+	var failingSince time.Time
+	for {
+		st, err := c.Status(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("--wait: %s is not %s after %s", name, until, timeout)
+			}
+			return err
+		}
+		v, ok := findVM(st, name)
+		if !ok {
+			return fmt.Errorf("--wait: %s is no longer in the desired state", name)
+		}
+		line := fmt.Sprintf("%s: %s", name, v.Phase)
+		if v.Detail != "" {
+			line += " (" + v.Detail + ")"
+		}
+		if tty {
+			fmt.Fprintf(w, "\r\x1b[2K%s %s", line, time.Since(start).Round(time.Second))
+		} else if line != last {
+			fmt.Fprintln(w, line)
+		}
+		last = line
+		if vmReached(v, until, before) {
+			if tty {
+				fmt.Fprintln(w)
+			}
+			fmt.Fprintf(w, "%s: %s after %s\n", name, until, time.Since(start).Round(100*time.Millisecond))
+			return nil
+		}
+		if v.Phase != "failed" {
+			failingSince = time.Time{}
+		} else if failingSince.IsZero() {
+			failingSince = time.Now()
+		} else if time.Since(failingSince) > failGrace {
+			if tty {
+				fmt.Fprintln(w)
+			}
+			return fmt.Errorf("--wait: %s failed: %s", name, v.Detail)
+		}
+		select {
+		case <-ctx.Done():
+			if tty {
+				fmt.Fprintln(w)
+			}
+			return fmt.Errorf("--wait: %s is still %s after %s, not %s", name, v.Phase, timeout, until)
+		case <-time.After(pollEvery):
 		}
 	}
 }

@@ -13,6 +13,9 @@ type Status struct {
 	// Warnings are conditions an operator should know about that belong to
 	// no single row: counters kept in memory only, an engine that stalled.
 	Warnings []string `json:"warnings,omitempty"`
+	// Daemon is the answering daemon's build (absent from daemons older
+	// than the field; clients must not require it).
+	Daemon *Build `json:"daemon,omitempty"`
 }
 
 // VM is one VM's row.

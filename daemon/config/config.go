@@ -9,8 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"regexp"
-	"strconv"
 	"strings"
 
 	"go.yaml.in/yaml/v3"
@@ -55,6 +53,15 @@ type Config struct {
 	Hypervisor Hypervisor `yaml:"hypervisor" json:"hypervisor"`
 	VMs        []VM       `yaml:"vms" json:"vms"`
 	Exposures  []Exposure `yaml:"exposures" json:"exposures"`
+	Metrics    Metrics    `yaml:"metrics" json:"metrics"`
+}
+
+// Metrics is where else /metrics is served. The listener is opened when
+// brokkrd starts, so like stateDir the key is fixed for the process.
+type Metrics struct {
+	// Listen is a TCP host:port ("127.0.0.1:9464"); empty: only on the
+	// API socket.
+	Listen string `yaml:"listen" json:"listen"`
 }
 
 // Network is the guest network section.
@@ -172,133 +179,23 @@ func Parse(data []byte) (*Config, error) {
 		return nil, Errors{{Msg: fmt.Sprintf("line %d: the config must be a mapping (stateDir:, network:, vms:, ...)", doc.Line)}}
 	}
 
+	// Shape errors (unknown keys, wrong types) come from walking the node
+	// tree against the Config type, so each carries the path of the node
+	// it is about; the decoder's message text is never parsed.
+	if errs := checkTree(doc); len(errs) > 0 {
+		return nil, errs
+	}
 	c := &Config{}
-	strict := yaml.NewDecoder(bytes.NewReader(data))
-	strict.KnownFields(true)
-	if err := strict.Decode(c); err != nil {
-		var te *yaml.TypeError
-		if errors.As(err, &te) {
-			return nil, pathErrors(doc, te.Errors)
-		}
-		return nil, Errors{{Msg: "not valid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
+	if err := doc.Decode(c); err != nil {
+		// checkTree accepts only what decodes; this is a bug in it, not in
+		// the file. Report it rather than guess a path.
+		return nil, Errors{{Msg: "not valid: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
 	}
 	c.applyDefaults()
 	if errs := c.Validate(); len(errs) > 0 {
 		return nil, errs
 	}
 	return c, nil
-}
-
-var lineMsg = regexp.MustCompile(`^line (\d+): (.*)$`)
-var notFound = regexp.MustCompile(`^field (\S+) not found in type \S+$`)
-var cannotColl = regexp.MustCompile(`^cannot unmarshal !!(\w+) into (\S+)$`)
-var cannot = regexp.MustCompile("^cannot unmarshal !!(\\w+) `(.*)` into (\\S+)$")
-
-// pathErrors turns the decoder's "line N: ..." messages into field-path
-// errors by looking the line up in the document's node tree.
-func pathErrors(doc *yaml.Node, msgs []string) Errors {
-	keys := map[int]string{}   // line of a key -> path of that key
-	values := map[int]string{} // line of a scalar value -> path
-	colls := map[int]string{}  // line where a mapping or list value starts -> path
-	record := func(v *yaml.Node, p string) {
-		// A scalar's line names its key (the outermost on that line); a
-		// collection's line names the innermost one starting there.
-		if v.Kind != yaml.ScalarNode {
-			colls[v.Line] = p
-		} else if _, ok := values[v.Line]; !ok {
-			values[v.Line] = p
-		}
-	}
-	var walk func(n *yaml.Node, path string)
-	walk = func(n *yaml.Node, path string) {
-		switch n.Kind {
-		case yaml.MappingNode:
-			for i := 0; i+1 < len(n.Content); i += 2 {
-				k, v := n.Content[i], n.Content[i+1]
-				p := k.Value
-				if path != "" {
-					p = path + "." + k.Value
-				}
-				if _, ok := keys[k.Line]; !ok {
-					keys[k.Line] = p
-				}
-				record(v, p)
-				walk(v, p)
-			}
-		case yaml.SequenceNode:
-			for i, v := range n.Content {
-				p := fmt.Sprintf("%s[%d]", path, i)
-				record(v, p)
-				walk(v, p)
-			}
-		}
-	}
-	walk(doc, "")
-	var out Errors
-	for _, m := range msgs {
-		sub := lineMsg.FindStringSubmatch(m)
-		if sub == nil {
-			out = append(out, FieldError{Msg: m})
-			continue
-		}
-		line, _ := strconv.Atoi(sub[1])
-		msg := sub[2]
-		if f := notFound.FindStringSubmatch(msg); f != nil {
-			p := keys[line]
-			if p == "" {
-				p = "line " + sub[1]
-			}
-			out = append(out, FieldError{Path: p, Msg: fmt.Sprintf("unknown key %q", f[1])})
-			continue
-		}
-		p := values[line]
-		if strings.Contains(msg, "!!map") || strings.Contains(msg, "!!seq") || p == "" {
-			if cp := colls[line]; cp != "" {
-				p = cp
-			}
-		}
-		if p == "" {
-			p = "line " + sub[1]
-		}
-		if c := cannot.FindStringSubmatch(msg); c != nil {
-			out = append(out, FieldError{Path: p, Msg: fmt.Sprintf("%q is not %s", c[2], typeWord(c[3], c[1]))})
-			continue
-		}
-		if c := cannotColl.FindStringSubmatch(msg); c != nil {
-			out = append(out, FieldError{Path: p, Msg: "a " + kindWord(c[1]) + " is not " + typeWord(c[2], c[1])})
-			continue
-		}
-		out = append(out, FieldError{Path: p, Msg: msg})
-	}
-	return out
-}
-
-func typeWord(goType, yamlKind string) string {
-	t := strings.TrimLeft(goType, "*[]")
-	switch {
-	case strings.HasPrefix(t, "int") || strings.HasPrefix(t, "uint"):
-		return "an integer"
-	case t == "bool":
-		return "true or false"
-	case t == "string":
-		return "a string (got a " + yamlKind + ")"
-	case strings.HasPrefix(t, "config."):
-		if strings.HasPrefix(goType, "[]") {
-			return "allowed here (a list is expected)"
-		}
-		return "allowed here (a mapping is expected)"
-	}
-	return "a " + t
-}
-
-func kindWord(k string) string {
-	switch k {
-	case "map":
-		return "mapping"
-	case "seq":
-		return "list"
-	}
-	return k
 }
 
 func intp(v int) *int    { return &v }

@@ -338,3 +338,20 @@ func TestShippedExampleIsValid(t *testing.T) {
 	assert.Equal(t, Defaults().Network, c.Network, "the example documents the defaults")
 	assert.Equal(t, Defaults().Hypervisor, c.Hypervisor)
 }
+
+func TestMetricsListen(t *testing.T) {
+	c, err := Parse([]byte("metrics: {listen: 127.0.0.1:9464}\n"))
+	require.NoError(t, err)
+	assert.Equal(t, "127.0.0.1:9464", c.Metrics.Listen)
+	assert.Equal(t, "", Defaults().Metrics.Listen, "off by default")
+	for in, want := range map[string]string{
+		"nowhere":        `metrics.listen: "nowhere" is not host:port (like 127.0.0.1:9464)`,
+		"127.0.0.1:0":    `metrics.listen: "127.0.0.1:0": the port must be 1..65535`,
+		"127.0.0.1:http": `metrics.listen: "127.0.0.1:http": the port must be 1..65535`,
+		"localhost:9464": `metrics.listen: "localhost:9464": the host must be an IP address (or empty for every address)`,
+	} {
+		assert.Equal(t, []string{want}, errorsOf(t, "metrics: {listen: \""+in+"\"}\n"), in)
+	}
+	_, err = Parse([]byte("metrics: {listen: \"[::1]:9464\"}\n"))
+	assert.NoError(t, err)
+}

@@ -2,6 +2,7 @@ package config
 
 import (
 	"fmt"
+	"net"
 	"net/netip"
 	"path/filepath"
 	"regexp"
@@ -36,6 +37,21 @@ func (c *Config) Validate() Errors {
 	// sun_path is 108 bytes; leave room for per-VM sockets below runDir.
 	if len(c.RunDir) > 60 {
 		add("runDir", "%q is longer than 60 bytes (unix socket paths below it must fit in 108)", c.RunDir)
+	}
+
+	if l := c.Metrics.Listen; l != "" {
+		host, port, err := net.SplitHostPort(l)
+		pn, perr := strconv.Atoi(port)
+		switch {
+		case err != nil:
+			add("metrics.listen", "%q is not host:port (like 127.0.0.1:9464)", l)
+		case perr != nil || pn < 1 || pn > 65535:
+			add("metrics.listen", "%q: the port must be 1..65535", l)
+		case host != "":
+			if a, err := netip.ParseAddr(host); err != nil || a.Zone() != "" {
+				add("metrics.listen", "%q: the host must be an IP address (or empty for every address)", l)
+			}
+		}
 	}
 
 	n := c.Network

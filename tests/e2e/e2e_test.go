@@ -535,7 +535,8 @@ func TestEndToEnd(t *testing.T) {
 		for _, want := range []string{
 			`brokkr_vm_phase{phase="running",vm="e2e"} 1`,
 			`brokkr_exposure_state{exposure="web-nat",state="active"} 1`,
-			`brokkr_exposure_max_connections{exposure="echo-proxy",mode="proxy",protocol="tcp"} 2`,
+			`brokkr_exposure_max_connections{exposure="echo-proxy"} 2`,
+			`brokkr_exposure_info{exposure="echo-proxy",host_address="0.0.0.0",host_port="7100",mode="proxy",protocol="tcp"} 1`,
 			`brokkr_converge_duration_seconds_count{engine="netplane"}`,
 		} {
 			assert.Contains(t, text, want)
