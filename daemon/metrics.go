@@ -17,7 +17,7 @@ import (
 // Prometheus text format (github.com/prometheus/client_golang: the reference
 // implementation of the exposition format, so scrapers parse what we write).
 //
-// Labels are names only (DESIGN.md §3): what describes an exposure (mode,
+// Labels are names only (docs/ARCHITECTURE.md, "External contract"): what describes an exposure (mode,
 // protocol, host address and port) sits in brokkr_exposure_info, so changing
 // an exposure's mode does not end its counter series and start another.
 type metrics struct {

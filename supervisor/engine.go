@@ -83,7 +83,7 @@ type Engine struct {
 	wg      sync.WaitGroup
 }
 
-// NameRE is the VM name syntax (DESIGN.md §3); names become directory names.
+// NameRE is the VM name syntax (docs/ARCHITECTURE.md, "External contract"); names become directory names.
 var NameRE = regexp.MustCompile(`^[a-z0-9-]{1,32}$`)
 
 // NewEngine opens StateDir and starts a worker for every VM that has a

@@ -19,7 +19,7 @@ const (
 	RestartNever     = "never"
 )
 
-// Phases of VMStatus.Phase (DESIGN.md §3).
+// Phases of VMStatus.Phase (docs/ARCHITECTURE.md, "External contract").
 const (
 	PhasePending  = "pending"
 	PhaseCreating = "creating"

@@ -164,7 +164,7 @@ does for a failed unit, so scripts and health checks need not parse the output.`
 	return c
 }
 
-// failedExit is status's exit 3 while anything is failed (DESIGN.md §3).
+// failedExit is status's exit 3 while anything is failed (docs/ARCHITECTURE.md, "External contract").
 func failedExit(st *api.Status) error {
 	for _, v := range st.VMs {
 		if v.Phase == "failed" {

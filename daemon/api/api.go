@@ -1,5 +1,5 @@
 // Package api is the wire format of brokkrd's HTTP+JSON API on its unix
-// socket (DESIGN.md §3) and a small client for it, shared by the CLI, the
+// socket (docs/ARCHITECTURE.md, "External contract") and a small client for it, shared by the CLI, the
 // daemon and the end-to-end tests so the three cannot disagree.
 package api
 

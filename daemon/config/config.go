@@ -1,5 +1,5 @@
-// Package config parses and validates brokkr's configuration file (DESIGN.md
-// §3). A config is validated as a whole: every problem is reported at once,
+// Package config parses and validates brokkr's configuration file (docs/ARCHITECTURE.md,
+// "External contract"). A config is validated as a whole: every problem is reported at once,
 // each naming its field path and value, and nothing is used until the whole
 // file is valid.
 package config
@@ -14,7 +14,7 @@ import (
 	"go.yaml.in/yaml/v3"
 )
 
-// Defaults of the contract (DESIGN.md §3).
+// Defaults of the contract (docs/ARCHITECTURE.md, "External contract").
 const (
 	DefaultStateDir        = "/var/lib/brokkr"
 	DefaultRunDir          = "/run/brokkr"

@@ -14,7 +14,7 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// The contract's own example (DESIGN.md §3), with a target exposure added.
+// The contract's own example (docs/ARCHITECTURE.md, "External contract"), with a target exposure added.
 const designExample = `
 stateDir: /var/lib/brokkr
 runDir: /run/brokkr
