@@ -405,11 +405,11 @@ func (sl *Slot) Opened() {
 	sl.s.limit64(sl.i, offProxyActive).Add(1)
 }
 
-// TryOpen admits a proxied connection against the exposure's one cap, shared
-// with the kernel paths: a compare-and-increment of the slot's active gauge,
-// the same the BPF programs do. It reports false (and counts nothing) when
-// the cap is full.
-func (sl *Slot) TryOpen() bool {
+// Reserve takes a place of the exposure's one cap, shared with the kernel
+// paths, for a proxied connection: a compare-and-increment of the slot's
+// active gauge, the same the BPF programs do. It reports false (and counts
+// nothing) when the cap is full. A reservation ends with Closed.
+func (sl *Slot) Reserve() bool {
 	active := sl.s.word(sl.i, offActive)
 	limit := sl.s.limit32(sl.i, offCap)
 	for {
@@ -418,11 +418,19 @@ func (sl *Slot) TryOpen() bool {
 			return false
 		}
 		if active.CompareAndSwap(cur, cur+1) {
-			sl.add(offAccepted, 1)
 			sl.s.limit64(sl.i, offProxyActive).Add(1)
 			return true
 		}
 	}
+}
+
+// TryOpen is Reserve that also counts the connection accepted.
+func (sl *Slot) TryOpen() bool {
+	if !sl.Reserve() {
+		return false
+	}
+	sl.add(offAccepted, 1)
+	return true
 }
 
 // Closed is the end of a connection counted by Opened or TryOpen: active-1.

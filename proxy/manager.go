@@ -213,6 +213,7 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 		m.live[c.ID] = ex
 	}
 	ex.maxConns.Store(int64(c.MaxConns))
+	ex.ctr.slot.SetCap(uint32(c.MaxConns))
 	ex.idle.Store(int64(c.idle))
 
 	if ex.key != c.listenKey() {

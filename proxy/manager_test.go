@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"github.com/brokkr/brokkr/bpf"
 	"io"
 	"net"
 	"os"
@@ -672,4 +673,31 @@ func TestCarriersAreReusedBoundedAndEndedByStopAll(t *testing.T) {
 
 	m.StopAll()
 	assert.Zero(t, m.idleCarriers.Load(), "StopAll ends the parked carriers")
+}
+
+// The cap is the exposure's one cap, shared with its other paths: a place
+// another path holds in the slot (the kernel's nat or socket path) counts
+// against the proxy's callers too.
+func TestTheCapIsSharedWithTheExposuresOtherPaths(t *testing.T) {
+	m, _ := newManager(t)
+	spec := tcpSpec("web", echoServer(t, "g:"))
+	spec.MaxConns = 2
+	st := only(t, m, spec)
+	other, err := m.stats.Attach("web", bpf.ProtoTCP, 0)
+	require.NoError(t, err)
+	defer other.Release(false)
+	require.True(t, other.Reserve(), "another path takes one place")
+
+	a := hold(t, st.BoundAddr)
+	requireReset(t, st.BoundAddr)
+	cs := only(t, m, spec).Counters
+	assert.EqualValues(t, 2, cs.Active)
+	assert.EqualValues(t, 1, cs.Refused)
+
+	other.Closed() // the other path's connection ends
+	b := hold(t, st.BoundAddr)
+	requireReset(t, st.BoundAddr)
+	require.NoError(t, a.Close())
+	require.NoError(t, b.Close())
+	eventually(t, "both places given back", func() bool { return only(t, m, spec).Counters.Active == 0 })
 }

@@ -96,16 +96,18 @@ func outOfDescriptors(err error) bool {
 // back on refusal, so a burst of simultaneous callers cannot all read a stale
 // count and all pass.
 func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string) {
-	n := ex.conns.Add(1)
-	if limit := ex.maxConns.Load(); limit > 0 && n > limit {
-		ex.conns.Add(-1)
+	// The place is taken in the exposure's slot, against the one cap every
+	// path of the exposure shares (the kernel's and the other listeners').
+	if !ex.ctr.slot.Reserve() {
 		ex.ctr.slot.AddRefused(1)
 		reset(c)
-		m.logs.event(slog.LevelWarn, ex.id, evRefused, "proxy: caller refused at the connection cap", "maxConns", limit)
+		m.logs.event(slog.LevelWarn, ex.id, evRefused, "proxy: caller refused at the connection cap", "maxConns", ex.maxConns.Load())
 		return
 	}
+	ex.conns.Add(1)
 	if !m.track(c) {
 		ex.conns.Add(-1)
+		ex.ctr.slot.Closed()
 		reset(c)
 		return
 	}
@@ -165,6 +167,7 @@ func (m *Manager) carrier(job carryJob) {
 // guest that does not answer) is reset at once and counted as dropped.
 func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string) {
 	slot := ex.ctr.slot
+	defer slot.Closed() // the place admit reserved
 	client, ok := c.(*net.TCPConn)
 	addr := m.resolve(vm)
 	if !ok || addr == "" {
@@ -179,8 +182,7 @@ func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string) {
 		return
 	}
 	guest := g.(*net.TCPConn)
-	slot.Opened()
-	defer slot.Closed()
+	slot.AddAccepted(1)
 	splice(client, guest, func(n int64) { slot.AddBytes(uint64(n), 0) }, func(n int64) { slot.AddBytes(0, uint64(n)) })
 }
 

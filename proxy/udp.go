@@ -115,13 +115,12 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 		return f
 	}
 	ex, slot := r.ex, r.ex.ctr.slot
-	n := ex.conns.Add(1)
-	if limit := ex.maxConns.Load(); limit > 0 && n > limit {
-		ex.conns.Add(-1)
+	if !slot.Reserve() { // the exposure's one cap, shared by every path
 		slot.AddRefused(1)
-		r.m.logs.event(slog.LevelWarn, ex.id, evRefused, "proxy: UDP flow refused at the connection cap", "maxConns", limit)
+		r.m.logs.event(slog.LevelWarn, ex.id, evRefused, "proxy: UDP flow refused at the connection cap", "maxConns", ex.maxConns.Load())
 		return nil
 	}
+	ex.conns.Add(1)
 	addr := r.m.resolve(r.vm)
 	var guest *net.UDPConn
 	if addr != "" {
@@ -135,6 +134,7 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 	}
 	if guest == nil {
 		ex.conns.Add(-1)
+		slot.Closed()
 		slot.AddDropped(1)
 		return nil
 	}
@@ -147,13 +147,14 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 		r.mu.Unlock()
 		guest.Close()
 		ex.conns.Add(-1)
+		slot.Closed()
 		return nil
 	}
 	r.flows[key] = f
 	r.wg.Add(1)
 	r.mu.Unlock()
 	ex.ctr.acquire()
-	slot.Opened()
+	slot.AddAccepted(1)
 	f.lastSeen.Store(time.Now().UnixNano())
 	go r.replies(f)
 	return f
