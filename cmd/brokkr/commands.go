@@ -38,6 +38,11 @@ the daemon, on apply.`,
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "%s: valid (%d VMs, %d exposures)\n", file, len(cfg.VMs), len(cfg.Exposures))
+			// Against the unit's LimitNOFILE: validate runs offline, without
+			// the daemon's own limit.
+			if w := cfg.DescriptorBudget(config.DefaultNoFile); w != "" {
+				fmt.Fprintln(cmd.ErrOrStderr(), "warning:", w)
+			}
 			return nil
 		},
 	}

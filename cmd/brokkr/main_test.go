@@ -132,3 +132,17 @@ func TestVersionFlag(t *testing.T) {
 	assert.Equal(t, "brokkr "+b.String()+"\n", out)
 	assert.Contains(t, out, b.GoVersion)
 }
+
+func TestValidateWarnsWhenProxyCapsExceedTheDescriptorBudget(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "big.yaml")
+	require.NoError(t, os.WriteFile(f, []byte(`exposures:
+  - {name: big, target: 10.213.0.200, guestPort: 80, hostPort: 8080, mode: proxy, maxConns: 40000}
+  - {name: small, target: 10.213.0.200, guestPort: 81, hostPort: 8081, mode: nat, maxConns: 40000}
+`), 0o600))
+	out, errs, code := run(t, "validate", "-f", f)
+	assert.Equal(t, 0, code, "a warning, not an error")
+	assert.Contains(t, out, "valid")
+	assert.Contains(t, errs, "warning: descriptor budget")
+	assert.Contains(t, errs, "big (40000)")
+	assert.NotContains(t, errs, "small", "nat mode is carried by the kernel")
+}

@@ -10,6 +10,13 @@
 # whole short connection (1 connector), brokkrd's CPU per connection, the
 # docker-proxy's rate with brokkrd running and stopped, and brokkrd's
 # netplane pass with 0 and 200,000 unrelated conntrack entries.
+# Then the socket path: a caller on the host itself (in the host namespace,
+# in a child cgroup the script makes, where brokkrd attaches its cgroup
+# programs) reaches the guest:
+#   local-direct   the guest's address
+#   socket         127.0.0.1:port of an `auto` exposure (connect-time translation)
+#   brokkr-proxy   127.0.0.1:port of a `proxy` exposure
+#   local-docker   docker-proxy on 127.0.0.1
 # Standalone as root; creates and deletes its own brk-np-* namespaces.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,6 +26,7 @@ P=brk-np
 CL=$P-cli HO=$P-host GU=$P-g1
 ROUNDS=${ROUNDS:-3} SECS=${SECS:-4} DUR=${DUR:-4}
 work=$(mktemp -d /tmp/brk-np.XXXXXX)
+CG=/sys/fs/cgroup/unified/brk-np-$$
 pids=()
 daemon=""
 cleanup() {
@@ -27,6 +35,7 @@ cleanup() {
   wait 2>/dev/null || true
   for n in $CL $HO $GU; do ip netns pids $n 2>/dev/null | xargs -r kill -9 2>/dev/null; ip netns delete $n 2>/dev/null || true; done
   umount "$work/bpf" 2>/dev/null || true
+  [ -d "$CG" ] && { cat "$CG/cgroup.procs" 2>/dev/null | while read -r p; do echo "$p" > /sys/fs/cgroup/unified/cgroup.procs 2>/dev/null; done; rmdir "$CG" 2>/dev/null || true; }
   rm -rf "$work"
 }
 trap cleanup EXIT INT TERM
@@ -61,7 +70,16 @@ exposures:
   - {name: iperf-capped, target: 10.213.0.200, guestPort: 5201, hostPort: 20001, mode: nat, maxConns: 256}
   - {name: rate-capped, target: 10.213.0.200, guestPort: 7000, hostPort: 20002, mode: nat, maxConns: 256}
   - {name: rate-uncapped, target: 10.213.0.200, guestPort: 7000, hostPort: 20003, mode: nat, maxConns: 0}
+  - {name: iperf-auto, target: 10.213.0.200, guestPort: 5201, hostPort: 21001, mode: auto, maxConns: 256}
+  - {name: rate-auto, target: 10.213.0.200, guestPort: 7000, hostPort: 21002, mode: auto, maxConns: 256}
+  - {name: iperf-proxy, target: 10.213.0.200, guestPort: 5201, hostPort: 22001, hostAddress: 127.0.0.1, mode: proxy, maxConns: 256}
+  - {name: rate-proxy, target: 10.213.0.200, guestPort: 7000, hostPort: 22002, hostAddress: 127.0.0.1, mode: proxy, maxConns: 256}
 YAML
+# brokkrd's cgroup programs go on a child cgroup of the script's own, never
+# the root; host-local callers run inside it.
+mkdir -p "$CG"
+export BROKKR_CGROUP=$CG
+inhost_cg() { nsenter --net=/run/netns/$HO -- sh -c 'echo $$ > "$0/cgroup.procs" && shift && exec "$@"' "$CG" x "$@"; }
 start_daemon() {
   inns $HO "$work/brokkrd" --config "$work/brokkr.yaml" >>"$work/brokkrd.log" 2>&1 &
   daemon=$!
@@ -70,7 +88,7 @@ start_daemon() {
 }
 stop_daemon() { kill "$daemon"; wait "$daemon" 2>/dev/null || true; daemon=""; }
 start_daemon
-grep -i "nat path\|conntrack events" "$work/brokkrd.log" || echo "brokkrd: the BPF nat path is in use"
+grep -i "nat path\|conntrack events\|socket path" "$work/brokkrd.log" || echo "brokkrd: the BPF nat path and the socket path are in use"
 
 # The guest: a namespace on brokkr's bridge at an address brokkr does not run.
 ip -n $HO link add g1p type veth peer name eth0 netns $GU
@@ -91,6 +109,8 @@ table ip plain {
 NFT
 nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 10.99.0.1 -host-port 40001 -container-ip 10.213.0.200 -container-port 5201 3>"$work/dp1.ready" >"$work/dp1.log" 2>&1 & pids+=($!)
 nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 10.99.0.1 -host-port 40002 -container-ip 10.213.0.200 -container-port 7000 3>"$work/dp2.ready" >"$work/dp2.log" 2>&1 & pids+=($!)
+nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 127.0.0.1 -host-port 41001 -container-ip 10.213.0.200 -container-port 5201 3>"$work/dp3.ready" >"$work/dp3.log" 2>&1 & pids+=($!)
+nsenter --net=/run/netns/$HO -- "$DP" -proto tcp -host-ip 127.0.0.1 -host-port 41002 -container-ip 10.213.0.200 -container-port 7000 3>"$work/dp4.ready" >"$work/dp4.log" 2>&1 & pids+=($!)
 sleep 1
 
 declare -A IPERF=( [direct]=10.213.0.200:5201 [plain-nft]=10.99.0.1:30001 [nat-capped]=10.99.0.1:20001 [docker-proxy]=10.99.0.1:40001 )
@@ -128,6 +148,34 @@ for r in $(seq "$ROUNDS"); do
   start_daemon
   on=$(inns $CL "$work/connrate" -rate "${RATE[docker-proxy]}" -c 8 -d "${SECS}s")
   echo "round=$r docker-proxy with brokkrd stopped: $off | running: $on"
+done
+
+# The socket path, from the host itself.
+declare -A LIPERF=( [local-direct]=10.213.0.200:5201 [socket]=127.0.0.1:21001 [brokkr-proxy]=127.0.0.1:22001 [local-docker]=127.0.0.1:41001 )
+declare -A LRATE=( [local-direct]=10.213.0.200:7000 [socket]=127.0.0.1:21002 [brokkr-proxy]=127.0.0.1:22002 [local-docker]=127.0.0.1:41002 )
+lgbps() {
+  local a=${1%:*} p=${1#*:}
+  for try in 1 2 3; do
+    sleep 0.5
+    if out=$(inhost_cg iperf3 -c "$a" -p "$p" -t "$DUR" -P "$2" -f g 2>/dev/null); then
+      echo "$out" | awk '/receiver/ {v=$(NF-2)} END {print v}'; return
+    fi
+  done
+  echo nan
+}
+for r in $(seq "$ROUNDS"); do
+  for path in local-direct socket brokkr-proxy local-docker; do
+    echo "round=$r local path=$path iperf3 P1=$(lgbps "${LIPERF[$path]}" 1) P8=$(lgbps "${LIPERF[$path]}" 8)"
+  done
+  for path in local-direct socket brokkr-proxy local-docker; do
+    t0=$(ticks "$daemon")
+    rate=$(inhost_cg "$work/connrate" -rate "${LRATE[$path]}" -c 8 -d "${SECS}s")
+    t1=$(ticks "$daemon")
+    n=$(echo "$rate" | sed -E 's/.*\(([0-9]+) ok.*/\1/')
+    cpu=$(awk -v d=$((t1 - t0)) -v hz="$hz" -v n="$n" 'BEGIN { if (n > 0) printf "%.2f", d / hz * 1e6 / n; else print "nan" }')
+    lat=$(inhost_cg "$work/connrate" -rate "${LRATE[$path]}" -c 1 -d "${SECS}s")
+    echo "round=$r local path=$path rate: $rate | brokkrd CPU per conn: ${cpu}us | 1 connector: $lat"
+  done
 done
 
 # A netplane pass with 0 and 200,000 unrelated conntrack entries: the mean of
