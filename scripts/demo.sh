@@ -15,6 +15,9 @@ guest="$repo/.cache/guest"
 host_ns=brk-demo-host
 client_ns=brk-demo-client
 bpf_dir=/sys/fs/bpf/brk-demo
+# The socket path's cgroup programs attach to a cgroup of the demo's own, and
+# the host-local callers run inside it: the demo never touches the root cgroup.
+cgroup=/sys/fs/cgroup/unified/brk-demo
 host_ip=192.0.2.1
 client_ip=192.0.2.2
 
@@ -28,6 +31,8 @@ daemon_pid=""
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 in_host() { nsenter --net=/run/netns/$host_ns -- "$@"; }
 in_client() { nsenter --net=/run/netns/$client_ns -- "$@"; }
+# A host-local caller: in the host namespace and in the demo's cgroup.
+in_host_cg() { nsenter --net=/run/netns/$host_ns -- sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cgroup" "$@"; }
 
 cleanup() {
   rc=$?
@@ -51,8 +56,13 @@ cleanup() {
     ip netns delete "$ns" 2>/dev/null || true
   done
   rm -rf "$bpf_dir"
+  if [ -d "$cgroup" ]; then
+    for pid in $(cat "$cgroup/cgroup.procs" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+    sleep 0.2
+    rmdir "$cgroup" 2>/dev/null || true
+  fi
   rm -rf "$tmp"
-  echo "removed namespaces $host_ns $client_ns, $bpf_dir and $tmp"
+  echo "removed namespaces $host_ns $client_ns, $cgroup, $bpf_dir and $tmp"
   exit $rc
 }
 trap cleanup EXIT
@@ -72,6 +82,8 @@ ip -n $client_ns addr add $client_ip/24 dev brk-demo-c
 ip -n $client_ns link set brk-demo-c up
 
 mkdir -p "$tmp/state" "$tmp/run"
+[ -d /sys/fs/cgroup/unified ] || { echo "demo: no cgroup v2 hierarchy at /sys/fs/cgroup/unified" >&2; exit 1; }
+mkdir -p "$cgroup"
 cat > "$tmp/brokkr.yaml" <<YAML
 # The demo's config: one VM from the test guest image (QEMU; TCG here),
 # its HTTP port published on 8080 and its echo port on 7000 with a cap of 2.
@@ -105,7 +117,7 @@ echo "config: $tmp/brokkr.yaml"
 "$bin/brokkr" validate -f "$tmp/brokkr.yaml"
 
 step "starting brokkrd in $host_ns (nsenter --net keeps /sys/fs/bpf visible)"
-in_host "$bin/brokkrd" --config "$tmp/brokkr.yaml" >"$tmp/brokkrd.log" 2>&1 &
+BROKKR_CGROUP=$cgroup in_host "$bin/brokkrd" --config "$tmp/brokkr.yaml" >"$tmp/brokkrd.log" 2>&1 &
 daemon_pid=$!
 export BROKKR_SOCKET="$tmp/run/brokkr.sock"
 for _ in $(seq 100); do [ -S "$BROKKR_SOCKET" ] && break; sleep 0.1; done
@@ -126,24 +138,31 @@ in_client curl -sS --max-time 5 --retry 30 --retry-delay 1 --retry-all-errors "h
 echo "\$ echo hello | socat - TCP:$host_ip:7000"
 echo hello | in_client socat -t 2 - "TCP:$host_ip:7000,connect-timeout=5"
 
-step "auto mode: a caller on the host's loopback is served by the proxy"
-echo "\$ curl http://127.0.0.1:8080/   (inside $host_ns)"
-in_host curl -sS --max-time 5 "http://127.0.0.1:8080/"
+step "auto mode: a caller on the host itself is sent to the guest when it connects (socket path)"
+echo "\$ curl http://127.0.0.1:8080/   (inside $host_ns, in $cgroup)"
+in_host_cg curl -sS --max-time 5 "http://127.0.0.1:8080/"
+echo "(no proxy listens on 127.0.0.1:8080: $(in_host ss -Htln 'sport = :8080' | wc -l) listening sockets)"
 
-step "the cap: demo-echo takes 2 connections; a third caller is refused"
-# Two callers hold their connections open (they stay until clean-up).
-for _ in 1 2; do
-  in_client socat -u "EXEC:sleep 60" "TCP:$host_ip:7000" 2>/dev/null &
-  disown
-done
+step "one cap across paths: demo-echo takes 2 connections, whoever calls"
+# One caller from outside (nat path) and one on the host's loopback (socket
+# path) hold their connections open (they stay until clean-up).
+in_client socat -u "EXEC:sleep 60" "TCP:$host_ip:7000" 2>/dev/null &
+disown
+in_host_cg socat -u "EXEC:sleep 60" "TCP:127.0.0.1:7000" 2>/dev/null &
+disown
 sleep 1
-echo "\$ echo third | socat - TCP:$host_ip:7000   (two connections are open)"
+echo "\$ echo third | socat - TCP:$host_ip:7000   (from $client_ns; one nat and one socket-path connection are open)"
 if out=$(echo third | in_client socat -t 2 - "TCP:$host_ip:7000,connect-timeout=5" 2>&1) && [ "$out" = third ]; then
   echo "demo: the third connection was carried: the cap did not hold" >&2
   exit 1
 fi
 echo "refused: ${out:-connection closed}"
-sleep 1.5 # the counters of the kernel path are read once per pass
+echo "\$ echo fourth | socat - TCP:127.0.0.1:7000   (on the host)"
+if out=$(echo fourth | in_host_cg socat -t 2 - "TCP:127.0.0.1:7000,connect-timeout=5" 2>&1) && [ "$out" = fourth ]; then
+  echo "demo: the host-local caller was carried: the cap did not hold across paths" >&2
+  exit 1
+fi
+echo "refused: ${out:-connection closed}"
 
 step "brokkr status"
 "$bin/brokkr" status

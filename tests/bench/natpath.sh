@@ -34,6 +34,7 @@ cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   for n in $CL $HO $GU; do ip netns pids $n 2>/dev/null | xargs -r kill -9 2>/dev/null; ip netns delete $n 2>/dev/null || true; done
+  cp "$work/brokkrd.log" /tmp/brk-np-brokkrd.log 2>/dev/null || true
   umount "$work/bpf" 2>/dev/null || true
   [ -d "$CG" ] && { cat "$CG/cgroup.procs" 2>/dev/null | while read -r p; do echo "$p" > /sys/fs/cgroup/unified/cgroup.procs 2>/dev/null; done; rmdir "$CG" 2>/dev/null || true; }
   rm -rf "$work"
@@ -125,7 +126,10 @@ gbps() {
   done
   echo nan
 }
-ticks() { awk '{print $14+$15}' /proc/"$1"/stat; }
+ticks() {
+  [ -r /proc/"$1"/stat ] || { echo "natpath.sh: brokkrd (pid $1) is gone; its log is kept in /tmp/brk-np-brokkrd.log" >&2; tail -n 20 "$work/brokkrd.log" >&2; exit 1; }
+  awk '{print $14+$15}' /proc/"$1"/stat
+}
 hz=$(getconf CLK_TCK)
 
 echo "# $(date -u +%FT%TZ) kernel $(uname -r), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); rounds=$ROUNDS, ${SECS}s rate runs, ${DUR}s iperf3"
