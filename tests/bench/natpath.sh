@@ -82,12 +82,19 @@ mkdir -p "$CG"
 export BROKKR_CGROUP=$CG
 inhost_cg() { nsenter --net=/run/netns/$HO -- sh -c 'echo $$ > "$0/cgroup.procs" && shift && exec "$@"' "$CG" x "$@"; }
 start_daemon() {
-  inns $HO "$work/brokkrd" --config "$work/brokkr.yaml" >>"$work/brokkrd.log" 2>&1 &
+  # nsenter itself, not through a function: it execs brokkrd, so $! is
+  # brokkrd's pid (its CPU is what is measured, and what stop_daemon stops).
+  nsenter --net=/run/netns/$HO -- "$work/brokkrd" --config "$work/brokkr.yaml" >>"$work/brokkrd.log" 2>&1 &
   daemon=$!
-  for i in $(seq 100); do [ -S "$work/run/brokkr.sock" ] && break; sleep 0.1; done
+  for i in $(seq 100); do curl -sf --unix-socket "$work/run/brokkr.sock" http://brokkrd/v1/status >/dev/null 2>&1 && break; sleep 0.1; done
+  [ "$(cat /proc/"$daemon"/comm 2>/dev/null)" = brokkrd ] || { echo "natpath.sh: brokkrd did not start" >&2; tail -n 20 "$work/brokkrd.log" >&2; exit 1; }
   sleep 1.5
 }
-stop_daemon() { kill "$daemon"; wait "$daemon" 2>/dev/null || true; daemon=""; }
+stop_daemon() {
+  kill "$daemon"; wait "$daemon" 2>/dev/null || true
+  [ ! -e /proc/"$daemon" ] || { echo "natpath.sh: brokkrd did not stop" >&2; exit 1; }
+  daemon=""
+}
 start_daemon
 grep -i "nat path\|conntrack events\|socket path" "$work/brokkrd.log" || echo "brokkrd: the BPF nat path and the socket path are in use"
 
