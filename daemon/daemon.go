@@ -43,6 +43,9 @@ type Options struct {
 	// then carry ::1 specs next to 127.0.0.1 ones under the same name; see
 	// ProxyPair).
 	IPv6Loopback bool
+	// Source, when set, is where the desired state comes from (fleet mode);
+	// Run runs it, and a local apply is refused.
+	Source Source
 }
 
 // Daemon is one running brokkrd.
@@ -70,6 +73,7 @@ type Daemon struct {
 	passes  uint64
 
 	wake   chan struct{}
+	passed chan struct{}
 	logged map[string]bool // problems of the last pass, logged once
 
 	supRun bounded[supervisor.Report]
@@ -119,6 +123,7 @@ func New(opts Options) (*Daemon, error) {
 		desired: withHost(desired, opts.Host),
 		facts:   map[string]guestFacts{},
 		wake:    make(chan struct{}, 1),
+		passed:  make(chan struct{}, 1),
 		supRun:  bounded[supervisor.Report]{name: "supervisor"},
 		netRun:  bounded[netplane.Report]{name: "netplane"},
 		pxRun:   bounded[[]proxy.Status]{name: "proxy"},
@@ -151,8 +156,13 @@ func (d *Daemon) Desired() *config.Config {
 // Status returns the last merged status.
 func (d *Daemon) Status() api.Status {
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.status
+	st := d.status
+	d.mu.Unlock()
+	if d.opts.Source != nil {
+		r := d.opts.Source.Report()
+		st.Source = &r
+	}
+	return st
 }
 
 // Wake asks for a pass now.
@@ -167,6 +177,11 @@ func (d *Daemon) Wake() {
 func (d *Daemon) Run(ctx context.Context) {
 	t := time.NewTicker(d.opts.Tick)
 	defer t.Stop()
+	if d.opts.Source != nil {
+		var wg sync.WaitGroup
+		wg.Go(func() { d.opts.Source.Run(ctx, d) })
+		defer wg.Wait()
+	}
 	for {
 		d.Pass(ctx)
 		select {
@@ -252,6 +267,10 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.status = st
 	d.passes++
 	d.mu.Unlock()
+	select {
+	case d.passed <- struct{}{}:
+	default:
+	}
 	// Log a problem when it appears and when it clears, not every second.
 	now := map[string]bool{}
 	for _, e := range errs {

@@ -38,7 +38,7 @@ func newRoot() *cobra.Command {
 	root.PersistentFlags().StringVar(&socket, "socket", def, "brokkrd's API socket (env BROKKR_SOCKET)")
 	client := func() *api.Client { return api.NewClient(socket) }
 
-	root.AddCommand(validateCmd(), applyCmd(client), statusCmd(client), vmCmd(client), exposeCmd(client), statsCmd())
+	root.AddCommand(validateCmd(), applyCmd(client), statusCmd(client), vmCmd(client), exposeCmd(client), statsCmd(), fleetCmd())
 	for _, c := range root.Commands() {
 		wrapArgs(c)
 	}
@@ -218,6 +218,7 @@ func statusCmd(client func() *api.Client) *cobra.Command {
 			if len(st.Warnings) > 0 {
 				fmt.Fprintln(w)
 			}
+			printSource(w, st.Source)
 			return nil
 		},
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/daemon/fleet"
 	"github.com/brokkr/brokkr/netplane"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/brokkr/brokkr/supervisor"
@@ -27,6 +28,7 @@ type system struct {
 	d     *daemon.Daemon
 	store *bpf.Store
 	lock  *os.File
+	fleet *fleet.Agent // nil on a single host
 }
 
 func (s *system) countersWhere() string {
@@ -37,6 +39,9 @@ func (s *system) countersWhere() string {
 }
 
 func (s *system) close() {
+	if s.fleet != nil {
+		_ = s.fleet.Close()
+	}
 	_ = s.store.Close()
 	_ = s.lock.Close()
 }
@@ -113,11 +118,27 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	} else {
 		log.Info("no IPv6 loopback here: auto exposures serve local callers on 127.0.0.1 only")
 	}
+	// Fleet mode: the desired state comes from etcd (the client connects
+	// in the background; the node serves its persisted state meanwhile).
+	var agent *fleet.Agent
+	var src daemon.Source
+	if cfg.Fleet != nil {
+		if agent, err = fleet.New(cfg, log); err != nil {
+			eng.Stop()
+			plane.Close()
+			store.Close()
+			return fail(err)
+		}
+		src = agent
+	}
 	dd, err := daemon.New(daemon.Options{
 		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
-		Logger: log, Warnings: warnings, IPv6Loopback: ipv6,
+		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, Source: src,
 	})
 	if err != nil {
+		if agent != nil {
+			agent.Close()
+		}
 		eng.Stop()
 		plane.Close()
 		store.Close()
@@ -125,7 +146,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	}
 	d.Store(dd)
 	_ = ctx
-	return &system{d: dd, store: store, lock: lock}, nil
+	return &system{d: dd, store: store, lock: lock, fleet: agent}, nil
 }
 
 // openStore makes bpfDir usable (mounting bpffs at /sys/fs/bpf if needed)

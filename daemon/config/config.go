@@ -55,6 +55,10 @@ type Config struct {
 	Hypervisor Hypervisor `yaml:"hypervisor" json:"hypervisor"`
 	VMs        []VM       `yaml:"vms" json:"vms"`
 	Exposures  []Exposure `yaml:"exposures" json:"exposures"`
+	// Fleet is the node agent's etcd section (fleet.go). Process-fixed like
+	// the directories, and never persisted in desired.json (json:"-"): it
+	// holds the etcd password.
+	Fleet *Fleet `yaml:"fleet" json:"-"`
 }
 
 // Network is the guest network section.
@@ -344,6 +348,7 @@ func (c *Config) applyDefaults() {
 		def(&v.Power, DefaultPower)
 		def(&v.Restart, DefaultRestart)
 	}
+	c.Fleet.applyDefaults()
 	for i := range c.Exposures {
 		e := &c.Exposures[i]
 		def(&e.Protocol, DefaultProtocol)
