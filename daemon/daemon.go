@@ -111,7 +111,8 @@ func New(opts Options) (*Daemon, error) {
 	} else {
 		opts.Logger.Info("resuming from persisted desired state", "file", opts.Host.StateDir+"/"+DesiredFile,
 			"vms", len(desired.VMs), "exposures", len(desired.Exposures))
-		if p := diff(withHost(desired, opts.Host), withHost(opts.Host, opts.Host)); p.NetworkChanged || !p.VMs.Empty() || !p.Exposures.Empty() {
+		// With a Source the file's state was only the first one; no warning.
+		if p := diff(withHost(desired, opts.Host), withHost(opts.Host, opts.Host)); opts.Source == nil && (p.NetworkChanged || !p.VMs.Empty() || !p.Exposures.Empty()) {
 			opts.Logger.Warn("the config file differs from the persisted desired state, which wins until the next apply or reload (brokkr apply -f FILE, or SIGHUP)",
 				"vmsOnlyInFile", p.VMs.Added, "vmsChangedInFile", p.VMs.Changed, "vmsNotInFile", p.VMs.Removed,
 				"exposuresOnlyInFile", p.Exposures.Added, "exposuresChangedInFile", p.Exposures.Changed, "exposuresNotInFile", p.Exposures.Removed)

@@ -19,6 +19,8 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 )
 
 // ClientConfig is how to reach etcd: the daemon's `fleet:` section or the
@@ -58,6 +60,12 @@ func Dial(c ClientConfig) (*clientv3.Client, error) {
 		// The client's own zap logs repeat every reconnect attempt; the
 		// agent logs state changes itself.
 		Logger: zap.NewNop(),
+		// gRPC's default reconnect backoff grows to 2 minutes; a healed
+		// partition should be noticed within seconds.
+		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: time.Second, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 5 * time.Second},
+			MinConnectTimeout: 5 * time.Second,
+		})},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("etcd client: %w", err)

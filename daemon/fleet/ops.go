@@ -102,11 +102,19 @@ func (e *ConflictError) Error() string {
 	return fmt.Sprintf("the desired document of %s changed since it was read (another apply won the race); nothing was written: read again and re-run", strings.Join(e.Nodes, ", "))
 }
 
-// ApplyDocs writes each node's document in one transaction, guarded by a
-// compare on the revision each was read at, so two operators never silently
-// overwrite each other: all are written or none. With dryRun it only plans.
-// Documents must have been validated (ParseDocument / ParseFleetFile).
+// ApplyDocs is Plan then, unless dryRun, Write.
 func ApplyDocs(ctx context.Context, cli *clientv3.Client, prefix string, docs map[string][]byte, dryRun bool) (*ApplyResult, error) {
+	res, err := Plan(ctx, cli, prefix, docs, dryRun)
+	if err != nil || dryRun {
+		return res, err
+	}
+	return res, Write(ctx, cli, prefix, docs, res)
+}
+
+// Plan reads every node's current desired document in one read and says
+// what docs would change (+/~/-) against it. Documents must have been
+// validated (ParseDocument / ParseFleetFile).
+func Plan(ctx context.Context, cli *clientv3.Client, prefix string, docs map[string][]byte, dryRun bool) (*ApplyResult, error) {
 	names := sortedKeys(docs)
 	gets := make([]clientv3.Op, len(names))
 	for i, n := range names {
@@ -118,10 +126,7 @@ func ApplyDocs(ctx context.Context, cli *clientv3.Client, prefix string, docs ma
 		return nil, fmt.Errorf("reading the current desired documents: %w", err)
 	}
 	res := &ApplyResult{}
-	var cmps []clientv3.Cmp
-	var puts []clientv3.Op
 	for i, n := range names {
-		key := NodeKeys(prefix, n).Desired
 		np := NodePlan{Node: n}
 		cur := config.Defaults()
 		if kvs := read.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 {
@@ -137,17 +142,31 @@ func ApplyDocs(ctx context.Context, cli *clientv3.Client, prefix string, docs ma
 		np.Plan = daemon.Diff(cur, next)
 		np.Plan.DryRun = dryRun
 		res.Nodes = append(res.Nodes, np)
+	}
+	return res, nil
+}
+
+// Write puts the planned documents in one transaction, guarded by a compare
+// on the revision each was read at, so two operators never silently
+// overwrite each other: all are written or none (a ConflictError).
+func Write(ctx context.Context, cli *clientv3.Client, prefix string, docs map[string][]byte, res *ApplyResult) error {
+	var cmps []clientv3.Cmp
+	var puts []clientv3.Op
+	names := make([]string, 0, len(res.Nodes))
+	for _, np := range res.Nodes {
+		key := NodeKeys(prefix, np.Node).Desired
+		names = append(names, np.Node)
 		cmps = append(cmps, clientv3.Compare(clientv3.ModRevision(key), "=", np.ReadRevision))
 		if !np.Unchanged {
-			puts = append(puts, clientv3.OpPut(key, string(docs[n])))
+			puts = append(puts, clientv3.OpPut(key, string(docs[np.Node])))
 		}
 	}
-	if dryRun || len(puts) == 0 {
-		return res, nil
+	if len(puts) == 0 {
+		return nil
 	}
 	w, err := cli.Txn(ctx).If(cmps...).Then(puts...).Commit()
 	if err != nil {
-		return nil, fmt.Errorf("writing the desired documents: %w", err)
+		return fmt.Errorf("writing the desired documents: %w", err)
 	}
 	if !w.Succeeded {
 		// Say which ones moved, from a fresh read.
@@ -155,7 +174,7 @@ func ApplyDocs(ctx context.Context, cli *clientv3.Client, prefix string, docs ma
 		for _, np := range res.Nodes {
 			r, err := cli.Get(ctx, NodeKeys(prefix, np.Node).Desired)
 			if err != nil {
-				return nil, &ConflictError{Nodes: names}
+				return &ConflictError{Nodes: names}
 			}
 			var now int64
 			if len(r.Kvs) > 0 {
@@ -165,13 +184,13 @@ func ApplyDocs(ctx context.Context, cli *clientv3.Client, prefix string, docs ma
 				moved = append(moved, fmt.Sprintf("%s (revision %d, now %d)", np.Node, np.ReadRevision, now))
 			}
 		}
-		return nil, &ConflictError{Nodes: moved}
+		return &ConflictError{Nodes: moved}
 	}
 	res.Revision = w.Header.Revision
 	for i := range res.Nodes {
 		res.Nodes[i].Plan.Applied = !res.Nodes[i].Unchanged
 	}
-	return res, nil
+	return nil
 }
 
 // NodeState is one row of `brokkr fleet status`.
