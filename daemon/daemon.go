@@ -71,6 +71,9 @@ type Daemon struct {
 	status  api.Status
 	facts   map[string]guestFacts
 	passes  uint64
+	// gen counts changes of desired; statusGen is the gen the current
+	// status was converged from (see Generations).
+	gen, statusGen uint64
 
 	wake   chan struct{}
 	passed chan struct{}
@@ -201,7 +204,10 @@ func (d *Daemon) Run(ctx context.Context) {
 // its tap exists and the supervisor always gets this pass's facts; the proxy
 // runs last so its resolver sees the leases of this pass.
 func (d *Daemon) Pass(ctx context.Context) {
-	want := d.Desired()
+	d.mu.Lock()
+	cp, gen := *d.desired, d.gen
+	d.mu.Unlock()
+	want := &cp
 	var errs []error
 
 	t0 := time.Now()
@@ -266,6 +272,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	st := d.mergeStatus(want, srep, nrep, pst, errs)
 	d.mu.Lock()
 	d.status = st
+	d.statusGen = gen
 	d.passes++
 	d.mu.Unlock()
 	select {
@@ -412,6 +419,7 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	}
 	d.mu.Lock()
 	d.desired = next
+	d.gen++
 	d.mu.Unlock()
 	plan.Applied = true
 	d.log.Info("desired state applied", "vmsAdded", plan.VMs.Added, "vmsChanged", plan.VMs.Changed,
@@ -478,6 +486,7 @@ func (d *Daemon) SetPower(name, power string) error {
 	}
 	d.mu.Lock()
 	d.desired = cur
+	d.gen++
 	d.mu.Unlock()
 	d.Wake()
 	return nil

@@ -30,6 +30,10 @@ type Target interface {
 	// Passed delivers after control-loop passes (coalesced), so a source
 	// can report status changes without polling.
 	Passed() <-chan struct{}
+	// Generations says how many times the desired state has changed, and
+	// from which of those the current status was converged: a change is
+	// reflected in Status once reported >= the desired right after Apply.
+	Generations() (desired, reported uint64)
 }
 
 // Host returns the config brokkrd was started with.
@@ -37,6 +41,13 @@ func (d *Daemon) Host() *config.Config { return d.host }
 
 // Passed is signalled after every pass; one pending signal at most.
 func (d *Daemon) Passed() <-chan struct{} { return d.passed }
+
+// Generations is Target.Generations.
+func (d *Daemon) Generations() (desired, reported uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.gen, d.statusGen
+}
 
 // ErrRemoteSource refuses a local apply on a node whose desired state comes
 // from a Source: the next remote revision would silently undo it.

@@ -42,6 +42,13 @@ type Agent struct {
 
 	mu  sync.Mutex
 	rep api.Source
+	// pending is a revision applied but not yet converged by a pass: the
+	// report names it only from the first status that reflects it, so a
+	// status in etcd never claims a revision its rows do not show yet.
+	pending struct {
+		rev int64
+		gen uint64
+	}
 }
 
 // New builds the agent for host's fleet section. It does not wait for etcd.
@@ -276,7 +283,10 @@ func (a *Agent) absent(rev int64) {
 func (a *Agent) handle(t daemon.Target, kv *mvccpb.KeyValue) {
 	rev := kv.ModRevision
 	cur := a.Report()
-	if rev == cur.Revision || rev == cur.Rejected {
+	a.mu.Lock()
+	pendingRev := a.pending.rev
+	a.mu.Unlock()
+	if rev == cur.Revision || rev == cur.Rejected || rev == pendingRev {
 		return // seen already (a relist after reconnecting)
 	}
 	doc, err := config.ParseDocument(kv.Value)
@@ -304,12 +314,33 @@ func (a *Agent) handle(t daemon.Target, kv *mvccpb.KeyValue) {
 		"vmsRemoved", plan.VMs.Removed, "exposuresAdded", plan.Exposures.Added, "exposuresChanged", plan.Exposures.Changed,
 		"exposuresRemoved", plan.Exposures.Removed)
 	a.saveRevision(rev)
+	gen, _ := t.Generations()
+	a.mu.Lock()
+	a.pending.rev, a.pending.gen = rev, gen
+	a.mu.Unlock()
 	a.update(func(r *api.Source) {
-		r.Revision, r.Rejected, r.Errors = rev, 0, nil
+		r.Rejected, r.Errors = 0, nil
 		if !isConnDetail(r.Detail) {
 			r.Detail = ""
 		}
 	})
+	a.settle(t)
+}
+
+// settle moves a pending revision into the report once a pass has
+// converged it.
+func (a *Agent) settle(t daemon.Target) {
+	_, reported := t.Generations()
+	a.mu.Lock()
+	p := a.pending
+	ready := p.rev != 0 && reported >= p.gen
+	if ready {
+		a.pending.rev = 0
+	}
+	a.mu.Unlock()
+	if ready {
+		a.update(func(r *api.Source) { r.Revision = p.rev })
+	}
 }
 
 func fieldMessages(err error) []string {
@@ -338,6 +369,7 @@ func (a *Agent) writeStatus(ctx context.Context, t daemon.Target) {
 		case <-t.Passed():
 		case <-a.changed:
 		}
+		a.settle(t)
 		if wait := statusInterval - time.Since(lastWrite); wait > 0 && !sleepCtx(ctx, wait) {
 			return
 		}
