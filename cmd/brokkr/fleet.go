@@ -220,7 +220,11 @@ func printNodes(w io.Writer, rows []fleet.NodeState) {
 		if len(r.Errors) > 0 {
 			errs = strings.Join(r.Errors, "; ")
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d/%d\t%d/%d\t%s\n", r.Node, alive, dash(r.ReportedAt), rev,
+		reported := r.ReportedAt
+		if ts, err := time.Parse(time.RFC3339Nano, reported); err == nil {
+			reported = ts.Format(time.RFC3339) // the table needs seconds; -o json keeps all
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d/%d\t%d/%d\t%s\n", r.Node, alive, dash(reported), rev,
 			r.VMsRunning, r.VMs, r.ExposuresActive, r.Exposures, errs)
 	}
 	tw.Flush()
