@@ -362,6 +362,7 @@ func fieldMessages(err error) []string {
 func (a *Agent) writeStatus(ctx context.Context, t daemon.Target) {
 	var last []byte
 	var lastWrite time.Time
+	var lastErr string // logged when it changes, not on every retry
 	for {
 		select {
 		case <-ctx.Done():
@@ -388,12 +389,13 @@ func (a *Agent) writeStatus(ctx context.Context, t daemon.Target) {
 		cancel()
 		lastWrite = time.Now()
 		if err != nil {
-			if ctx.Err() == nil {
-				a.log.Debug("writing status", "err", err) // retried on the next pass
+			if ctx.Err() == nil && err.Error() != lastErr {
+				a.log.Warn("writing status failed; retried on the next pass", "key", a.keys.Status, "err", err)
 			}
+			lastErr = err.Error()
 			continue
 		}
-		last = b
+		last, lastErr = b, ""
 	}
 }
 
