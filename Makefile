@@ -6,7 +6,7 @@ GO ?= go
 BIN := bin
 TEST_TIMEOUT ?= 45m
 
-.PHONY: all build deps test test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz
+.PHONY: all build deps test test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet
 
 all: build
 
@@ -64,6 +64,19 @@ fuzz:
 bench: deps build guest-image
 	@scripts/clean-ns.sh
 	tests/bench/run.sh
+
+# Fleet mode at scale: FLEET_NODES brokkrd processes in namespaces of their own
+# on a three-member etcd (embedded, in a namespace of its own too); prints the
+# BENCH lines BENCHMARKS.md records. Removes only the namespaces it made.
+FLEET_NODES ?= 100
+bench-fleet: deps
+	BROKKR_BENCH_FLEET_NODES=$(FLEET_NODES) $(GO) test -count=1 -timeout 20m -run '^TestBenchFleet$$' -v ./daemon/fleet/ | grep -E 'BENCH|started|^(ok|FAIL|---)'
+
+# Two brokkrd nodes with a guest each on a three-member etcd, one fleet apply,
+# calls through both hosts' ports, `brokkr fleet status`; cleans up after itself.
+demo-fleet: deps build guest-image
+	$(GO) build -o $(BIN)/ ./tests/fleet/etcdrun
+	@scripts/demo-fleet.sh
 
 demo: deps build guest-image
 	@scripts/demo.sh

@@ -49,6 +49,9 @@ type Options struct {
 	// why it is not (shown in status, the proxies serve them instead).
 	SocketPath       SocketPath
 	SocketPathReason string
+	// Source, when set, is where the desired state comes from (fleet mode);
+	// Run runs it, and a local apply is refused.
+	Source Source
 }
 
 // Daemon is one running brokkrd.
@@ -78,8 +81,12 @@ type Daemon struct {
 	status  api.Status
 	facts   map[string]guestFacts
 	passes  uint64
+	// gen counts changes of desired; statusGen is the gen the current
+	// status was converged from (see Generations).
+	gen, statusGen uint64
 
 	wake   chan struct{}
+	passed chan struct{}
 	logged map[string]bool // problems of the last pass, logged once
 
 	supRun bounded[supervisor.Report]
@@ -117,7 +124,8 @@ func New(opts Options) (*Daemon, error) {
 	} else {
 		opts.Logger.Info("resuming from persisted desired state", "file", opts.Host.StateDir+"/"+DesiredFile,
 			"vms", len(desired.VMs), "exposures", len(desired.Exposures))
-		if p := diff(withHost(desired, opts.Host), withHost(opts.Host, opts.Host)); p.NetworkChanged || !p.VMs.Empty() || !p.Exposures.Empty() {
+		// With a Source the file's state was only the first one; no warning.
+		if p := diff(withHost(desired, opts.Host), withHost(opts.Host, opts.Host)); opts.Source == nil && (p.NetworkChanged || !p.VMs.Empty() || !p.Exposures.Empty()) {
 			opts.Logger.Warn("the config file differs from the persisted desired state (unless the file changed since it was last applied, the persisted state wins until the next apply or reload: brokkr apply -f FILE, or SIGHUP)",
 				"vmsOnlyInFile", p.VMs.Added, "vmsChangedInFile", p.VMs.Changed, "vmsNotInFile", p.VMs.Removed,
 				"exposuresOnlyInFile", p.Exposures.Added, "exposuresChangedInFile", p.Exposures.Changed, "exposuresNotInFile", p.Exposures.Removed)
@@ -129,6 +137,7 @@ func New(opts Options) (*Daemon, error) {
 		desired: withHost(desired, opts.Host),
 		facts:   map[string]guestFacts{},
 		wake:    make(chan struct{}, 1),
+		passed:  make(chan struct{}, 1),
 		supRun:  bounded[supervisor.Report]{name: "supervisor"},
 		netRun:  bounded[netplane.Report]{name: "netplane"},
 		pxRun:   bounded[[]proxy.Status]{name: "proxy"},
@@ -166,6 +175,10 @@ func (d *Daemon) Status() api.Status {
 	d.mu.Lock()
 	st := d.status
 	d.mu.Unlock()
+	if d.opts.Source != nil {
+		r := d.opts.Source.Report()
+		st.Source = &r
+	}
 	if d.store == nil {
 		return st
 	}
@@ -193,6 +206,11 @@ func (d *Daemon) Wake() {
 func (d *Daemon) Run(ctx context.Context) {
 	t := time.NewTicker(d.opts.Tick)
 	defer t.Stop()
+	if d.opts.Source != nil {
+		var wg sync.WaitGroup
+		wg.Go(func() { d.opts.Source.Run(ctx, d) })
+		defer wg.Wait()
+	}
 	for {
 		d.Pass(ctx)
 		select {
@@ -211,7 +229,10 @@ func (d *Daemon) Run(ctx context.Context) {
 // its tap exists and the supervisor always gets this pass's facts; the proxy
 // runs last so its resolver sees the leases of this pass.
 func (d *Daemon) Pass(ctx context.Context) {
-	want := d.Desired()
+	d.mu.Lock()
+	cp, gen := *d.desired, d.gen
+	d.mu.Unlock()
+	want := &cp
 	var errs []error
 
 	t0 := time.Now()
@@ -281,9 +302,14 @@ func (d *Daemon) Pass(ctx context.Context) {
 	st := d.mergeStatus(want, srep, nrep, pst, errs)
 	d.mu.Lock()
 	d.status = st
+	d.statusGen = gen
 	d.passes++
 	d.mu.Unlock()
 	d.m.passDone(errs, len(nrep.Repaired))
+	select {
+	case d.passed <- struct{}{}:
+	default:
+	}
 	// Log a problem when it appears and when it clears, not every second.
 	now := map[string]bool{}
 	for _, e := range errs {
@@ -443,6 +469,7 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	}
 	d.mu.Lock()
 	d.desired = next
+	d.gen++
 	d.mu.Unlock()
 	plan.Applied = true
 	d.log.Info("desired state applied", "vmsAdded", plan.VMs.Added, "vmsChanged", plan.VMs.Changed,
@@ -509,6 +536,7 @@ func (d *Daemon) SetPower(name, power string) error {
 	}
 	d.mu.Lock()
 	d.desired = cur
+	d.gen++
 	d.mu.Unlock()
 	d.Wake()
 	return nil

@@ -7,6 +7,10 @@ import (
 	"github.com/brokkr/brokkr/daemon/config"
 )
 
+// Diff says what changes between two desired states, by name (the plan
+// `apply --dry-run` prints; `brokkr fleet apply` uses it too).
+func Diff(cur, next *config.Config) api.Plan { return diff(cur, next) }
+
 // diff says what changes between two desired states, by name.
 func diff(cur, next *config.Config) api.Plan {
 	return api.Plan{

@@ -55,6 +55,10 @@ func writeError(w http.ResponseWriter, code int, msg string, fields []string) {
 }
 
 func (d *Daemon) handleApply(w http.ResponseWriter, r *http.Request) {
+	if d.opts.Source != nil {
+		writeError(w, http.StatusConflict, ErrRemoteSource{d.opts.Source.Report()}.Error(), nil)
+		return
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBody))
 	if err != nil {
 		var mbe *http.MaxBytesError

@@ -5,7 +5,7 @@
 set -euo pipefail
 pkgs=(clang-14 llvm-14 libbpf-dev linux-libc-dev bpftool nftables iproute2 conntrack
       iperf3 socat haproxy wrk busybox-static cpio qemu-system-x86 strace util-linux
-      ca-certificates curl prometheus)
+      ca-certificates curl prometheus etcd-client)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -162,6 +162,7 @@ does for a failed unit, so scripts and health checks need not parse the output.`
 			if len(st.Warnings) > 0 {
 				fmt.Fprintln(w)
 			}
+			printSource(w, st.Source)
 			return failedExit(st)
 		},
 	}

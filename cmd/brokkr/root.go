@@ -54,7 +54,7 @@ system error, 3 from status while any VM or exposure is failed.`,
 	}
 
 	root.AddCommand(validateCmd(), withSocket(applyCmd(client)), withSocket(statusCmd(client)),
-		withSocket(vmCmd(client)), withSocket(exposeCmd(client)), statsCmd())
+		withSocket(vmCmd(client)), withSocket(exposeCmd(client)), statsCmd(), fleetCmd())
 	for _, c := range root.Commands() {
 		wrapArgs(c)
 	}

@@ -120,6 +120,10 @@ loop:
 	for {
 		select {
 		case s := <-sigs:
+			if s == syscall.SIGHUP && cfg.Fleet != nil {
+				log.Warn("SIGHUP: fleet mode takes the desired state from etcd; a changed config file takes effect when brokkrd restarts")
+				continue
+			}
 			if s == syscall.SIGHUP {
 				reload(sys.d, path, log)
 				continue

@@ -13,6 +13,7 @@ import (
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/daemon/fleet"
 	"github.com/brokkr/brokkr/netplane"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/brokkr/brokkr/supervisor"
@@ -28,6 +29,7 @@ type system struct {
 	store *bpf.Store
 	sock  *bpf.SockLB // nil when the socket path is off
 	lock  *os.File
+	fleet *fleet.Agent // nil on a single host
 }
 
 func (s *system) countersWhere() string {
@@ -40,6 +42,9 @@ func (s *system) countersWhere() string {
 func (s *system) close() {
 	if s.sock != nil {
 		_ = s.sock.Close() // the pinned links stay: translation goes on
+	}
+	if s.fleet != nil {
+		_ = s.fleet.Close()
 	}
 	_ = s.store.Close()
 	_ = s.lock.Close()
@@ -117,10 +122,23 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	} else {
 		log.Info("no IPv6 loopback here: auto exposures serve local callers on 127.0.0.1 only")
 	}
+	// Fleet mode: the desired state comes from etcd (the client connects
+	// in the background; the node serves its persisted state meanwhile).
+	var agent *fleet.Agent
+	var src daemon.Source
+	if cfg.Fleet != nil {
+		if agent, err = fleet.New(cfg, log); err != nil {
+			eng.Stop()
+			plane.Close()
+			store.Close()
+			return fail(err)
+		}
+		src = agent
+	}
 	sock, sockReason := openSocketPath(cfg, store)
 	opts := daemon.Options{
 		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
-		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, SocketPathReason: sockReason,
+		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, SocketPathReason: sockReason, Source: src,
 	}
 	if sock != nil {
 		opts.SocketPath = sock
@@ -129,6 +147,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	}
 	dd, err := daemon.New(opts)
 	if err != nil {
+		if agent != nil {
+			agent.Close()
+		}
 		if sock != nil {
 			sock.Close()
 		}
@@ -139,7 +160,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	}
 	d.Store(dd)
 	_ = ctx
-	return &system{d: dd, store: store, sock: sock, lock: lock}, nil
+	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent}, nil
 }
 
 // openSocketPath attaches the socket path to the cgroup v2 root (mounting

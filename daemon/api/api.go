@@ -16,7 +16,33 @@ type Status struct {
 	// Daemon is the answering daemon's build (absent from daemons older
 	// than the field; clients must not require it).
 	Daemon *Build `json:"daemon,omitempty"`
+	// Source is set when the desired state comes from outside this host
+	// (fleet mode); single hosts never show it.
+	Source *Source `json:"source,omitempty"`
 }
+
+// Source is the state of a remote desired-state source (fleet mode: etcd).
+type Source struct {
+	Kind  string `json:"kind"` // "etcd"
+	Node  string `json:"node"`
+	State string `json:"state"` // connected | disconnected
+	// Revision is the etcd revision of the desired document this node runs
+	// (0: none applied yet; the node runs its local state).
+	Revision int64 `json:"revision"`
+	// Rejected is the revision of the newest document that was not applied,
+	// and Errors say why, naming fields as `brokkr validate` does.
+	Rejected int64    `json:"rejectedRevision,omitempty"`
+	Errors   []string `json:"errors,omitempty"`
+	Detail   string   `json:"detail,omitempty"` // e.g. the connection error, or "no desired document"
+	// ReportedAt is set only in the copy written to etcd (when it was written).
+	ReportedAt string `json:"reportedAt,omitempty"`
+}
+
+// Source states.
+const (
+	SourceConnected    = "connected"
+	SourceDisconnected = "disconnected"
+)
 
 // VM is one VM's row.
 type VM struct {

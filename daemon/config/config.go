@@ -53,7 +53,11 @@ type Config struct {
 	Hypervisor Hypervisor `yaml:"hypervisor" json:"hypervisor"`
 	VMs        []VM       `yaml:"vms" json:"vms"`
 	Exposures  []Exposure `yaml:"exposures" json:"exposures"`
-	Metrics    Metrics    `yaml:"metrics" json:"metrics"`
+	// Fleet is the node agent's etcd section (fleet.go). Process-fixed like
+	// the directories, and never persisted in desired.json (json:"-"): it
+	// holds the etcd password.
+	Fleet   *Fleet  `yaml:"fleet" json:"-"`
+	Metrics Metrics `yaml:"metrics" json:"metrics"`
 }
 
 // Metrics is where else /metrics is served. The listener is opened when
@@ -241,6 +245,7 @@ func (c *Config) applyDefaults() {
 		def(&v.Power, DefaultPower)
 		def(&v.Restart, DefaultRestart)
 	}
+	c.Fleet.applyDefaults()
 	for i := range c.Exposures {
 		e := &c.Exposures[i]
 		def(&e.Protocol, DefaultProtocol)

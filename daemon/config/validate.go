@@ -236,7 +236,7 @@ func (c *Config) Validate() Errors {
 			}
 		}
 	}
-	return errs
+	return append(errs, c.Fleet.validate()...)
 }
 
 // addrsOverlap: the same address, or either is the unspecified address of
