@@ -22,9 +22,16 @@ LDFLAGS := -X github.com/brokkr/brokkr/daemon/api.version=$(VERSION) -X github.c
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/...
 
+# staticcheck and deadcode come from the module proxy at pinned versions
+# (go run caches them); deadcode -test fails on functions nothing reaches,
+# not even a test.
+STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
+DEADCODE ?= golang.org/x/tools/cmd/deadcode@v0.52.0
 vet:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt: files above need formatting"; exit 1; }
 	$(GO) vet ./...
+	$(GO) run $(STATICCHECK) ./...
+	@out=$$($(GO) run $(DEADCODE) -test ./...); test -z "$$out" || { echo "$$out"; echo "deadcode: the functions above are reached by nothing"; exit 1; }
 
 # vmlinux.h is generated from the running kernel's BTF and committed.
 vmlinux.h:

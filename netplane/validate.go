@@ -12,16 +12,6 @@ import (
 	"github.com/brokkr/brokkr/netplane/nft"
 )
 
-// ParseCIDR reads the config's network.cidr: the bridge's own address with
-// the subnet's prefix length, e.g. 10.213.0.1/24.
-func ParseCIDR(s string) (netip.Prefix, error) {
-	p, err := netip.ParsePrefix(s)
-	if err != nil {
-		return netip.Prefix{}, fmt.Errorf("network.cidr: %q is not a CIDR", s)
-	}
-	return p, nil
-}
-
 // nameRE is what a guest or exposure name may be: it becomes part of nft
 // object names, which `nft` must print back and parse again (netplane/nft
 // checks the same).

@@ -14,8 +14,6 @@ import (
 	"testing"
 
 	"github.com/brokkr/brokkr/internal/nlsafe"
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
 
@@ -106,25 +104,6 @@ func (n *NS) MustRun(t testing.TB, name string, args ...string) string {
 		t.Fatal(err)
 	}
 	return out
-}
-
-// Handle opens the namespace as a netns handle; the caller closes it.
-func (n *NS) Handle() (netns.NsHandle, error) { return netns.GetFromPath(n.Path) }
-
-// Netlink returns a netlink handle bound to the namespace, closed at cleanup.
-func (n *NS) Netlink(t testing.TB) *netlink.Handle {
-	t.Helper()
-	h, err := n.Handle()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	nl, err := netlink.NewHandleAt(h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nl.Close)
-	return nl
 }
 
 // Do runs fn on a locked OS thread switched into the namespace. Sockets made

@@ -418,10 +418,6 @@ func connKey(src, dst netip.AddrPort) []byte {
 
 // --- expression helpers (each in the form `nft` prints back) ---
 
-const (
-	ctKeyID expr.CtKey = 23 // NFT_CT_ID
-)
-
 func protoNum(p string) byte {
 	if p == "udp" {
 		return unix.IPPROTO_UDP

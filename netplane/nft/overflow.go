@@ -68,10 +68,6 @@ type Carrier func(exposure string, client, guest *net.TCPConn)
 // both directions with half-close, run by the Table).
 func WithOverflow(c Carrier) Option { return func(o *options) { o.carrier = c } }
 
-// WithOverflowWait sets how long a caller that finds the cap full waits for
-// a slot before it is reset (default DefaultOverflowWait; 0 = not at all).
-func WithOverflowWait(d time.Duration) Option { return func(o *options) { o.overflowWait = d } }
-
 // DefaultOverflowWait covers a connection whose last FIN is in flight when
 // the next caller arrives (its peer closes a moment after the caller did).
 const DefaultOverflowWait = 25 * time.Millisecond
@@ -113,11 +109,11 @@ type ovCount struct{ accepted, refused uint64 }
 // on an ephemeral port.
 func startOverflow(t *Table, prevPort uint16, carry Carrier, wait time.Duration) (*overflow, error) {
 	var ln *net.TCPListener
-	var err error
 	if prevPort != 0 {
-		ln, err = t.listenTCP(prevPort)
+		ln, _ = t.listenTCP(prevPort) // taken meanwhile: any port will do
 	}
 	if ln == nil {
+		var err error
 		if ln, err = t.listenTCP(0); err != nil {
 			return nil, fmt.Errorf("nft: cap slow-path listener: %w", err)
 		}

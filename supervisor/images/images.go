@@ -70,10 +70,6 @@ func stampOf(path string) (localStamp, bool) {
 // Option configures a Cache.
 type Option func(*Cache)
 
-// WithHTTPClient sets the client for URL sources (default: a client with
-// no overall timeout; stalls are caught by WithStallTimeout).
-func WithHTTPClient(c *http.Client) Option { return func(k *Cache) { k.client = c } }
-
 // WithStallTimeout is how long a download may go without receiving a byte
 // before it fails (default 60 s). Large images take long; silent ones fail.
 func WithStallTimeout(d time.Duration) Option { return func(k *Cache) { k.stallTimeout = d } }
@@ -108,14 +104,6 @@ func New(stateDir string, opts ...Option) (*Cache, error) {
 
 // Dir is the cache directory.
 func (c *Cache) Dir() string { return c.dir }
-
-// ProgressDetail is the VM row's detail for a fetch in progress.
-func ProgressDetail(done, total int64) string {
-	if total <= 0 {
-		return fmt.Sprintf("downloading image %d MiB", done>>20)
-	}
-	return fmt.Sprintf("downloading image %d%%", done*100/total)
-}
 
 // NormalizeSHA256 checks that s is a sha256 in hex and returns it in lower case.
 func NormalizeSHA256(s string) (string, error) {

@@ -66,10 +66,6 @@ func WithAccel(a string) Option { return func(b *Backend) { b.accel = a } }
 // caller's own namespace.
 func WithNetNS(path string) Option { return func(b *Backend) { b.netnsPath = path } }
 
-// WithTSCKHz overrides the host TSC frequency passed to microvm guests
-// (default: read from /proc/cpuinfo).
-func WithTSCKHz(khz int64) Option { return func(b *Backend) { b.tscKHz = khz } }
-
 // WithKVMProbeWindow is how long a KVM launch may go without the guest
 // printing on its serial console before KVM is declared unusable (default 10 s;
 // a working KVM guest prints in well under a second).

@@ -125,7 +125,6 @@ type Server struct {
 	state   string // "", Created, Running, Shutdown
 	presses int    // vm.power-button calls while Running
 	config  json.RawMessage
-	serial  net.Listener
 	closers []io.Closer
 }
 

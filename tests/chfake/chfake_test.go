@@ -112,11 +112,11 @@ func TestLifecycleAndAnswersMatchTheSchema(t *testing.T) {
 }
 
 func TestRefuseAndCrash(t *testing.T) {
-	ts, exits := newFake(t, Behaviour{Refuse: map[string]bool{"vm.create": true}})
+	ts, _ := newFake(t, Behaviour{Refuse: map[string]bool{"vm.create": true}})
 	code, _ := call(t, ts, "PUT", "vm.create", goodCreate)
 	assert.Equal(t, 500, code)
 
-	ts, exits = newFake(t, Behaviour{CrashAfter: 50 * time.Millisecond})
+	ts, exits := newFake(t, Behaviour{CrashAfter: 50 * time.Millisecond})
 	call(t, ts, "PUT", "vm.create", goodCreate)
 	call(t, ts, "PUT", "vm.boot", "")
 	select {

@@ -75,7 +75,7 @@ func TestWithDHCPOffTheGuestTakesItsAddressFromTheCommandLine(t *testing.T) {
 	assert.Contains(t, cmdlineOf(t, third.PID), wantIP)
 	assert.False(t, e.dhcpServing())
 	e.waitGuestServing(hostIP + ":8080")
-	st = e.waitStatus("exposure active", 30*time.Second, func(st api.Status) bool {
+	e.waitStatus("exposure active", 30*time.Second, func(st api.Status) bool {
 		x, _ := exposure(st, "web-nat")
 		return x.State == "active"
 	})
