@@ -72,7 +72,18 @@ func (f *etcdFlags) ctx(parent context.Context) (context.Context, context.Cancel
 
 func fleetCmd() *cobra.Command {
 	f := &etcdFlags{}
-	c := &cobra.Command{Use: "fleet", Short: "Many hosts: desired state in etcd, per-node status under leases"}
+	c := &cobra.Command{Use: "fleet", Short: "Many hosts: desired state in etcd, per-node status under leases",
+		Long: `fleet drives many brokkrd nodes through etcd. Each node whose config has a fleet:
+section watches <prefix>/nodes/<node>/desired (a document with the config file's network,
+vms and exposures), applies each new revision as a whole or not at all, writes its status
+to <prefix>/nodes/<node>/status and keeps <prefix>/nodes/<node>/alive under a lease.
+A node cut off from etcd keeps serving what it last applied.
+
+The etcd endpoints come from --etcd or BROKKR_ETCD, with the TLS flags below.`,
+		Example: `  brokkr fleet apply --node host-1 -f host-1.yaml --dry-run
+  brokkr fleet apply -f fleet.yaml
+  brokkr fleet status
+  brokkr fleet rm --node host-1`}
 	f.register(c)
 	c.AddCommand(fleetApplyCmd(f), fleetStatusCmd(f), fleetRmCmd(f))
 	return c
@@ -84,6 +95,14 @@ func fleetApplyCmd(f *etcdFlags) *cobra.Command {
 	c := &cobra.Command{
 		Use:   "apply [--node N] -f FILE [--dry-run]",
 		Short: "Write desired state: one node's document, or a fleet file (nodes: {NAME: {...}}) in one transaction",
+		Long: `apply validates first, then writes. With --node N, FILE is one node's document (the
+config file's network, vms and exposures); without it, FILE is a fleet file with
+nodes: {NAME: {...}} and every node's document is written in one etcd transaction, or none.
+The write compares and swaps on the revision read, so two operators never silently
+overwrite each other: a lost race is an error naming the revision that moved.
+--dry-run prints the +/~/- plan against each node's current desired state and writes nothing.`,
+		Example: `  brokkr fleet apply --node host-1 -f host-1.yaml --dry-run
+  brokkr fleet apply -f fleet.yaml`,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			b, err := readConfigFile(file)
@@ -151,6 +170,11 @@ func fleetStatusCmd(f *etcdFlags) *cobra.Command {
 	c := &cobra.Command{
 		Use:   "status [-o json] [--node N]",
 		Short: "One row per node (alive or lost, last report, VMs, exposures, errors); --node N: its full status",
+		Long: `status lists every node under the prefix: alive (its lease holds) or lost, when it last
+reported, VMs running/total, exposures active/total and errors. --node N prints that
+node's full status as brokkr status does; -o json prints the documents.`,
+		Example: `  brokkr fleet status
+  brokkr fleet status --node host-1 -o json`,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := checkOutput(out); err != nil {
@@ -250,6 +274,10 @@ func fleetRmCmd(f *etcdFlags) *cobra.Command {
 	c := &cobra.Command{
 		Use:   "rm --node N",
 		Short: "Remove a node's desired document and status (the node keeps what it runs)",
+		Long: `rm deletes a node's desired document and its status from etcd. The node keeps running
+what it last applied and reports that it has no desired document; to remove VMs or
+exposures, apply a document without them first.`,
+		Example: `  brokkr fleet rm --node host-1`,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if node == "" {
