@@ -19,7 +19,7 @@ func (p *Plane) ensureNatPath(n Network) {
 	if p.natReason != "" && p.nat == nil {
 		return // decided once per process: the table's mode follows it
 	}
-	br, err := p.links.Handle().LinkByName(n.Bridge)
+	br, err := nlsafe.LinkByName(p.links.Handle(), n.Bridge)
 	if err != nil {
 		p.noNatPath(fmt.Sprintf("bridge %s: %v", n.Bridge, err))
 		return

@@ -76,6 +76,15 @@ exposures:
 	h1.stop()
 	require.NoError(t, h1.echo(7000), "the guest serves with the daemon down")
 	h1.start()
+	// The restarted daemon's own status, not the fleet row: etcd may still
+	// hold the report the previous process wrote.
+	waitFor(t, time.Minute, "h1 running its VM after the restart", func() (bool, string) {
+		st := h1.status()
+		if len(st.VMs) != 1 {
+			return false, fmt.Sprint(st.VMs)
+		}
+		return st.VMs[0].Phase == "running" && st.VMs[0].PID != 0, fmt.Sprintf("%+v", st.VMs[0])
+	})
 	waitFor(t, time.Minute, "h1 converged after the restart", running)
 	after := h1.status().VMs[0]
 	assert.Equal(t, before.PID, after.PID, "adopted, not respawned")
