@@ -60,8 +60,10 @@ test: deps vet check-generate guest-image
 	@scripts/clean-ns.sh
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./... ; rc=$$?; scripts/clean-ns.sh; exit $$rc
 
+# The fast lane: pure logic only (no namespaces, no BPF, no QEMU): tests that
+# need root skip themselves (internal/nstest.Privileged).
 test-unit:
-	$(GO) test -race -count=1 -short ./...
+	BROKKR_TEST_UNPRIVILEGED=1 $(GO) test -count=1 -short ./...
 
 fuzz:
 	@for t in $$(grep -rl '^func Fuzz' --include='*_test.go' . | xargs -n1 dirname | sort -u); do \

@@ -42,7 +42,7 @@ var (
 
 func TestMain(m *testing.M) {
 	flag.Parse()
-	if os.Geteuid() != 0 || testing.Short() {
+	if !nstest.Privileged() || testing.Short() {
 		os.Exit(m.Run()) // the tests skip themselves
 	}
 	if name := os.Getenv(innerEnv); name != "" {

@@ -23,11 +23,18 @@ type NS struct {
 	Path string
 }
 
+// Privileged reports whether tests may use root: as root, and unless
+// BROKKR_TEST_UNPRIVILEGED is set (the fast lane, make test-unit, runs the
+// pure tests alone).
+func Privileged() bool {
+	return os.Geteuid() == 0 && os.Getenv("BROKKR_TEST_UNPRIVILEGED") == ""
+}
+
 // PrivateBPFFS mounts a bpffs of the test's own on a temp dir (unmounted at
 // cleanup), so pins never touch the host's /sys/fs/bpf. Skips without root.
 func PrivateBPFFS(t testing.TB) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
+	if !Privileged() {
 		t.Skip("needs root: mounts a bpffs and creates BPF maps")
 	}
 	dir := t.TempDir()
@@ -41,7 +48,7 @@ func PrivateBPFFS(t testing.TB) string {
 // RequireRoot skips the test when not running as root.
 func RequireRoot(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
+	if !Privileged() {
 		t.Skip("needs root: creates network namespaces")
 	}
 }

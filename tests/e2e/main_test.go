@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/brokkr/brokkr/internal/nstest"
 	"go.uber.org/goleak"
 )
 
@@ -18,7 +19,7 @@ import (
 var bin string
 
 func TestMain(m *testing.M) {
-	if os.Geteuid() != 0 {
+	if !nstest.Privileged() {
 		goleak.VerifyTestMain(m) // every test skips without root
 	}
 	dir, err := os.MkdirTemp("", "brk-e2e-bin-")
