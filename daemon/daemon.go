@@ -443,14 +443,10 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	errs := d.net.Validate(netDesired(next))
 	d.netMu.Unlock()
 	if len(errs) > 0 {
-		var ce config.Errors
+		// netplane's errors name their field in their text.
+		ce := make(config.Errors, 0, len(errs))
 		for _, e := range errs {
-			var fe config.FieldError
-			if errors.As(e, &fe) {
-				ce = append(ce, fe)
-			} else {
-				ce = append(ce, config.FieldError{Msg: e.Error()})
-			}
+			ce = append(ce, config.FieldError{Msg: e.Error()})
 		}
 		return api.Plan{}, ce
 	}

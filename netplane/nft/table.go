@@ -209,12 +209,9 @@ func (t *Table) tables() (*nftables.Table, *nftables.Table) {
 // that fails, one batch that replaces both tables. Nothing is applied when r
 // is invalid.
 func (t *Table) Converge(r Rules) (Result, error) {
-	tm := newTimer()
-	defer tm.print()
 	if errs := r.Validate(); len(errs) > 0 {
 		return Result{}, validationError(errs)
 	}
-	tm.mark("validate")
 	t.mu.Lock()
 	defer t.mu.Unlock()
 
@@ -234,12 +231,10 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	for _, e := range r.Exposures {
 		keys[e.Name] = unitKey{e, ids[e.Name], r.KernelCap}
 	}
-	tm.mark("ids")
 	dGlobal, dBridge := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: r.Masquerade,
 		IsolateGuests: r.IsolateGuests, DHCP: r.DHCP, DNS: r.DNS, Guests: r.Guests, overflowPort: t.overflowPort(),
 		KernelCap: r.KernelCap}, nil)
 	globalFP := fpString(fingerprints(dGlobal))
-	tm.mark("global")
 	var dInet *tableSpec             // the whole inet table, assembled only when needed
 	built := map[string]*tableSpec{} // units built for it, kept for t.units
 	whole := func() *tableSpec {
@@ -265,7 +260,6 @@ func (t *Table) Converge(r Rules) (Result, error) {
 			}
 		}
 		sort.Strings(res.Changed)
-		tm.mark("plan(fast)")
 	} else {
 		oInet, err := t.observe(whole())
 		if err != nil {
@@ -275,7 +269,6 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		if err != nil {
 			return Result{}, err
 		}
-		tm.mark("observe")
 		pInet, pBridge = makePlan(whole(), oInet), makePlan(dBridge, oBridge)
 		var prevFP, curFP map[string]string
 		if t.applied {
@@ -293,7 +286,6 @@ func (t *Table) Converge(r Rules) (Result, error) {
 		res.Repaired, res.Changed = split(pInet, prevFP, curFP)
 		rb, cb := split(pBridge, prevFP, curFP)
 		res.Repaired, res.Changed = append(res.Repaired, rb...), append(res.Changed, cb...)
-		tm.mark("plan")
 	}
 
 	if !pInet.empty() || !pBridge.empty() {
@@ -316,7 +308,6 @@ func (t *Table) Converge(r Rules) (Result, error) {
 			}
 		}
 	}
-	tm.mark("apply")
 	t.ownCommits = 0
 	if g, err := genID(t.raw); err == nil {
 		t.gen, t.genValid = g, true
@@ -327,7 +318,6 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	// Conntrack: flows of a created, changed or deleted exposure must not
 	// keep going where they went before.
 	res.Flushed = t.flushChanged(pInet, res.Changed, keys)
-	tm.mark("conntrack")
 
 	// Remember what is applied: units are rebuilt only when their inputs
 	// change.
@@ -372,7 +362,6 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	if t.ov != nil {
 		t.ov.forget(keys)
 	}
-	tm.mark("remember")
 	if !t.acctOn && !r.KernelCap {
 		// Bytes per direction come from conntrack accounting, which is per
 		// namespace and exists once nf_conntrack is loaded (by our nat
@@ -913,21 +902,4 @@ func (t *Table) Delete() error {
 // (/proc/sys/net follows the thread's network namespace).
 func (t *Table) setSysctl(path, value string) error {
 	return t.inNS(func() error { return os.WriteFile(path, []byte(value), 0o644) })
-}
-
-// timer prints where a Converge spends its time when NFT_TIMING is set
-// (used by tests/bench/nat.sh investigations).
-type timer struct {
-	t0    time.Time
-	marks []string
-}
-
-func newTimer() *timer { return &timer{t0: time.Now()} }
-func (t *timer) mark(s string) {
-	t.marks = append(t.marks, fmt.Sprintf("%s=%v", s, time.Since(t.t0).Round(time.Microsecond)))
-}
-func (t *timer) print() {
-	if os.Getenv("NFT_TIMING") != "" {
-		fmt.Fprintln(os.Stderr, t.marks)
-	}
 }
