@@ -41,7 +41,7 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-go build -o "$work/" ./cmd/brokkrd ./tests/bench/connrate ./tests/bench/ctfill
+go build -o "$work/" ./cmd/brokkrd ./tests/bench/connrate ./tests/bench/ctfill ./tests/bench/bpfcost
 DP=.cache/docker-proxy/usr/sbin/docker-proxy
 if [ ! -x "$DP" ]; then
   (cd "$work" && { apt-get download docker.io 2>/dev/null || { apt-get update -qq && apt-get download docker.io; }; } && dpkg -x docker.io_*.deb dx)
@@ -187,6 +187,21 @@ for r in $(seq "$ROUNDS"); do
     lat=$(inhost_cg "$work/connrate" -rate "${LRATE[$path]}" -c 1 -d "${SECS}s")
     echo "round=$r local path=$path rate: $rate | brokkrd CPU per conn: ${cpu}us | 1 connector: $lat"
   done
+done
+
+# What the programs cost per run, under the short-connection load of each
+# kernel path (the kernel's run-time statistics, on only while bpfcost runs).
+for path in nat-capped socket; do
+  "$work/bpfcost" -d "$((SECS + 1))s" >"$work/bpfcost.txt" & bp=$!
+  sleep 0.5
+  if [ "$path" = socket ]; then
+    load=$(inhost_cg "$work/connrate" -rate "${LRATE[socket]}" -c 8 -d "${SECS}s")
+  else
+    load=$(inns $CL "$work/connrate" -rate "${RATE[nat-capped]}" -c 8 -d "${SECS}s")
+  fi
+  wait $bp
+  echo "bpf cost under $path load ($load):"
+  sed 's/^/  /' "$work/bpfcost.txt"
 done
 
 # A netplane pass with 0 and 200,000 unrelated conntrack entries: the mean of
