@@ -93,7 +93,9 @@ fleet:
   endpoints: [http://10.77.$k.1:2379, http://10.77.$k.1:2380, http://10.77.$k.1:2381]
   node: $n
 YAML
-  in_ns "brk-fdemo-$n" "$bin/brokkrd" --config "$d/brokkr.yaml" >"$d/brokkrd.log" 2>&1 &
+  # No socket path here: its cgroup programs would attach at the host's
+  # root cgroup, and the fleet demo's callers are all outside.
+  BROKKR_CGROUP=off in_ns "brk-fdemo-$n" "$bin/brokkrd" --config "$d/brokkr.yaml" >"$d/brokkrd.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do [ -S "$d/run/brokkr.sock" ] && break; sleep 0.1; done
   echo "node $n: brokkrd in brk-fdemo-$n, config $d/brokkr.yaml"
