@@ -138,19 +138,28 @@ ticks() {
   awk '{print $14+$15}' /proc/"$1"/stat
 }
 hz=$(getconf CLK_TCK)
+# rec ROUND PATH METRIC VALUE: one figure, for the summary at the end.
+rec() { echo "$1 $2 $3 $4" >>"$work/results.txt"; }
+# rotate R WORDS...: the words rotated by R, so each round measures the
+# paths in another order (no path always comes after the others' load).
+rotate() { local r=$1; shift; local a=("$@") n=$#; for ((i = 0; i < n; i++)); do echo "${a[$(((i + r) % n))]}"; done; }
 
 echo "# $(date -u +%FT%TZ) kernel $(uname -r), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); rounds=$ROUNDS, ${SECS}s rate runs, ${DUR}s iperf3"
 for r in $(seq "$ROUNDS"); do
-  for path in direct plain-nft nat-capped docker-proxy; do
-    echo "round=$r path=$path iperf3 P1=$(gbps "${IPERF[$path]}" 1) P8=$(gbps "${IPERF[$path]}" 8)"
+  for path in $(rotate "$r" direct plain-nft nat-capped docker-proxy); do
+    p1=$(gbps "${IPERF[$path]}" 1); p8=$(gbps "${IPERF[$path]}" 8)
+    rec "$r" "$path" p1 "$p1"; rec "$r" "$path" p8 "$p8"
+    echo "round=$r path=$path iperf3 P1=$p1 P8=$p8"
   done
-  for path in direct plain-nft nat-capped nat-uncapped docker-proxy; do
+  for path in $(rotate "$r" direct plain-nft nat-capped nat-uncapped docker-proxy); do
     t0=$(ticks "$daemon")
     rate=$(inns $CL "$work/connrate" -rate "${RATE[$path]}" -c 8 -d "${SECS}s")
     t1=$(ticks "$daemon")
     n=$(echo "$rate" | sed -E 's/.*\(([0-9]+) ok.*/\1/')
     cpu=$(awk -v d=$((t1 - t0)) -v hz="$hz" -v n="$n" 'BEGIN { if (n > 0) printf "%.2f", d / hz * 1e6 / n; else print "nan" }')
     lat=$(inns $CL "$work/connrate" -rate "${RATE[$path]}" -c 1 -d "${SECS}s")
+    rec "$r" "$path" rate "$(echo "$rate" | awk '{print $1}')"; rec "$r" "$path" cpu "$cpu"
+    rec "$r" "$path" p50 "$(echo "$lat" | sed -E 's/.*p50=([0-9]+)us.*/\1/')"; rec "$r" "$path" p99 "$(echo "$lat" | sed -E 's/.*p99=([0-9]+)us.*/\1/')"
     echo "round=$r path=$path rate: $rate | brokkrd CPU per conn: ${cpu}us | 1 connector: $lat"
   done
   # docker-proxy in the same namespace, brokkrd stopped then running.
@@ -158,6 +167,7 @@ for r in $(seq "$ROUNDS"); do
   off=$(inns $CL "$work/connrate" -rate "${RATE[docker-proxy]}" -c 8 -d "${SECS}s")
   start_daemon
   on=$(inns $CL "$work/connrate" -rate "${RATE[docker-proxy]}" -c 8 -d "${SECS}s")
+  rec "$r" dp-stopped rate "$(echo "$off" | awk '{print $1}')"; rec "$r" dp-running rate "$(echo "$on" | awk '{print $1}')"
   echo "round=$r docker-proxy with brokkrd stopped: $off | running: $on"
 done
 
@@ -175,16 +185,20 @@ lgbps() {
   echo nan
 }
 for r in $(seq "$ROUNDS"); do
-  for path in local-direct socket brokkr-proxy local-docker; do
-    echo "round=$r local path=$path iperf3 P1=$(lgbps "${LIPERF[$path]}" 1) P8=$(lgbps "${LIPERF[$path]}" 8)"
+  for path in $(rotate "$r" local-direct socket brokkr-proxy local-docker); do
+    p1=$(lgbps "${LIPERF[$path]}" 1); p8=$(lgbps "${LIPERF[$path]}" 8)
+    rec "$r" "$path" p1 "$p1"; rec "$r" "$path" p8 "$p8"
+    echo "round=$r local path=$path iperf3 P1=$p1 P8=$p8"
   done
-  for path in local-direct socket brokkr-proxy local-docker; do
+  for path in $(rotate "$r" local-direct socket brokkr-proxy local-docker); do
     t0=$(ticks "$daemon")
     rate=$(inhost_cg "$work/connrate" -rate "${LRATE[$path]}" -c 8 -d "${SECS}s")
     t1=$(ticks "$daemon")
     n=$(echo "$rate" | sed -E 's/.*\(([0-9]+) ok.*/\1/')
     cpu=$(awk -v d=$((t1 - t0)) -v hz="$hz" -v n="$n" 'BEGIN { if (n > 0) printf "%.2f", d / hz * 1e6 / n; else print "nan" }')
     lat=$(inhost_cg "$work/connrate" -rate "${LRATE[$path]}" -c 1 -d "${SECS}s")
+    rec "$r" "$path" rate "$(echo "$rate" | awk '{print $1}')"; rec "$r" "$path" cpu "$cpu"
+    rec "$r" "$path" p50 "$(echo "$lat" | sed -E 's/.*p50=([0-9]+)us.*/\1/')"; rec "$r" "$path" p99 "$(echo "$lat" | sed -E 's/.*p99=([0-9]+)us.*/\1/')"
     echo "round=$r local path=$path rate: $rate | brokkrd CPU per conn: ${cpu}us | 1 connector: $lat"
   done
 done
@@ -221,3 +235,26 @@ echo "netplane pass: 0 unrelated entries $p0 | ${CT_ENTRIES:-200000} unrelated e
 rate=$(inns $CL "$work/connrate" -rate "${RATE[nat-capped]}" -c 8 -d "${SECS}s")
 echo "nat-capped with ${CT_ENTRIES:-200000} unrelated entries: $rate"
 echo "brokkrd's warnings and errors:"; grep -i '"level":"\(WARN\|ERROR\)"\|level=\(WARN\|ERROR\)' "$work/brokkrd.log" | cut -c1-300 || echo "(none)"
+
+# Summary: per path the median over rounds of each figure, and the median of
+# the per-round ratios to a baseline measured in the same round.
+echo
+echo "# summary (median over $ROUNDS rounds; ratios are medians of per-round ratios)"
+awk '
+  { v[$1, $2, $3] = $4; paths[$2] = 1; rounds[$1] = 1; metrics[$3] = 1 }
+  function median(a, n,   i, j, t) { for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 }
+  function med(p, m,   r, a, n) { n = 0; for (r in rounds) if ((r, p, m) in v && v[r, p, m] != "nan") a[++n] = v[r, p, m]; return n ? median(a, n) : "nan" }
+  function ratio(p, b, m,   r, a, n) { n = 0; for (r in rounds) if ((r, p, m) in v && (r, b, m) in v && v[r, b, m] > 0) a[++n] = v[r, p, m] / v[r, b, m]; return n ? sprintf("%.2f", median(a, n)) : "nan" }
+  END {
+    printf "%-13s %8s %8s %9s %8s %8s %9s | ratios\n", "path", "P1Gb/s", "P8Gb/s", "conns/s", "p50us", "p99us", "cpu/conn"
+    split("direct plain-nft nat-capped nat-uncapped docker-proxy", rem, " ")
+    for (i = 1; i <= 5; i++) { p = rem[i]; if (!(p in paths)) continue
+      printf "%-13s %8s %8s %9s %8s %8s %9s | vs plain-nft: P1 %s P8 %s conns %s p50 %s p99 %s; vs direct: conns %s\n", p, med(p, "p1"), med(p, "p8"), med(p, "rate"), med(p, "p50"), med(p, "p99"), med(p, "cpu"),
+        ratio(p, "plain-nft", "p1"), ratio(p, "plain-nft", "p8"), ratio(p, "plain-nft", "rate"), ratio(p, "plain-nft", "p50"), ratio(p, "plain-nft", "p99"), ratio(p, "direct", "rate") }
+    split("local-direct socket brokkr-proxy local-docker", loc, " ")
+    for (i = 1; i <= 4; i++) { p = loc[i]; if (!(p in paths)) continue
+      printf "%-13s %8s %8s %9s %8s %8s %9s | vs local-direct: P1 %s P8 %s conns %s p50 %s; vs docker-proxy: P1 %s P8 %s conns %s\n", p, med(p, "p1"), med(p, "p8"), med(p, "rate"), med(p, "p50"), med(p, "p99"), med(p, "cpu"),
+        ratio(p, "local-direct", "p1"), ratio(p, "local-direct", "p8"), ratio(p, "local-direct", "rate"), ratio(p, "local-direct", "p50"), ratio(p, "local-docker", "p1"), ratio(p, "local-docker", "p8"), ratio(p, "local-docker", "rate") }
+    printf "docker-proxy with brokkrd running / stopped: conns %s\n", ratio("dp-running", "dp-stopped", "rate")
+  }' "$work/results.txt"
