@@ -103,7 +103,7 @@ overwrite each other: a lost race is an error naming the revision that moved.
 --dry-run prints the +/~/- plan against each node's current desired state and writes nothing.`,
 		Example: `  brokkr fleet apply --node host-1 -f host-1.yaml --dry-run
   brokkr fleet apply -f fleet.yaml`,
-		Args:  cobra.NoArgs,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			b, err := readConfigFile(file)
 			if err != nil {
@@ -175,7 +175,7 @@ reported, VMs running/total, exposures active/total and errors. --node N prints 
 node's full status as brokkr status does; -o json prints the documents.`,
 		Example: `  brokkr fleet status
   brokkr fleet status --node host-1 -o json`,
-		Args:  cobra.NoArgs,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := checkOutput(out); err != nil {
 				return err
@@ -278,7 +278,7 @@ func fleetRmCmd(f *etcdFlags) *cobra.Command {
 what it last applied and reports that it has no desired document; to remove VMs or
 exposures, apply a document without them first.`,
 		Example: `  brokkr fleet rm --node host-1`,
-		Args:  cobra.NoArgs,
+		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if node == "" {
 				return userf("--node N is required")
