@@ -49,6 +49,10 @@ type Options struct {
 	// why it is not (shown in status, the proxies serve them instead).
 	SocketPath       SocketPath
 	SocketPathReason string
+	// KeptProxyActive counts, per exposure, the proxied connections this
+	// process took over from the previous one (a hand-over): their places
+	// stay in the slots' proxy share instead of being reset at start.
+	KeptProxyActive map[string]uint64
 }
 
 // Daemon is one running brokkrd.
@@ -140,7 +144,7 @@ func New(opts Options) (*Daemon, error) {
 	if d.store != nil {
 		// Connections the previous process proxied died with it; the kernel
 		// path re-adds what conntrack still holds.
-		d.store.ResetActive()
+		d.store.ResetActiveExcept(opts.KeptProxyActive)
 	}
 	d.status = d.mergeStatus(d.desired, supervisor.Report{}, netplane.Report{}, nil, nil)
 	return d, nil
