@@ -146,7 +146,10 @@ func serve(o options, stderr io.Writer) int {
 			go func() { sys.d.Run(lctx); close(done) }()
 			t := time.NewTicker(time.Second)
 			defer t.Stop()
-			first := sys.d.FirstPass()
+			// Inherited listeners no exposure claimed are let go only after a
+			// while: a pass that skipped the proxy must not close a socket
+			// the next pass would have bound.
+			first := time.After(10 * time.Second)
 			for {
 				select {
 				case <-done:
