@@ -6,7 +6,7 @@ GO ?= go
 BIN := bin
 TEST_TIMEOUT ?= 45m
 
-.PHONY: all build deps test test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet
+.PHONY: all build deps test restart-soak test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet
 
 all: build
 
@@ -59,6 +59,11 @@ clean-ns:
 test: deps vet check-generate guest-image
 	@scripts/clean-ns.sh
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./... ; rc=$$?; scripts/clean-ns.sh; exit $$rc
+
+# The restart/upgrade/crash soak (tests/restart, about 30 s on 2 cores): not
+# in `make test`. RESTARTS, UPGRADES, KILLS override 20, 5, 5.
+restart-soak: build
+	BROKKR_SOAK=1 $(GO) test -count=1 -v -timeout 10m ./tests/restart/
 
 # The fast lane: pure logic only (no namespaces, no BPF, no QEMU): tests that
 # need root skip themselves (internal/nstest.Privileged).

@@ -340,12 +340,22 @@ func (s *Store) Lookup(name string) (Counters, bool) {
 // calls it once at start: the connections the previous process proxied died
 // with it, while the kernel paths' connections live on and keep their
 // places (the kernel maintains that share itself).
-func (s *Store) ResetActive() {
+func (s *Store) ResetActive() { s.ResetActiveExcept(nil) }
+
+// ResetActiveExcept is ResetActive for a process that took connections over
+// from the previous one (a hand-over): keep[name] of the proxy's places are
+// still held, by connections this process now carries and will close.
+func (s *Store) ResetActiveExcept(keep map[string]uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, i := range s.byName {
-		p := s.limit64(i, offProxyActive).Swap(0)
-		s.word(i, offActive).Add(-p)
+	for name, i := range s.byName {
+		k := keep[name]
+		p := s.limit64(i, offProxyActive).Swap(k)
+		if p < k { // never: a place handed over was taken in this slot
+			k = p
+			s.limit64(i, offProxyActive).Store(p)
+		}
+		s.word(i, offActive).Add(-(p - k))
 	}
 }
 

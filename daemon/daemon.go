@@ -52,6 +52,10 @@ type Options struct {
 	// Source, when set, is where the desired state comes from (fleet mode);
 	// Run runs it, and a local apply is refused.
 	Source Source
+	// KeptProxyActive counts, per exposure, the proxied connections this
+	// process took over from the previous one (a hand-over): their places
+	// stay in the slots' proxy share instead of being reset at start.
+	KeptProxyActive map[string]uint64
 }
 
 // Daemon is one running brokkrd.
@@ -149,7 +153,7 @@ func New(opts Options) (*Daemon, error) {
 	if d.store != nil {
 		// Connections the previous process proxied died with it; the kernel
 		// path re-adds what conntrack still holds.
-		d.store.ResetActive()
+		d.store.ResetActiveExcept(opts.KeptProxyActive)
 	}
 	d.status = d.mergeStatus(d.desired, supervisor.Report{}, netplane.Report{}, nil, nil)
 	return d, nil

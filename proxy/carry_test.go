@@ -102,7 +102,7 @@ func TestWithoutPipesBytesStillFlowAndCount(t *testing.T) {
 	var in, out atomic.Int64
 	done := make(chan struct{})
 	go func() {
-		splice(client, guest, func(n int64) { in.Add(n) }, func(n int64) { out.Add(n) })
+		(&Manager{}).runPair(&pair{client: client, guest: guest}, func(n int64) { in.Add(n) }, func(n int64) { out.Add(n) })
 		close(done)
 	}()
 	_, err := caller.Write([]byte("hello"))

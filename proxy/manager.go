@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net"
+	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -56,6 +57,18 @@ type Manager struct {
 	carrierWG    sync.WaitGroup
 
 	logs logLimiter
+
+	// Hand-over state (handover.go). inherit and frozenMode are guarded by
+	// mu; freezing, pairs and frozenPairs by carriedMu.
+	inherit     map[string]*os.File
+	frozenMode  bool
+	freezing    bool
+	pairs       map[*pair]struct{}
+	frozenPairs []*pair
+	hold        chan struct{}
+	holdOnce    sync.Once
+	stopping    chan struct{} // closed when StopAll begins
+	stopOnce    sync.Once
 }
 
 // NewManager returns a Manager that finds guests through resolve and counts
@@ -63,7 +76,8 @@ type Manager struct {
 func NewManager(resolve Resolver, stats *bpf.Store, opts ...Option) *Manager {
 	m := &Manager{resolve: resolve, stats: stats, dialer: guestDialer(),
 		listenTCP: listenTCP, live: map[string]*exposure{}, carried: map[net.Conn]struct{}{},
-		carriers: make(chan carryJob), quitCarriers: make(chan struct{}), logs: newLogLimiter()}
+		carriers: make(chan carryJob), quitCarriers: make(chan struct{}), logs: newLogLimiter(),
+		inherit: map[string]*os.File{}, stopping: make(chan struct{})}
 	for _, o := range opts {
 		o(m)
 	}
@@ -94,6 +108,7 @@ func (m *Manager) CountersReason() string { return m.stats.Reason() }
 type exposure struct {
 	id        string
 	key       string // listenKey of the spec the socket was bound for
+	name      string // listenerName of a bound TCP socket
 	ln        net.Listener
 	udp       *udpRelay
 	stop      chan struct{} // closed when the current socket is closed on purpose
@@ -127,7 +142,7 @@ func (ex *exposure) closeSocket() {
 		ex.udp.close()
 		ex.udp = nil
 	}
-	ex.boundAddr = ""
+	ex.boundAddr, ex.name = "", ""
 }
 
 // counterRef holds an exposure's slot for as long as the exposure or any
@@ -158,6 +173,9 @@ func (m *Manager) Converge(desired []Spec) []Status {
 
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if m.frozenMode {
+		return nil // frozen for a hand-over: nothing is bound or unbound
+	}
 
 	wanted := make(map[string]bool, len(desired))
 	for i, s := range desired {
@@ -268,11 +286,15 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 	stop := make(chan struct{})
 	switch c.Protocol {
 	case "tcp":
-		ln, err := m.listenTCP(c)
-		if err != nil {
-			return err
+		name := listenerName(c.ID, c.listenKey())
+		ln, ok := m.inherited(name)
+		if !ok {
+			var err error
+			if ln, err = m.listenTCP(c); err != nil {
+				return err
+			}
 		}
-		ex.ln, ex.stop, ex.boundAddr = ln, stop, ln.Addr().String()
+		ex.ln, ex.stop, ex.boundAddr, ex.name = ln, stop, ln.Addr().String(), name
 		m.loops.Add(1)
 		go func() {
 			defer m.loops.Done()
@@ -300,6 +322,7 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 // It returns once no goroutine of the Manager is left, so the store can be
 // closed right after. A stopped Manager carries nothing more.
 func (m *Manager) StopAll() {
+	m.stopOnce.Do(func() { close(m.stopping) })
 	m.carriedMu.Lock()
 	m.stopped = true
 	for c := range m.carried {
@@ -312,6 +335,10 @@ func (m *Manager) StopAll() {
 		ex.closeSocket()
 		delete(m.live, id)
 		ex.ctr.release()
+	}
+	for name, f := range m.inherit {
+		f.Close()
+		delete(m.inherit, name)
 	}
 	m.mu.Unlock()
 	m.loops.Wait()

@@ -5,6 +5,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"strconv"
 	"sync/atomic"
 	"syscall"
@@ -29,6 +30,13 @@ const (
 // converge to rebind.
 func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, vm string, guestPort int) {
 	target := strconv.Itoa(guestPort)
+	var hostPort uint16
+	if a, ok := ln.Addr().(*net.TCPAddr); ok {
+		hostPort = uint16(a.Port)
+	}
+	if !m.held(stop) {
+		return
+	}
 	var pause time.Duration
 	for {
 		c, err := ln.Accept()
@@ -66,7 +74,7 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, vm
 			m.setReason(ex, ln, "")
 			m.logs.event(slog.LevelInfo, ex.id, evRecover, "proxy: accepting again after a descriptor shortage")
 		}
-		m.admit(ex, c, vm, target)
+		m.admit(ex, c, vm, target, hostPort)
 	}
 }
 
@@ -95,7 +103,7 @@ func outOfDescriptors(err error) bool {
 // admit applies the cap. The count is taken before the decision and given
 // back on refusal, so a burst of simultaneous callers cannot all read a stale
 // count and all pass.
-func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string) {
+func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string, hostPort uint16) {
 	// The place is taken in the exposure's slot, against the one cap every
 	// path of the exposure shares (the kernel's and the other listeners').
 	if !ex.ctr.slot.Reserve() {
@@ -112,7 +120,7 @@ func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string) {
 		return
 	}
 	ex.ctr.acquire()
-	job := carryJob{ex: ex, c: c, vm: vm, guestPort: guestPort}
+	job := carryJob{ex: ex, c: c, vm: vm, guestPort: guestPort, hostPort: hostPort}
 	select {
 	case m.carriers <- job: // a parked carrier takes it
 	default:
@@ -130,6 +138,7 @@ type carryJob struct {
 	c         net.Conn
 	vm        string
 	guestPort string
+	hostPort  uint16
 }
 
 // carrier carries one connection, then parks for the next instead of
@@ -144,7 +153,7 @@ func (m *Manager) carrier(job carryJob) {
 		// Called straight from this loop, not through a helper with defers:
 		// that one more frame under every held connection cost 1.3 kB per
 		// held idle connection (measured; the cause not pinned down).
-		m.carry(job.ex, job.c, job.vm, job.guestPort)
+		m.carry(job.ex, job.c, job.vm, job.guestPort, job.hostPort)
 		job.ex.conns.Add(-1)
 		job.ex.ctr.release()
 		m.untrack(job.c)
@@ -164,40 +173,93 @@ func (m *Manager) carrier(job carryJob) {
 
 // carry dials the guest and, only once that worked, counts the connection
 // and splices it. A caller the proxy cannot carry (no guest address yet, a
-// guest that does not answer) is reset at once and counted as dropped.
-func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string) {
+// guest that does not answer) is reset at once and counted as dropped. A
+// connection frozen for a hand-over keeps its place under the cap: the next
+// process takes it over (see handover.go), so Closed is not called here.
+func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string, hostPort uint16) {
 	slot := ex.ctr.slot
-	defer slot.Closed() // the place admit reserved
 	client, ok := c.(*net.TCPConn)
 	addr := m.resolve(vm)
 	if !ok || addr == "" {
 		slot.AddDropped(1)
+		slot.Closed()
 		reset(c)
 		return
 	}
 	g, err := m.dialer.Dial("tcp", net.JoinHostPort(addr, guestPort))
 	if err != nil {
 		slot.AddDropped(1)
+		slot.Closed()
 		reset(c)
 		return
 	}
 	guest := g.(*net.TCPConn)
 	slot.AddAccepted(1)
-	splice(client, guest, func(n int64) { slot.AddBytes(uint64(n), 0) }, func(n int64) { slot.AddBytes(0, uint64(n)) })
+	p := &pair{client: client, guest: guest, id: ex.id, hostPort: hostPort}
+	if !m.runPair(p, func(n int64) { slot.AddBytes(uint64(n), 0) }, func(n int64) { slot.AddBytes(0, uint64(n)) }) {
+		slot.Closed()
+	}
 }
 
-// splice carries both directions until both ended, then closes both ends.
-func splice(client, guest *net.TCPConn, in, out func(int64)) {
+// pair is one carried connection: the caller's socket, the guest's, and
+// what a freeze for a hand-over left of each direction.
+type pair struct {
+	client, guest *net.TCPConn
+	id            string // "" for a connection Carry took from the network plane
+	hostPort      uint16
+	frozen        atomic.Bool
+	// Index 0 is caller to guest (bytes_in), 1 guest to caller (bytes_out).
+	pending [2][]byte // read from the source, not yet written to the destination
+	done    [2]bool   // the direction reached EOF and was shut down
+}
+
+// freeze stops both directions at their next wait: a deadline in the past
+// wakes a goroutine parked in the poller without touching the sockets.
+func (p *pair) freeze() {
+	p.frozen.Store(true)
+	past := time.Unix(1, 0)
+	_ = p.client.SetDeadline(past)
+	_ = p.guest.SetDeadline(past)
+}
+
+type halfEnd int
+
+const (
+	halfEOF halfEnd = iota
+	halfError
+	halfFrozen
+)
+
+// runPair carries both directions until both ended, then closes both ends.
+// It reports true when the pair was frozen for a hand-over instead: then
+// both sockets are left open and the pair is kept for Freeze to collect.
+func (m *Manager) runPair(p *pair, in, out func(int64)) (frozen bool) {
+	if !m.register(p) {
+		m.keepFrozen(p)
+		return true
+	}
 	var ended atomic.Int32
+	for _, d := range p.done {
+		if d {
+			ended.Add(1)
+		}
+	}
+	var res [2]halfEnd
 	errc := make(chan struct{})
 	go func() {
-		copyHalf(guest, client, in, &ended)
+		res[0] = copyHalf(p, 0, p.guest, p.client, in, &ended)
 		close(errc)
 	}()
-	copyHalf(client, guest, out, &ended)
+	res[1] = copyHalf(p, 1, p.client, p.guest, out, &ended)
 	<-errc
-	client.Close()
-	guest.Close()
+	m.unregister(p)
+	if res[0] != halfError && res[1] != halfError && (res[0] == halfFrozen || res[1] == halfFrozen) {
+		m.keepFrozen(p)
+		return true
+	}
+	p.client.Close()
+	p.guest.Close()
+	return false
 }
 
 // Carry splices a connection that the network plane admitted on its cap's
@@ -214,14 +276,16 @@ func (m *Manager) Carry(exposure string, client, guest *net.TCPConn) {
 	}
 	go func() {
 		defer m.untrack(client)
-		splice(client, guest, func(int64) {}, func(int64) {})
+		m.runPair(&pair{client: client, guest: guest}, func(int64) {}, func(int64) {})
 	}()
 }
 
 // copyHalf moves one direction until the source says EOF, then half-closes
 // the destination so the other side sees the end while the reverse direction
 // keeps flowing. Any other error (a reset, a write to a closed peer) ends the
-// whole connection, which is what unblocks the other direction.
+// whole connection, which is what unblocks the other direction. A freeze
+// (p.frozen, then a deadline error) ends it with both sockets open and what
+// sat in the pipe saved in p.pending[dir].
 //
 // The bytes go socket -> pipe -> socket with splice(2), never through user
 // memory (TestCarriedBytesGoThroughSplice). The proxy drives splice itself
@@ -237,18 +301,43 @@ func (m *Manager) Carry(exposure string, client, guest *net.TCPConn) {
 // ended counts the directions that reached EOF. The second one skips the
 // shutdown: splice closes both sockets as soon as it returns, and a close
 // with nothing left unread sends the same FIN.
-func copyHalf(dst, src *net.TCPConn, count func(int64), ended *atomic.Int32) {
+func copyHalf(pr *pair, dir int, dst, src *net.TCPConn, count func(int64), ended *atomic.Int32) (res halfEnd) {
+	if pr.done[dir] {
+		return halfEOF
+	}
 	var err error
+	var p *pipe
 	defer func() {
-		if err == nil {
+		switch {
+		case err == nil:
+			pr.done[dir] = true
 			if ended.Add(1) < 2 {
 				_ = dst.CloseWrite()
 			}
+			res = halfEOF
+		case pr.frozen.Load() && errors.Is(err, os.ErrDeadlineExceeded):
+			if p != nil && p.queued > 0 {
+				pr.pending[dir] = append(pr.pending[dir], drainPipe(p)...)
+			}
+			res = halfFrozen
+		default:
+			src.Close()
+			dst.Close()
+			res = halfError
+		}
+		putPipe(p)
+	}()
+	// Bytes a previous process had read but not written go first.
+	for len(pr.pending[dir]) > 0 {
+		var n int
+		n, err = dst.Write(pr.pending[dir])
+		pr.pending[dir] = pr.pending[dir][n:]
+		count(int64(n))
+		if err != nil {
 			return
 		}
-		src.Close()
-		dst.Close()
-	}()
+	}
+	pr.pending[dir] = nil
 	srcRC, err := src.SyscallConn()
 	if err != nil {
 		return
@@ -257,13 +346,11 @@ func copyHalf(dst, src *net.TCPConn, count func(int64), ended *atomic.Int32) {
 	if err != nil {
 		return
 	}
-	var p *pipe
-	defer func() { putPipe(p) }()
 	for {
 		var n int
 		if n, err = spliceIn(srcRC, &p); err != nil {
 			if errors.Is(err, errNoPipe) { // out of descriptors: copy through memory
-				err = copyThroughMemory(dst, src, count)
+				err = copyThroughMemory(pr, dir, dst, src, count)
 			}
 			return
 		}
@@ -275,6 +362,25 @@ func copyHalf(dst, src *net.TCPConn, count func(int64), ended *atomic.Int32) {
 		}
 		count(int64(n))
 	}
+}
+
+// drainPipe reads what a frozen direction left in its pipe, so the bytes
+// travel to the next process with the sockets and are written there first.
+func drainPipe(p *pipe) []byte {
+	buf := make([]byte, p.queued)
+	got := 0
+	for got < len(buf) {
+		n, err := unix.Read(p.r, buf[got:])
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil || n <= 0 {
+			break
+		}
+		got += n
+	}
+	p.queued -= got
+	return buf[:got]
 }
 
 // errNoPipe: a pipe could not be made (out of descriptors, typically).
@@ -347,16 +453,19 @@ func spliceOut(rc syscall.RawConn, p *pipe) error {
 }
 
 // copyThroughMemory is the fallback when no pipe can be made: one read and
-// one write at a time, through a small buffer.
-func copyThroughMemory(dst, src *net.TCPConn, count func(int64)) error {
+// one write at a time, through a small buffer. A freeze mid-write keeps the
+// unwritten rest in pr.pending[dir].
+func copyThroughMemory(pr *pair, dir int, dst, src *net.TCPConn, count func(int64)) error {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
-			if _, werr := dst.Write(buf[:n]); werr != nil {
+			w, werr := dst.Write(buf[:n])
+			count(int64(w))
+			if werr != nil {
+				pr.pending[dir] = append(pr.pending[dir], buf[w:n]...)
 				return werr
 			}
-			count(int64(n))
 		}
 		if errors.Is(err, io.EOF) {
 			return nil

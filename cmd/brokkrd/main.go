@@ -37,6 +37,7 @@ type options struct {
 	check     bool
 	logFormat string
 	debug     bool
+	upgrade   bool
 }
 
 // exitError carries brokkrd's exit status out of cobra.
@@ -83,6 +84,9 @@ Exit status: 0 ok, 1 a bad config or bad flags, 2 a system error.`,
 			if o.logFormat != "text" && o.logFormat != "json" {
 				return fmt.Errorf("--log-format %q: want text or json", o.logFormat)
 			}
+			if o.upgrade {
+				return exitError{upgrade(o, withoutFlag(args, "upgrade"), cmd.OutOrStdout(), cmd.ErrOrStderr())}
+			}
 			if o.check {
 				return exitError{check(o.config, cmd.OutOrStdout(), cmd.ErrOrStderr())}
 			}
@@ -95,6 +99,7 @@ Exit status: 0 ok, 1 a bad config or bad flags, 2 a system error.`,
 	f.BoolVar(&o.check, "check", false, "validate the config and exit: 0 valid, 1 invalid (field-named errors on stderr)")
 	f.StringVar(&o.logFormat, "log-format", "text", "log lines as text or json (to stderr; the journal under systemd)")
 	f.BoolVar(&o.debug, "debug", false, "log debug messages")
+	f.BoolVar(&o.upgrade, "upgrade", false, "hand the running brokkrd (same runDir) over to this binary, started with the other flags given; exit 0 once it serves, 2 if it failed (the running one goes on serving)")
 	f.BoolVar(&logJSON, "log-json", false, "log JSON lines")
 	_ = f.MarkDeprecated("log-json", "use --log-format json")
 	cmd.SetArgs(legacyArgs(args))
@@ -118,7 +123,7 @@ Exit status: 0 ok, 1 a bad config or bad flags, 2 a system error.`,
 // -config as the shorthands -c -o -n ... and fail. Only the long names
 // brokkrd has are rewritten, and nothing after "--".
 func legacyArgs(args []string) []string {
-	known := map[string]bool{"config": true, "check": true, "log-format": true, "log-json": true, "debug": true, "version": true, "help": true}
+	known := map[string]bool{"upgrade": true, "config": true, "check": true, "log-format": true, "log-json": true, "debug": true, "version": true, "help": true}
 	out := make([]string, 0, len(args))
 	for i, a := range args {
 		if a == "--" {
@@ -127,6 +132,18 @@ func legacyArgs(args []string) []string {
 		name, _, _ := strings.Cut(strings.TrimPrefix(a, "-"), "=")
 		if strings.HasPrefix(a, "-") && !strings.HasPrefix(a, "--") && known[name] {
 			a = "-" + a
+		}
+		out = append(out, a)
+	}
+	return out
+}
+
+// withoutFlag drops a boolean flag (any spelling) from args.
+func withoutFlag(args []string, name string) []string {
+	out := make([]string, 0, len(args))
+	for _, a := range args {
+		if a == "-"+name || a == "--"+name || strings.HasPrefix(a, "--"+name+"=") || strings.HasPrefix(a, "-"+name+"=") {
+			continue
 		}
 		out = append(out, a)
 	}

@@ -10,11 +10,13 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 
 	"github.com/brokkr/brokkr/daemon"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/proxy"
 	"golang.org/x/sys/unix"
 )
 
@@ -56,14 +58,37 @@ func serve(o options, stderr io.Writer) int {
 		log.Info("config loaded", "file", path)
 	}
 
+	// A hand-over from a running brokkrd, or listeners systemd kept.
+	var h *inherited
+	if os.Getenv(handoverEnv) != "" {
+		if h, err = receiveHandover(); err != nil {
+			log.Error("starting", "err", err)
+			return 2
+		}
+		log.Info("taking over from the running brokkrd", "proxyListeners", h.listenerCount(), "proxyConnections", h.pairCount())
+		if os.Getenv("WATCHDOG_USEC") != "" {
+			// systemd named the old process; this one is the main PID now.
+			os.Setenv("WATCHDOG_PID", strconv.Itoa(os.Getpid()))
+		}
+	}
+	sdMain, sdV6 := fromSystemd()
+	if n := len(sdMain) + len(sdV6); n > 0 {
+		log.Info("proxy listeners kept by systemd's fd store", "count", n)
+	}
+
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	sys, err := open(ctx, cfg, log)
+	sys, err := open(ctx, cfg, log, h, sdMain, sdV6)
 	if err != nil {
 		log.Error("starting", "err", err)
 		return 2
 	}
-	defer sys.close()
+	handedOver := false
+	defer func() {
+		if !handedOver {
+			sys.close()
+		}
+	}()
 
 	if path != "" {
 		applied, plan, err := sys.d.StartWithFile(path, data, cfg)
@@ -83,53 +108,157 @@ func serve(o options, stderr io.Writer) int {
 		}
 	}
 
-	ln, err := daemon.Listen(cfg.RunDir)
-	if err != nil {
+	var ln, upLn, mln net.Listener
+	if h != nil {
+		ln, upLn, mln = h.api, h.upgrade, h.metrics
+	} else if ln, err = daemon.Listen(cfg.RunDir); err != nil {
 		log.Error("starting", "err", err)
 		return 2
 	}
+	if upLn == nil {
+		if upLn, err = listenUpgrade(cfg.RunDir); err != nil {
+			ln.Close()
+			log.Error("starting", "err", fmt.Errorf("upgrade socket: %w", err))
+			return 2
+		}
+	}
+	if l := cfg.Metrics.Listen; l != "" && mln == nil {
+		if mln, err = net.Listen("tcp", l); err != nil {
+			ln.Close()
+			upLn.Close()
+			log.Error("starting", "err", fmt.Errorf("metrics.listen: %w", err))
+			return 2
+		}
+	}
+
+	// The control loop, stoppable for a hand-over and restartable after a
+	// failed one. The fd store follows the listeners it binds.
+	store := newFDStore(log, sdMain, sdV6)
+	var loopCancel context.CancelFunc
+	var loopDone chan struct{}
+	startLoop := func() {
+		var lctx context.Context
+		lctx, loopCancel = context.WithCancel(ctx)
+		loopDone = make(chan struct{})
+		go func() {
+			defer close(loopDone)
+			done := make(chan struct{})
+			go func() { sys.d.Run(lctx); close(done) }()
+			t := time.NewTicker(time.Second)
+			defer t.Stop()
+			// Inherited listeners no exposure claimed are let go only after a
+			// while: a pass that skipped the proxy must not close a socket
+			// the next pass would have bound.
+			first := time.After(10 * time.Second)
+			for {
+				select {
+				case <-done:
+					return
+				case <-first:
+					first = nil
+					for _, m := range []*proxy.Manager{sys.pxMain, sys.pxV6} {
+						if m != nil {
+							for _, name := range m.DropUnclaimed() {
+								store.remove(name)
+							}
+						}
+					}
+					store.sync(sys.pxMain, sys.pxV6)
+				case <-t.C:
+					store.sync(sys.pxMain, sys.pxV6)
+				}
+			}
+		}()
+	}
+	stopLoop := func() { loopCancel(); <-loopDone }
+	startLoop()
+
+	if h != nil {
+		// Serve nothing until the old process gave up: converge once with
+		// the proxy held, then confirm.
+		select {
+		case <-sys.d.FirstPass():
+		case <-time.After(readyTimeout):
+			log.Error("hand-over: the first pass did not finish in time")
+			return 2
+		}
+		if err := h.confirm(); err != nil {
+			log.Error("hand-over aborted", "err", err)
+			stopLoop()
+			return 2
+		}
+		sys.pxMain.Resume()
+		if sys.pxV6 != nil {
+			sys.pxV6.Resume()
+		}
+		_ = sys.lock.Truncate(0)
+		_, _ = sys.lock.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+		log.Info("hand-over complete; serving")
+	}
+
 	sock := filepath.Join(cfg.RunDir, daemon.SocketName)
 	serveDone := make(chan error, 2)
 	go func() { serveDone <- sys.d.Serve(ctx, ln) }()
 	servers := 1
-	if l := cfg.Metrics.Listen; l != "" {
-		mln, err := net.Listen("tcp", l)
-		if err != nil {
-			ln.Close()
-			log.Error("starting", "err", fmt.Errorf("metrics.listen: %w", err))
-			cancel()
-			<-serveDone
-			return 2
-		}
+	if mln != nil {
 		servers++
 		go func() { serveDone <- sys.d.ServeMetrics(ctx, mln) }()
 		log.Info("metrics served over TCP", "listen", mln.Addr().String())
 	}
-	loopDone := make(chan struct{})
-	go func() { sys.d.Run(ctx); close(loopDone) }()
+	upgrades := make(chan upgradeReq)
+	upDone := make(chan struct{})
+	go func() { serveUpgrades(upLn, upgrades); close(upDone) }()
 	notifyDone := make(chan struct{})
 	go func() { notifySystemd(ctx, sys.d, log); close(notifyDone) }()
 	log.Info("brokkrd serving", "socket", sock, "stateDir", cfg.StateDir, "bpfDir", cfg.BPFDir,
 		"hypervisor", cfg.Hypervisor.Kind, "counters", sys.countersWhere())
 
+	self, _ := os.Executable()
 	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGUSR2)
 	defer signal.Stop(sigs)
 	code := 0
+	doUpgrade := func(r upgradeReq) upgradeReply {
+		log.Info("hand-over to a new process", "exe", r.Exe, "args", r.Args)
+		stopLoop()
+		pid, err := sys.handOver(r, ln, upLn, mln, log)
+		if err != nil {
+			startLoop()
+			log.Error("hand-over failed; this process goes on serving", "err", err)
+			notify(log, "STATUS=hand-over failed, still serving: "+err.Error())
+			return upgradeReply{Error: err.Error()}
+		}
+		log.Info("handed over; exiting", "pid", pid)
+		handedOver = true
+		return upgradeReply{PID: pid}
+	}
 loop:
 	for {
 		select {
 		case s := <-sigs:
-			if s == syscall.SIGHUP && cfg.Fleet != nil {
+			switch {
+			case s == syscall.SIGHUP && cfg.Fleet != nil:
 				log.Warn("SIGHUP: fleet mode takes the desired state from etcd; a changed config file takes effect when brokkrd restarts")
 				continue
-			}
-			if s == syscall.SIGHUP {
+			case s == syscall.SIGHUP:
 				reload(sys.d, path, log)
+				continue
+			case s == syscall.SIGUSR2:
+				// The binary at the path this one was started from, with the
+				// same flags: after a package upgrade, the new version.
+				if doUpgrade(upgradeReq{Exe: self, Args: os.Args[1:]}); handedOver {
+					break loop
+				}
 				continue
 			}
 			log.Info("stopping; VMs and nft rules stay in place", "signal", s.String())
 			break loop
+		case r := <-upgrades:
+			rep := doUpgrade(r)
+			r.reply <- rep
+			if handedOver {
+				break loop
+			}
 		case err := <-serveDone:
 			servers--
 			log.Error("API or metrics server stopped", "err", err)
@@ -137,20 +266,53 @@ loop:
 			break loop
 		}
 	}
-	notify(log, "STOPPING=1\nSTATUS=stopping; VMs and nft rules stay in place")
+	if !handedOver {
+		notify(log, "STOPPING=1\nSTATUS=stopping; VMs and nft rules stay in place")
+		stopLoop()
+	}
 	cancel()
+	upLn.Close()
+	<-upDone
 	<-notifyDone
-	<-loopDone
 	for ; servers > 0; servers-- {
 		<-serveDone
 	}
+	if handedOver {
+		// The new process holds the sockets, the lock and the rules; this
+		// one only lets go of its copies (the frozen proxy counts nothing
+		// more, and closing a duplicate descriptor ends no connection).
+		sctx, scancel := context.WithTimeout(context.Background(), 15*time.Second)
+		defer scancel()
+		if err := sys.d.Close(sctx); err != nil {
+			log.Warn("closing engines", "err", err)
+		}
+		sys.close()
+		return 0
+	}
 	_ = os.Remove(sock)
+	_ = os.Remove(filepath.Join(cfg.RunDir, upgradeSocket))
 	sctx, scancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer scancel()
 	if err := sys.d.Close(sctx); err != nil {
 		log.Warn("closing engines", "err", err)
 	}
 	return code
+}
+
+func (h *inherited) listenerCount() int {
+	n := 0
+	for _, s := range h.snaps {
+		n += len(s.Listeners)
+	}
+	return n
+}
+
+func (h *inherited) pairCount() int {
+	n := 0
+	for _, s := range h.snaps {
+		n += len(s.Pairs)
+	}
+	return n
 }
 
 // reload re-reads the config file and applies it like `brokkr apply`: as a

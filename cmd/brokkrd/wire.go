@@ -30,6 +30,8 @@ type system struct {
 	sock  *bpf.SockLB // nil when the socket path is off
 	lock  *os.File
 	fleet *fleet.Agent // nil on a single host
+	// The proxy's Managers, for the hand-over; pxV6 is nil without ::1.
+	pxMain, pxV6 *proxy.Manager
 }
 
 func (s *system) countersWhere() string {
@@ -51,10 +53,17 @@ func (s *system) close() {
 }
 
 // open takes the runDir lock, opens the counter map and builds the three
-// engines around one daemon.
-func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, error) {
-	lock, err := lockRunDir(cfg.RunDir)
-	if err != nil {
+// engines around one daemon. With h (a hand-over) the lock is the old
+// process's, the proxy starts from its snapshots and is held until Resume;
+// listeners systemd kept (sdMain, sdV6) are bound from instead of anew.
+func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherited, sdMain, sdV6 map[string]*os.File) (*system, error) {
+	var lock *os.File
+	var err error
+	var pxOpts []proxy.Option
+	var kept map[string]uint64
+	if h != nil {
+		lock, pxOpts, kept = h.lock, []proxy.Option{proxy.WithHold()}, h.kept()
+	} else if lock, err = lockRunDir(cfg.RunDir); err != nil {
 		return nil, err
 	}
 	fail := func(err error) (*system, error) { lock.Close(); return nil, err }
@@ -68,7 +77,8 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 
 	var d atomic.Pointer[daemon.Daemon]
 	addrs := daemon.NewAddressBook()
-	pxMain := proxy.NewManager(addrs.Resolve, store)
+	pxMain := proxy.NewManager(addrs.Resolve, store, pxOpts...)
+	pxMain.Inherit(sdMain)
 	plane, err := netplane.New(netplane.Options{
 		StateDir: cfg.StateDir,
 		Stats:    store,
@@ -116,9 +126,12 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 		return fail(err)
 	}
 	var px daemon.Proxy = pxMain
+	var pxV6 *proxy.Manager
 	ipv6 := daemon.HaveIPv6Loopback()
 	if ipv6 {
-		px = daemon.ProxyPair{Main: px, Loopback6: proxy.NewManager(addrs.Resolve, store)}
+		pxV6 = proxy.NewManager(addrs.Resolve, store, pxOpts...)
+		pxV6.Inherit(sdV6)
+		px = daemon.ProxyPair{Main: px, Loopback6: pxV6}
 	} else {
 		log.Info("no IPv6 loopback here: auto exposures serve local callers on 127.0.0.1 only")
 	}
@@ -139,6 +152,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	opts := daemon.Options{
 		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
 		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, SocketPathReason: sockReason, Source: src,
+		KeptProxyActive: kept,
 	}
 	if sock != nil {
 		opts.SocketPath = sock
@@ -160,7 +174,17 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger) (*system, e
 	}
 	d.Store(dd)
 	_ = ctx
-	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent}, nil
+	if h != nil {
+		for name, sn := range h.snaps {
+			m := pxMain
+			if name == "v6" && pxV6 != nil {
+				m = pxV6
+			}
+			m.Inherit(sn.Listeners)
+			m.Adopt(sn.Pairs)
+		}
+	}
+	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, pxMain: pxMain, pxV6: pxV6}, nil
 }
 
 // openSocketPath attaches the socket path to the cgroup v2 root (mounting
