@@ -231,7 +231,7 @@ func scale(args []string) error {
 	direct := fmt.Sprintf("%s:%d", g, *gport)
 	// Phase 1, timing, before any traffic: the conntrack flush inside every
 	// Converge walks the namespace's connections, so a size timed after
-	// another size's latency samples pays for their entries (40-50 ms per
+	// another size's latency samples pays for their entries (~50 ms per
 	// change at 10 exposures here, against <1 ms with none).
 	rows := make([]scaleRow, len(ks))
 	for j, k := range ks {
