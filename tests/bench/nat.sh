@@ -8,8 +8,13 @@
 # 1. iperf3 P=1 and P=8, and the short-connection rate, client -> guest
 #    routed directly (baseline) and client -> host port -> guest through the
 #    brokkr table (DNAT), in the same run, interleaved.
-# 2. scale: apply 1..10,000 exposures, one more change at each size, connect
-#    latency to the first and last of 10,000, against a linear chain anchor.
+# 2. scale: apply 10..100,000 exposures (SCALE_SIZES), one more change at
+#    each size, connect latency to the last exposure against direct routing
+#    at each size; then a linear-chain anchor at 10,000 (SCALE_LINEAR, 0 =
+#    off). The rows go to $OUT/nat-scale.csv and tests/bench/plot draws
+#    $OUT/nat-apply.png and $OUT/nat-latency.png from them.
+#
+# OUT: tests/bench/out/<UTC time>/ unless run.sh passes BENCH_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ "$(id -u)" = 0 ] || { echo "nat.sh: needs root" >&2; exit 1; }
@@ -26,7 +31,10 @@ cleanup() {
 trap cleanup EXIT INT TERM
 cleanup
 
+OUT=${BENCH_OUT:-tests/bench/out/$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$OUT"
 go build -o /tmp/brk-nf-natscale ./tests/bench/natscale
+go build -o /tmp/brk-nf-plot ./tests/bench/plot
 NS=/tmp/brk-nf-natscale
 
 for n in $CLI $HOST $G1; do ip netns add $n; ip -n $n link set lo up; done
@@ -34,6 +42,8 @@ ip -n $CLI link add eth0 type veth peer name vh-cli netns $HOST
 ip -n $CLI addr add 10.99.0.2/24 dev eth0; ip -n $CLI link set eth0 up
 ip -n $CLI route add default via 10.99.0.1
 ip -n $HOST addr add 10.99.0.1/24 dev vh-cli; ip -n $HOST link set vh-cli up
+# A second host address: a port is 16 bits, so 100,000 exposures need two.
+ip -n $HOST addr add 10.99.1.1/32 dev vh-cli
 ip -n $HOST link add br0 type bridge
 ip -n $HOST addr add 10.213.0.1/24 dev br0; ip -n $HOST link set br0 up
 ip -n $HOST link add g1p type veth peer name eth0 netns $G1
@@ -46,10 +56,17 @@ ip netns exec $G1 iperf3 -s -D -p 5201 --pidfile /tmp/brk-nf-iperf.pid
 sleep 0.3
 pids+=("$(cat /tmp/brk-nf-iperf.pid)")
 $NS serve -ns /run/netns/$G1 -addr :7000 & pids+=($!)
-$NS apply -ns /run/netns/$HOST -guest 10.213.0.11 -map 20001:5201,20002:7000
 sleep 0.3
 
 echo "# $(date -u +%FT%TZ) kernel $(uname -r), $(nproc) cores (shared with other work), iperf3 ${DUR}s"
+# The scale part first: its apply timings should not pay for the
+# conntrack entries the throughput rounds leave in the host namespace.
+echo "# scale"
+$NS scale -ns /run/netns/$HOST -client /run/netns/$CLI -guest 10.213.0.11 -guestport 7000 -hostaddrs 10.99.0.1,10.99.1.1 \
+  -sizes "${SCALE_SIZES:-10,100,1000,10000,100000}" -n "${SCALE_CONNS:-1000}" -linear "${SCALE_LINEAR:-10000}" -csv "$OUT/nat-scale.csv"
+/tmp/brk-nf-plot -csv "$OUT/nat-scale.csv" -out "$OUT"
+$NS apply -ns /run/netns/$HOST -guest 10.213.0.11 -map 20001:5201,20002:7000
+echo "# throughput"
 # One iperf3 run (Gbit/s received); the single-client server may still be
 # closing the last test, so a "busy" answer is retried.
 gbps() {
@@ -70,6 +87,3 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
   $NS connrate -ns /run/netns/$CLI -addr 10.99.0.1:20002 -n "$CONNS" | sed "s/^/round=$round nat    /"
 done
 
-echo "# scale"
-$NS scale -ns /run/netns/$HOST -client /run/netns/$CLI -guest 10.213.0.11 -guestport 7000 -hostaddr 10.99.0.1 -n "${SCALE_CONNS:-2000}"
-$NS connrate -ns /run/netns/$CLI -addr 10.213.0.11:7000 -n "${SCALE_CONNS:-2000}" | sed "s/^/direct (baseline after scale) /"

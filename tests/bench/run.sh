@@ -10,7 +10,7 @@ rc=0
 for s in tests/bench/*.sh; do
   [ "$(basename "$s")" = run.sh ] && continue
   echo "== $s"
-  bash "$s" 2>&1 | tee "$out/$(basename "$s" .sh).txt" || rc=1
+  BENCH_OUT=$out bash "$s" 2>&1 | tee "$out/$(basename "$s" .sh).txt" || rc=1
   scripts/clean-ns.sh
 done
 echo "== go test -bench"
