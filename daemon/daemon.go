@@ -584,6 +584,9 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 		r := api.VM{Name: name, Phase: supervisor.PhasePending, Power: power}
 		if s, ok := sv[name]; ok {
 			r.Phase, r.Detail, r.PID, r.Restarts = s.Phase, s.Detail, s.PID, s.Restarts
+			if s.Progress != nil {
+				r.Progress = &api.Progress{Done: s.Progress.Done, Total: s.Progress.Total}
+			}
 		}
 		if f, ok := facts[name]; (!ok || f.Tap == "") && netErr != "" && r.Detail == "" {
 			r.Detail = "network: " + netErr

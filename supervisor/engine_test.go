@@ -29,8 +29,11 @@ func TestWedgedVMDoesNotDelayReport(t *testing.T) {
 	require.NotNil(t, row, "a VM in the middle of its create still has a row")
 	assert.Equal(t, PhaseCreating, row.Phase)
 	assert.Equal(t, "downloading kernel image 40%", row.Detail)
+	require.NotNil(t, row.Progress, "a download carries its progress")
+	assert.Equal(t, Progress{Done: 40, Total: 100}, *row.Progress)
 
 	close(release)
+	waitRow(t, f.eng, "slow", func(r VMStatus) bool { return r.Progress == nil }, vmSpec("slow"))
 	waitRow(t, f.eng, "slow", phaseIs(PhaseRunning), vmSpec("slow"))
 }
 

@@ -69,6 +69,14 @@ type VMStatus struct {
 	Detail   string // the step in progress or what failed ("downloading image 40%")
 	PID      int
 	Restarts int
+	// Progress of the step in progress, when it is measurable (an image
+	// download): nil otherwise.
+	Progress *Progress
+}
+
+// Progress is done out of total units (bytes) of the step in progress.
+type Progress struct {
+	Done, Total int64
 }
 
 // Report is what Step returns: one row per VM the engine knows (desired or recorded).

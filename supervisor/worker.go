@@ -135,7 +135,7 @@ func (w *worker) row() VMStatus {
 
 func (w *worker) publish(phase, detail string) {
 	w.mu.Lock()
-	w.status.Phase, w.status.Detail = phase, detail
+	w.status.Phase, w.status.Detail, w.status.Progress = phase, detail, nil
 	w.status.PID = 0
 	if w.inst != nil {
 		w.status.PID = w.inst.PID
@@ -578,6 +578,7 @@ func (w *worker) fetch(ctx context.Context, role string, src Source) (string, er
 				return
 			}
 			w.status.Phase, w.status.Detail = PhaseCreating, fmt.Sprintf("%s %d%%", what, done*100/total)
+			w.status.Progress = &Progress{Done: done, Total: total}
 		}
 	})
 	if err != nil {

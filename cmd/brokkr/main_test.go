@@ -98,7 +98,8 @@ func TestConverged(t *testing.T) {
 }
 
 func TestProgressBar(t *testing.T) {
-	assert.Equal(t, "[########............]", bar(api.VM{Phase: "creating", Detail: "downloading image 40%"}))
+	assert.Equal(t, "[########............]", bar(api.VM{Phase: "creating", Detail: "downloading kernel image 40%", Progress: &api.Progress{Done: 40 << 20, Total: 100 << 20}}))
+	assert.NotContains(t, bar(api.VM{Phase: "creating", Detail: "a 40% detail without progress"}), "#", "the bar is drawn from progress, never from the text")
 	assert.True(t, strings.HasPrefix(bar(api.VM{Phase: "running"}), "[===================="))
 }
 

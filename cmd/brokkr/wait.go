@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"regexp"
-	"strconv"
 	"strings"
 	"time"
 
@@ -30,16 +28,12 @@ func isTerminal(w io.Writer) bool {
 // failGrace is how long --wait tolerates a failed VM or exposure.
 var failGrace = 15 * time.Second
 
-var percentRE = regexp.MustCompile(`(\d{1,3})%`)
-
-// bar draws a progress bar for a detail that carries a percentage
-// ("downloading image 40%"), or a phase marker otherwise.
+// bar draws a progress bar from the VM's structured progress (an image
+// download), or a phase marker otherwise.
 func bar(v api.VM) string {
 	const width = 20
-	if m := percentRE.FindStringSubmatch(v.Detail); m != nil {
-		p, _ := strconv.Atoi(m[1])
-		p = min(p, 100)
-		n := p * width / 100
+	if p := v.Progress; p != nil && p.Total > 0 {
+		n := int(min(p.Done, p.Total) * width / p.Total)
 		return "[" + strings.Repeat("#", n) + strings.Repeat(".", width-n) + "]"
 	}
 	steps := map[string]int{"pending": 1, "creating": 2, "starting": 3, "running": 4, "stopping": 2, "stopped": 4, "failed": 4}

@@ -55,6 +55,15 @@ type VM struct {
 	PID      int    `json:"pid"`
 	Restarts int    `json:"restarts"`
 	Power    string `json:"power,omitempty"` // desired power
+	// Progress of the step in progress when it is measurable (an image
+	// download, in bytes); absent otherwise.
+	Progress *Progress `json:"progress,omitempty"`
+}
+
+// Progress is done out of total units of a VM's step in progress.
+type Progress struct {
+	Done  int64 `json:"done"`
+	Total int64 `json:"total"`
 }
 
 // Exposure is one exposure's row; State is active | pending | failed.
