@@ -1,0 +1,6 @@
+package main
+
+func (x *h) load()     {}
+func (x *h) diskFull() {}
+func (x *h) fuzz()     {}
+func (x *h) perm()     {}
