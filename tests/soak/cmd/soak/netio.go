@@ -54,7 +54,16 @@ type tally struct {
 	BytesIn  int64  `json:"bytesIn"`  // payload the callers sent and got echoed
 	BytesOut int64  `json:"bytesOut"` // payload the callers read back
 	LastErr  string `json:"lastErr,omitempty"`
+	// Refusals seen after the connect succeeded (the proxy's RST), with
+	// the last such error: a kernel path refuses at connect.
+	RefusedLate int64  `json:"refusedLate"`
+	LastRefusal string `json:"lastRefusal,omitempty"`
 }
+
+// lateErr marks an error after the connect succeeded.
+type lateErr struct{ error }
+
+func (e lateErr) Unwrap() error { return e.error }
 
 func isRefusal(err error) bool {
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF)
@@ -68,6 +77,10 @@ func call(addr string, msg []byte) (net.Conn, bool, error) {
 	if err != nil {
 		return nil, isRefusal(err), err
 	}
+	return echoOnce(c, msg)
+}
+
+func echoOnce(c net.Conn, msg []byte) (net.Conn, bool, error) {
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
 	if _, err := c.Write(msg); err != nil {
 		c.Close()
@@ -77,7 +90,7 @@ func call(addr string, msg []byte) (net.Conn, bool, error) {
 	n, err := io.ReadFull(c, buf)
 	if err != nil {
 		c.Close()
-		return nil, n == 0 && isRefusal(err), err
+		return nil, n == 0 && isRefusal(err), lateErr{err}
 	}
 	_ = c.SetDeadline(time.Time{})
 	return c, false, nil
@@ -134,6 +147,10 @@ func loadClient(args []string) {
 						held = append(held, c)
 					case ref:
 						t.Refused++
+						if _, late := err.(lateErr); late {
+							t.RefusedLate++
+							t.LastRefusal = err.Error()
+						}
 					default:
 						t.Errors++
 						t.LastErr = err.Error()

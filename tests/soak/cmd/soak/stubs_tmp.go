@@ -1,6 +1,5 @@
 package main
 
-func (x *h) load()     {}
 func (x *h) diskFull() {}
 func (x *h) fuzz()     {}
 func (x *h) perm()     {}
