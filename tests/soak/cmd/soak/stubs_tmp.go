@@ -1,5 +1,0 @@
-package main
-
-func (x *h) diskFull() {}
-func (x *h) fuzz()     {}
-func (x *h) perm()     {}
