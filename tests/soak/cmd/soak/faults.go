@@ -133,7 +133,7 @@ func (x *h) faults() {
 		case !acked && sk == prevDesired.key():
 		default:
 			tot.lost++
-			fmt.Printf("kill %d: desired state after restart is neither the applied nor the previous one (acked=%v)\n", k, acked)
+			fmt.Printf("kill %d: desired state after restart is neither the applied nor the previous one (acked=%v)\n  status: %s\n  applied: %s\n", k, acked, short(sk), short(next.key()))
 			cur = next
 		}
 		st, err = x.waitConverged(cur, 120*time.Second)
@@ -303,4 +303,12 @@ func (x *h) checkAfterRestart(k int, cur, prevDesired desired, st *api.Status, p
 			fmt.Printf("kill %d: %s went backwards: %+v -> %+v\n", k, n, p, c)
 		}
 	}
+}
+
+// short keeps a status key readable in a failure line.
+func short(s string) string {
+	if len(s) > 300 {
+		return s[:150] + " ... " + s[len(s)-150:]
+	}
+	return s
 }
