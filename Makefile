@@ -6,7 +6,7 @@ GO ?= go
 BIN := bin
 TEST_TIMEOUT ?= 45m
 
-.PHONY: all build deps test restart-soak test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet
+.PHONY: all build deps test restart-soak soak test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet
 
 all: build
 
@@ -74,6 +74,12 @@ fuzz:
 	@for t in $$(grep -rl '^func Fuzz' --include='*_test.go' . | xargs -n1 dirname | sort -u); do \
 		for f in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$t/*_test.go | sed 's/func //'); do \
 			$(GO) test -run=^$$ -fuzz=^$$f$$ -fuzztime=20s $$t || exit 1; done; done
+
+# The reliability soak (issue 10): faults, load, disk full, bad input,
+# permissions, in brk-soak-* namespaces of its own; one figure per line.
+# SOAK_MINUTES (20) bounds it; tests/soak/soak.sh lists the other knobs.
+soak: deps
+	tests/soak/soak.sh
 
 bench: deps build guest-image
 	@scripts/clean-ns.sh

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/brokkr/brokkr/internal/unixhttp"
@@ -54,6 +55,11 @@ type UnreachableError struct {
 }
 
 func (e *UnreachableError) Error() string {
+	// A non-root caller reaches a live daemon's 0600 socket and is refused:
+	// asking whether the daemon runs would send them the wrong way.
+	if errors.Is(e.Err, syscall.EACCES) || errors.Is(e.Err, syscall.EPERM) {
+		return fmt.Sprintf("permission denied on brokkrd's socket %s: it is root-only (0600); run brokkr as root (sudo brokkr ...)", e.Socket)
+	}
 	return fmt.Sprintf("cannot reach brokkrd at %s: %v (is it running? --socket or BROKKR_SOCKET select another socket)", e.Socket, e.Err)
 }
 

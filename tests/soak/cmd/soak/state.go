@@ -1,0 +1,255 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/brokkr/brokkr/daemon/api"
+)
+
+// expo is one exposure of a desired state; every one targets the target
+// namespace's echo server (a `target:` exposure, no VM needed).
+type expo struct {
+	Name     string
+	Mode     string // nat | auto | proxy
+	Port     int
+	Cap      int
+	HostAddr string // "" = 0.0.0.0
+}
+
+type desired struct {
+	Exposures []expo
+	VMs       []string
+}
+
+func (d desired) yaml(x *h) []byte {
+	var b bytes.Buffer
+	fmt.Fprintf(&b, "stateDir: %s\nrunDir: %s\nbpfDir: %s\n", x.state, x.run, x.bpf)
+	fmt.Fprintf(&b, "network:\n  bridge: %s\n  cidr: 10.213.50.1/24\n", bridge)
+	fmt.Fprintf(&b, "hypervisor:\n  kind: cloud-hypervisor\n  path: %s\n  maxConcurrentCreates: 4\n", filepath.Join(x.bin, "cloud-hypervisor"))
+	if len(d.VMs) == 0 {
+		b.WriteString("vms: []\n")
+	} else {
+		b.WriteString("vms:\n")
+	}
+	for _, v := range d.VMs {
+		fmt.Fprintf(&b, "  - {name: %s, memory: 64M, kernel: %s/vmlinuz, initramfs: %s/initramfs}\n", v, x.work, x.work)
+	}
+	if len(d.Exposures) == 0 {
+		b.WriteString("exposures: []\n")
+	} else {
+		b.WriteString("exposures:\n")
+	}
+	for _, e := range d.Exposures {
+		fmt.Fprintf(&b, "  - {name: %s, target: %s, guestPort: %d, hostPort: %d, mode: %s, maxConns: %d", e.Name, targetIP, echoPort, e.Port, e.Mode, e.Cap)
+		if e.HostAddr != "" {
+			fmt.Fprintf(&b, ", hostAddress: %s", e.HostAddr)
+		}
+		b.WriteString("}\n")
+	}
+	return b.Bytes()
+}
+
+func (x *h) writeConfig(d desired) error { return os.WriteFile(x.cfgPath, d.yaml(x), 0o600) }
+
+func (x *h) apply(d desired, timeout time.Duration) (*api.Plan, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	return x.client.Apply(ctx, d.yaml(x), false)
+}
+
+func (d desired) names() []string {
+	var n []string
+	for _, e := range d.Exposures {
+		n = append(n, e.Name)
+	}
+	sort.Strings(n)
+	return n
+}
+
+func (d desired) key() string {
+	vms := append([]string(nil), d.VMs...)
+	sort.Strings(vms)
+	return strings.Join(d.names(), ",") + "|" + strings.Join(vms, ",")
+}
+
+func statusKey(st *api.Status) string {
+	var n, v []string
+	for _, e := range st.Exposures {
+		n = append(n, e.Name)
+	}
+	for _, m := range st.VMs {
+		v = append(v, m.Name)
+	}
+	sort.Strings(n)
+	sort.Strings(v)
+	return strings.Join(n, ",") + "|" + strings.Join(v, ",")
+}
+
+// converged: status lists exactly d, every exposure active, every VM running.
+func converged(st *api.Status, d desired) (bool, string) {
+	if statusKey(st) != d.key() {
+		return false, "status lists another set of VMs or exposures"
+	}
+	for _, e := range st.Exposures {
+		if e.State != "active" {
+			return false, fmt.Sprintf("exposure %s is %s: %s", e.Name, e.State, e.Reason)
+		}
+	}
+	for _, v := range st.VMs {
+		if v.Phase != "running" || v.PID == 0 {
+			return false, fmt.Sprintf("vm %s is %s: %s", v.Name, v.Phase, v.Detail)
+		}
+	}
+	return true, ""
+}
+
+func (x *h) waitConverged(d desired, timeout time.Duration) (*api.Status, error) {
+	end := time.Now().Add(timeout)
+	why := "no status"
+	for time.Now().Before(end) {
+		st, err := x.status()
+		if err == nil {
+			ok, w := converged(st, d)
+			if ok {
+				return st, nil
+			}
+			why = w
+		} else {
+			why = err.Error()
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	return nil, fmt.Errorf("not converged within %v: %s", timeout, why)
+}
+
+// vmmProcs maps VM name to the live fake hypervisor processes under this
+// soak's runDir (the API socket path names the VM).
+func (x *h) vmmProcs() map[string][]int {
+	out := map[string][]int{}
+	ents, _ := os.ReadDir("/proc")
+	prefix := "path=" + filepath.Join(x.run, "vms") + "/"
+	for _, ent := range ents {
+		pid, err := strconv.Atoi(ent.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
+		if err != nil || !bytes.Contains(b, []byte(filepath.Join(x.bin, "chfake"))) {
+			continue
+		}
+		if st, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "stat")); err == nil && bytes.Contains(st, []byte(") Z ")) {
+			continue // a zombie is no VMM
+		}
+		for _, a := range bytes.Split(b, []byte{0}) {
+			if s := string(a); strings.HasPrefix(s, prefix) {
+				name := strings.SplitN(strings.TrimPrefix(s, prefix), "/", 2)[0]
+				out[name] = append(out[name], pid)
+			}
+		}
+	}
+	return out
+}
+
+// taps lists the tun/tap links in the host namespace.
+func taps() ([]string, error) {
+	out, err := runIn(hostNS, "ip", "-d", "-j", "link", "show")
+	if err != nil {
+		return nil, err
+	}
+	var links []struct {
+		Name string `json:"ifname"`
+		Info *struct {
+			Kind string `json:"info_kind"`
+		} `json:"linkinfo"`
+	}
+	if err := json.Unmarshal([]byte(out), &links); err != nil {
+		return nil, err
+	}
+	var t []string
+	for _, l := range links {
+		if l.Info != nil && l.Info.Kind == "tun" {
+			t = append(t, l.Name)
+		}
+	}
+	return t, nil
+}
+
+// nftState reads `nft -j list table inet brokkr`: per exposure name, how many
+// elements of the exposure maps and how many exp-NAME chains it has.
+func nftState() (elems, chains map[string]int, err error) {
+	out, err := runIn(hostNS, "nft", "-j", "list", "table", "inet", "brokkr")
+	if err != nil {
+		return nil, nil, err
+	}
+	var doc struct {
+		Nftables []map[string]json.RawMessage `json:"nftables"`
+	}
+	if err := json.Unmarshal([]byte(out), &doc); err != nil {
+		return nil, nil, err
+	}
+	elems, chains = map[string]int{}, map[string]int{}
+	for _, o := range doc.Nftables {
+		if raw, ok := o["chain"]; ok {
+			var c struct {
+				Name string `json:"name"`
+			}
+			_ = json.Unmarshal(raw, &c)
+			if strings.HasPrefix(c.Name, "exp-") && c.Name != "exp-addr" && c.Name != "exp-any" {
+				chains[strings.TrimPrefix(c.Name, "exp-")]++
+			}
+		}
+		if raw, ok := o["map"]; ok {
+			var m struct {
+				Name string            `json:"name"`
+				Elem []json.RawMessage `json:"elem"`
+			}
+			_ = json.Unmarshal(raw, &m)
+			if m.Name != "exp-addr" && m.Name != "exp-any" {
+				continue
+			}
+			for _, el := range m.Elem {
+				// Each element is [key, value]; the key carries the comment
+				// naming the exposure.
+				c := findComment(el)
+				elems[c]++
+			}
+		}
+	}
+	return elems, chains, nil
+}
+
+func findComment(raw json.RawMessage) string {
+	var v any
+	_ = json.Unmarshal(raw, &v)
+	var walk func(any) string
+	walk = func(v any) string {
+		switch t := v.(type) {
+		case map[string]any:
+			if c, ok := t["comment"].(string); ok {
+				return c
+			}
+			for _, x := range t {
+				if c := walk(x); c != "" {
+					return c
+				}
+			}
+		case []any:
+			for _, x := range t {
+				if c := walk(x); c != "" {
+					return c
+				}
+			}
+		}
+		return ""
+	}
+	return walk(v)
+}
