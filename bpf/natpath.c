@@ -73,6 +73,11 @@ struct nat_flow {
 	__u16 sport, dport;
 	__u8 proto;
 	__u8 pad[3];
+	// Payload bytes counted into the flow and not yet into the slot: the
+	// slot's words are shared by every flow of the exposure on every CPU,
+	// so a packet touches only its flow's line; flush moves these into the
+	// slot when the flow ends and at every timer tick while it lasts.
+	__u64 pend[2];
 	struct bpf_timer timer;
 };
 
@@ -169,6 +174,29 @@ static __always_inline void count_bytes(struct exposure_stat *st, int reply, __u
 		__sync_fetch_and_add(&st->bytes_in, n);
 }
 
+static __always_inline void acc(struct nat_flow *f, int reply, __u64 n)
+{
+	if (n)
+		__sync_fetch_and_add(&f->pend[reply & 1], n);
+}
+
+// flush adds what the flow counted since the last flush to the slot: what
+// is read is what is taken off, so bytes counted meanwhile on another CPU
+// wait for the next flush and none is lost or doubled.
+static __always_inline void flush(struct nat_flow *f, struct exposure_stat *st)
+{
+	__u64 in = *(volatile __u64 *)&f->pend[0];
+	__u64 out = *(volatile __u64 *)&f->pend[1];
+	if (in) {
+		__sync_fetch_and_add(&f->pend[0], -in);
+		__sync_fetch_and_add(&st->bytes_in, in);
+	}
+	if (out) {
+		__sync_fetch_and_add(&f->pend[1], -out);
+		__sync_fetch_and_add(&st->bytes_out, out);
+	}
+}
+
 // advance counts TCP payload by how far the stream's sequence end moved, so
 // a retransmitted segment is never counted twice.
 static __always_inline void advance(struct nat_flow *f, struct exposure_stat *st, int reply, __u32 end)
@@ -179,7 +207,7 @@ static __always_inline void advance(struct nat_flow *f, struct exposure_stat *st
 		if (d <= 0)
 			return;
 		if (__sync_val_compare_and_swap(&f->next_seq[reply & 1], old, end) == old) {
-			count_bytes(st, reply, (__u32)d);
+			acc(f, reply, (__u32)d);
 			return;
 		}
 	}
@@ -187,6 +215,7 @@ static __always_inline void advance(struct nat_flow *f, struct exposure_stat *st
 
 static __always_inline void release(struct nat_flow *f, struct exposure_stat *st, struct exposure_limit *lim)
 {
+	flush(f, st);
 	__u32 old = __sync_fetch_and_or(&f->flags, F_RELEASED);
 	if ((old & F_OPEN) && !(old & F_RELEASED))
 		brk_release(st, lim);
@@ -237,10 +266,16 @@ static __always_inline void settle(__u64 *key, struct nat_flow *f)
 
 static int flow_timer(void *map, __u64 *key, struct nat_flow *f)
 {
-	if (flow_alive(*key, f))
+	if (flow_alive(*key, f)) {
+		__u32 slot = f->slot;
+		struct exposure_stat *st = bpf_map_lookup_elem(&exposure_stats, &slot);
+		struct exposure_limit *lim = bpf_map_lookup_elem(&exposure_limits, &slot);
+		if (st && lim && f->gen == lim->gen)
+			flush(f, st);
 		bpf_timer_start(&f->timer, RECHECK_NS, 0);
-	else
+	} else {
 		settle(key, f);
+	}
 	return 0;
 }
 
@@ -346,7 +381,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	if (reply && !(f->flags & F_REPLIED))
 		__sync_fetch_and_or(&f->flags, F_REPLIED);
 	if (p.proto == IPPROTO_UDP) {
-		count_bytes(st, reply, p.payload);
+		acc(f, reply, p.payload);
 		return NF_ACCEPT;
 	}
 	__u8 fl = p.tcp_flags;
@@ -357,7 +392,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	if (p.payload) {
 		__u32 start = p.seq + ((fl & TH_SYN) ? 1 : 0);
 		if (reply && !(f->flags & F_SEQ_REPL)) {
-			count_bytes(st, 1, p.payload);
+			acc(f, 1, p.payload);
 			f->next_seq[1] = start + p.payload;
 			__sync_fetch_and_or(&f->flags, F_SEQ_REPL);
 		} else {

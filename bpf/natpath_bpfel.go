@@ -54,6 +54,7 @@ type natpathNatFlow struct {
 	Proto   uint8
 	Pad     [3]uint8
 	_       [4]byte
+	Pend    [2]uint64
 	Timer   struct {
 		_      structs.HostLayout
 		Opaque [2]uint64

@@ -199,8 +199,11 @@ func TestNatPathCapsCountsAndReleasesInTheKernel(t *testing.T) {
 	assert.EqualValues(t, 2, c.Active)
 	assert.EqualValues(t, 2, c.Accepted)
 	assert.EqualValues(t, 1, c.Refused)
-	assert.EqualValues(t, 100005, c.BytesIn)
-	assert.EqualValues(t, 100005, c.BytesOut)
+	// Open flows' bytes reach the slot at the flow timer's next tick.
+	eventually(t, "the open flows' bytes in the slot", func() bool {
+		c := tp.slot.Read()
+		return c.BytesIn == 100005 && c.BytesOut == 100005
+	})
 
 	// Closing one gives its place back, in the kernel.
 	require.NoError(t, b.Close())
@@ -278,8 +281,13 @@ func TestNatPathUDPFlowsAreCappedAndCountedAndFreedWhenConntrackForgetsThem(t *t
 	assert.EqualValues(t, 1, c.Active)
 	assert.EqualValues(t, 1, c.Accepted)
 	assert.EqualValues(t, 1, c.Refused)
-	assert.EqualValues(t, 10, c.BytesIn)
-	assert.EqualValues(t, 10, c.BytesOut)
+	eventually(t, "the open flow's bytes in the slot", func() bool {
+		c := tp.slot.Read()
+		return c.BytesIn == 10 && c.BytesOut == 10
+	})
+	c = tp.slot.Read()
+	assert.EqualValues(t, 10, c.BytesIn, "exactly")
+	assert.EqualValues(t, 10, c.BytesOut, "exactly")
 
 	// conntrack forgetting the flow (as a timeout does) gives its place back.
 	tp.host.MustRun(t, "conntrack", "-D", "-p", "udp", "--orig-port-dst", "8080")
