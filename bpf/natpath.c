@@ -16,11 +16,14 @@
 //                             SYN is turned into the RST the guest would send
 //                             and handed back to the bridge's ingress, so
 //                             conntrack un-NATs it to the caller.
-//   a timer per flow          checks that the flow's conntrack entry is
-//                             still alive: a flow conntrack forgets
-//                             (timeouts, UDP, flushes) gives its place back,
-//                             and its entry here is deleted. (This kernel
-//                             has no ftrace, so no fentry on nf_ct_destroy.)
+//   one sweeping timer        every 2 s walks the flows and checks that each
+//                             one's conntrack entry is still alive: a flow
+//                             conntrack forgets (timeouts, UDP, flushes)
+//                             gives its place back and is forgotten; open
+//                             flows' bytes move into their slots. (This
+//                             kernel has no ftrace, so no fentry on
+//                             nf_ct_destroy; one timer, not one per flow,
+//                             keeps a short connection free of timer work.)
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_core_read.h>
@@ -76,14 +79,13 @@ struct nat_flow {
 	// Payload bytes counted into the flow and not yet into the slot: the
 	// slot's words are shared by every flow of the exposure on every CPU,
 	// so a packet touches only its flow's line; flush moves these into the
-	// slot when the flow ends and at every timer tick while it lasts.
+	// slot when the flow ends and at every sweep while it lasts.
 	__u64 pend[2];
-	struct bpf_timer timer;
 };
 
 // Keyed by the conntrack entry's address: both hooks reach it without
 // reading the tuple, and an entry lives as long as its conntrack entry
-// (the flow's timer deletes it once that is gone).
+// (the sweep deletes it once that is gone).
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
@@ -92,6 +94,23 @@ struct {
 	__type(value, struct nat_flow);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } nat_flows SEC(".maps");
+
+// The sweep's timer. A netfilter program starts it on the first flow it
+// tracks; then it re-arms itself, and lives as long as the pinned map.
+struct nat_sweeper {
+	struct bpf_timer timer;
+	__u32 started;
+	__u32 pad;
+	__u64 sweeps; // for tests and operators: the sweep is running
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct nat_sweeper);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} nat_sweep SEC(".maps");
 
 struct nat_cfg {
 	__u32 guest_net;  // the bridge subnet, network byte order
@@ -264,22 +283,42 @@ static __always_inline void settle(__u64 *key, struct nat_flow *f)
 	bpf_map_delete_elem(&nat_flows, key);
 }
 
-static int flow_timer(void *map, __u64 *key, struct nat_flow *f)
+static long sweep_one(void *map, __u64 *key, struct nat_flow *f, void *ctx)
 {
-	if (flow_alive(*key, f)) {
-		__u32 slot = f->slot;
-		struct exposure_stat *st = bpf_map_lookup_elem(&exposure_stats, &slot);
-		struct exposure_limit *lim = bpf_map_lookup_elem(&exposure_limits, &slot);
-		if (st && lim && f->gen == lim->gen)
-			flush(f, st);
-		bpf_timer_start(&f->timer, RECHECK_NS, 0);
-	} else {
+	if (!flow_alive(*key, f)) {
 		settle(key, f);
+		return 0;
 	}
+	__u32 slot = f->slot;
+	struct exposure_stat *st = bpf_map_lookup_elem(&exposure_stats, &slot);
+	struct exposure_limit *lim = bpf_map_lookup_elem(&exposure_limits, &slot);
+	if (st && lim && f->gen == lim->gen)
+		flush(f, st);
 	return 0;
 }
 
-// track inserts the flow and starts its timer; 0 on success.
+static int sweep(void *map, __u32 *key, struct nat_sweeper *s)
+{
+	bpf_for_each_map_elem(&nat_flows, sweep_one, 0, 0);
+	__sync_fetch_and_add(&s->sweeps, 1);
+	bpf_timer_start(&s->timer, RECHECK_NS, 0);
+	return 0;
+}
+
+static __always_inline void start_sweeper(void)
+{
+	__u32 k = 0;
+	struct nat_sweeper *s = bpf_map_lookup_elem(&nat_sweep, &k);
+	if (!s || *(volatile __u32 *)&s->started)
+		return;
+	if (__sync_val_compare_and_swap(&s->started, 0, 1) != 0)
+		return;
+	bpf_timer_init(&s->timer, &nat_sweep, 1 /* CLOCK_MONOTONIC */);
+	bpf_timer_set_callback(&s->timer, sweep);
+	bpf_timer_start(&s->timer, RECHECK_NS, 0);
+}
+
+// track inserts the flow; 0 on success.
 static __always_inline int track(__u64 ctp, struct nf_conn *ct, struct nat_flow *nf)
 {
 	struct nf_conntrack_tuple *t = &ct->tuplehash[0].tuple;
@@ -290,12 +329,7 @@ static __always_inline int track(__u64 ctp, struct nf_conn *ct, struct nat_flow 
 	nf->proto = t->dst.protonum;
 	if (bpf_map_update_elem(&nat_flows, &ctp, nf, BPF_NOEXIST))
 		return -1;
-	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
-	if (!f)
-		return -1;
-	bpf_timer_init(&f->timer, &nat_flows, 1 /* CLOCK_MONOTONIC */);
-	bpf_timer_set_callback(&f->timer, flow_timer);
-	bpf_timer_start(&f->timer, RECHECK_NS, 0);
+	start_sweeper();
 	return 0;
 }
 

@@ -216,6 +216,7 @@ func (n *NatPath) Remove() error {
 	}
 	_ = n.objs.NatFlows.Unpin()
 	_ = n.objs.NatConfig.Unpin()
+	_ = n.objs.NatSweep.Unpin()
 	errs = append(errs, n.Close())
 	return errors.Join(errs...)
 }

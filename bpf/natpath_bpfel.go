@@ -55,10 +55,17 @@ type natpathNatFlow struct {
 	Pad     [3]uint8
 	_       [4]byte
 	Pend    [2]uint64
-	Timer   struct {
+}
+
+type natpathNatSweeper struct {
+	_     structs.HostLayout
+	Timer struct {
 		_      structs.HostLayout
 		Opaque [2]uint64
 	}
+	Started uint32
+	Pad     uint32
+	Sweeps  uint64
 }
 
 // Names of all BPF objects in the ELF.
@@ -69,6 +76,7 @@ const (
 	natpathMapExposureStats  = "exposure_stats"
 	natpathMapNatConfig      = "nat_config"
 	natpathMapNatFlows       = "nat_flows"
+	natpathMapNatSweep       = "nat_sweep"
 	natpathProgBrkNatOut     = "brk_nat_out"
 	natpathProgBrkNatPre     = "brk_nat_pre"
 	natpathProgBrkNatReflect = "brk_nat_reflect"
@@ -129,6 +137,7 @@ type natpathMapSpecs struct {
 	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
 	NatConfig      *ebpf.MapSpec `ebpf:"nat_config"`
 	NatFlows       *ebpf.MapSpec `ebpf:"nat_flows"`
+	NatSweep       *ebpf.MapSpec `ebpf:"nat_sweep"`
 }
 
 // natpathVariableSpecs contains global variables before they are loaded into the kernel.
@@ -161,6 +170,7 @@ type natpathMaps struct {
 	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
 	NatConfig      *ebpf.Map `ebpf:"nat_config"`
 	NatFlows       *ebpf.Map `ebpf:"nat_flows"`
+	NatSweep       *ebpf.Map `ebpf:"nat_sweep"`
 }
 
 func (m *natpathMaps) Close() error {
@@ -169,6 +179,7 @@ func (m *natpathMaps) Close() error {
 		m.ExposureStats,
 		m.NatConfig,
 		m.NatFlows,
+		m.NatSweep,
 	)
 }
 
