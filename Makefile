@@ -63,7 +63,7 @@ test: deps vet check-generate guest-image
 # The restart/upgrade/crash soak (tests/restart, about 30 s on 2 cores): not
 # in `make test`. RESTARTS, UPGRADES, KILLS override 20, 5, 5.
 restart-soak: build
-	BROKKR_SOAK=1 $(GO) test -count=1 -v -timeout 10m ./tests/restart/
+	BROKKR_SOAK=1 $(GO) test -count=1 -v -timeout 10m ./tests/restart/ ./proxy/ -run 'Restart|Freeze|Thaw'
 
 # The fast lane: pure logic only (no namespaces, no BPF, no QEMU): tests that
 # need root skip themselves (internal/nstest.Privileged).

@@ -358,6 +358,9 @@ func copyHalf(pr *pair, dir int, dst, src *net.TCPConn, count func(int64), ended
 			return
 		}
 		if err = spliceOut(dstRC, p); err != nil {
+			// What reached dst counts here; what is left in the pipe
+			// travels with a freeze and is counted where it is written.
+			count(int64(n - p.queued))
 			return
 		}
 		count(int64(n))
