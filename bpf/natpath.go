@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -198,25 +199,37 @@ func (n *NatPath) Flows() (int, error) {
 // Close drops the process's handles. The pinned links and maps stay, so the
 // path keeps working without a daemon.
 func (n *NatPath) Close() error {
-	var errs []error
-	for _, l := range n.links {
-		errs = append(errs, l.Close())
-	}
+	err := closeLinks(n.links, &n.objs)
 	n.links = nil
-	errs = append(errs, n.objs.Close())
-	return errors.Join(errs...)
+	return err
 }
 
 // Remove detaches the nat path and deletes its pins (the shared counter maps
 // stay): what a teardown does.
 func (n *NatPath) Remove() error {
+	err := unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatSweep)
+	return errors.Join(err, n.Close())
+}
+
+// closeLinks drops a process's handles on its links and objects; pinned
+// ones stay attached.
+func closeLinks(links map[string]link.Link, objs io.Closer) error {
 	var errs []error
-	for _, l := range n.links {
+	for _, l := range links {
+		errs = append(errs, l.Close())
+	}
+	return errors.Join(append(errs, objs.Close())...)
+}
+
+// unpinLinks deletes the pins of links and of maps only they use, so the
+// last handle's close detaches them.
+func unpinLinks(links map[string]link.Link, maps ...*ebpf.Map) error {
+	var errs []error
+	for _, l := range links {
 		errs = append(errs, l.Unpin())
 	}
-	_ = n.objs.NatFlows.Unpin()
-	_ = n.objs.NatConfig.Unpin()
-	_ = n.objs.NatSweep.Unpin()
-	errs = append(errs, n.Close())
+	for _, m := range maps {
+		_ = m.Unpin()
+	}
 	return errors.Join(errs...)
 }

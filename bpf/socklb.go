@@ -286,27 +286,16 @@ func (s *SockLB) SetLocalAddrs(addrs []netip.Addr) error {
 // Close drops the process's handles. The pinned links and maps stay, so
 // callers keep being translated and counted without a daemon.
 func (s *SockLB) Close() error {
-	var errs []error
-	for _, l := range s.links {
-		errs = append(errs, l.Close())
-	}
+	err := closeLinks(s.links, &s.objs)
 	s.links = nil
-	errs = append(errs, s.objs.Close())
-	return errors.Join(errs...)
+	return err
 }
 
 // Remove detaches the socket path and deletes its pins (the shared counter
 // maps stay): what a teardown does.
 func (s *SockLB) Remove() error {
-	var errs []error
-	for _, l := range s.links {
-		errs = append(errs, l.Unpin())
-	}
-	for _, m := range []*ebpf.Map{s.objs.SockTargets, s.objs.SockLocal, s.objs.SockConfig, s.objs.SockSocks} {
-		_ = m.Unpin()
-	}
-	errs = append(errs, s.Close())
-	return errors.Join(errs...)
+	err := unpinLinks(s.links, s.objs.SockTargets, s.objs.SockLocal, s.objs.SockConfig, s.objs.SockSocks)
+	return errors.Join(err, s.Close())
 }
 
 // CgroupV2Root finds the mounted cgroup v2 hierarchy (/sys/fs/cgroup on a
