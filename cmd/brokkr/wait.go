@@ -186,12 +186,17 @@ func waitVM(ctx context.Context, w io.Writer, c *api.Client, name, until string,
 	defer cancel()
 	tty := isTerminal(w)
 	start := time.Now()
-	last := ""
+	last, lastPhase := "", ""
 	var failingSince time.Time
 	for {
 		st, err := c.Status(ctx)
 		if err != nil {
 			if ctx.Err() != nil {
+				// The time ran out during a status call: say what was
+				// seen last, as when it runs out between two calls.
+				if lastPhase != "" {
+					return fmt.Errorf("--wait: %s is still %s after %s, not %s", name, lastPhase, timeout, until)
+				}
 				return fmt.Errorf("--wait: %s is not %s after %s", name, until, timeout)
 			}
 			return err
@@ -200,6 +205,7 @@ func waitVM(ctx context.Context, w io.Writer, c *api.Client, name, until string,
 		if !ok {
 			return fmt.Errorf("--wait: %s is no longer in the desired state", name)
 		}
+		lastPhase = v.Phase
 		line := fmt.Sprintf("%s: %s", name, v.Phase)
 		if v.Detail != "" {
 			line += " (" + v.Detail + ")"
