@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# etcd users and roles for brokkr fleet mode (README "Fleet mode", DESIGN.md §3).
+# etcd users and roles for brokkr fleet mode (README "Fleet mode", docs/ARCHITECTURE.md "External contract").
 #
 #   scripts/fleet-roles.sh node NAME [PASSWORD]  user and role brokkr-node-NAME: may read only
 #                                                <prefix>/nodes/NAME/desired and write only

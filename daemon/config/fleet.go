@@ -11,7 +11,7 @@ import (
 	"go.yaml.in/yaml/v3"
 )
 
-// Fleet-mode defaults (DESIGN.md §3 "Fleet mode").
+// Fleet-mode defaults (docs/ARCHITECTURE.md, "External contract"; README "Fleet mode").
 const (
 	DefaultFleetPrefix = "/brokkr"
 	DefaultLeaseTTL    = 10 // seconds

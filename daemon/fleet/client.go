@@ -1,4 +1,5 @@
-// Package fleet is brokkr's fleet mode on etcd (DESIGN.md §3 "Fleet mode"):
+// Package fleet is brokkr's fleet mode on etcd (docs/ARCHITECTURE.md,
+// "External contract"; README "Fleet mode"):
 // the node agent, a daemon.Source that watches <prefix>/nodes/<node>/desired,
 // applies each revision whole or not at all, reports the node's status and
 // keeps <prefix>/nodes/<node>/alive under a lease; and the operator side
