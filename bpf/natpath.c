@@ -183,16 +183,6 @@ static __always_inline struct nf_conn *conn(__u64 ctp)
 	return bpf_rdonly_cast((void *)ctp, bpf_core_type_id_kernel(struct nf_conn));
 }
 
-static __always_inline void count_bytes(struct exposure_stat *st, int reply, __u64 n)
-{
-	if (!n)
-		return;
-	if (reply)
-		__sync_fetch_and_add(&st->bytes_out, n);
-	else
-		__sync_fetch_and_add(&st->bytes_in, n);
-}
-
 static __always_inline void acc(struct nat_flow *f, int reply, __u64 n)
 {
 	if (n)
@@ -376,6 +366,8 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 		if (brk_admit(st, lim)) {
 			nf.flags = F_OPEN;
 			nf.next_seq[0] = p.seq + 1;
+			if (p.proto == IPPROTO_UDP)
+				nf.pend[0] = p.payload; // the first datagram, counted like the rest
 			if (track(ctp, ct, &nf)) {
 				// Lost a race with the same entry, or the table is
 				// full: never hold a place nobody will give back.
@@ -387,8 +379,6 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 				__sync_fetch_and_add(&st->refused, 1);
 				return NF_DROP;
 			}
-			if (p.proto == IPPROTO_UDP)
-				count_bytes(st, 0, p.payload);
 			return NF_ACCEPT;
 		}
 		__sync_fetch_and_add(&st->refused, 1);

@@ -184,18 +184,6 @@ func (n *NatPath) SetGuests(p netip.Prefix) error {
 	return nil
 }
 
-// Flows is the number of connections the nat path tracks now.
-func (n *NatPath) Flows() (int, error) {
-	var k uint64
-	var v natpathNatFlow
-	it := n.objs.NatFlows.Iterate()
-	c := 0
-	for it.Next(&k, &v) {
-		c++
-	}
-	return c, it.Err()
-}
-
 // Close drops the process's handles. The pinned links and maps stay, so the
 // path keeps working without a daemon.
 func (n *NatPath) Close() error {

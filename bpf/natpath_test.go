@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/netip"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -46,7 +45,7 @@ func newNatTopo(t *testing.T, cap uint32) *natTopo {
 	tp.host.MustRun(t, "ip", "link", "set", "g1p", "master", "br0")
 	tp.host.MustRun(t, "ip", "link", "set", "dev", "g1p", "type", "bridge_slave", "hairpin", "on")
 	tp.guest.MustRun(t, "ip", "route", "add", "default", "via", "10.213.0.1")
-	serveEcho(t, tp.guest, "0.0.0.0:7000")
+	tp.guest.ServeEcho(t, "0.0.0.0:7000")
 
 	s, err := Open(pins)
 	require.NoError(t, err)
@@ -98,49 +97,6 @@ func (tp *natTopo) load(t *testing.T) *NatPath {
 	}
 	require.NoError(t, err)
 	return np
-}
-
-// serveEcho runs TCP and UDP echo servers inside ns until the test ends.
-func serveEcho(t *testing.T, ns *nstest.NS, addr string) {
-	t.Helper()
-	var ln net.Listener
-	var pc net.PacketConn
-	require.NoError(t, ns.Do(func() (err error) {
-		if ln, err = net.Listen("tcp4", addr); err != nil {
-			return err
-		}
-		pc, err = net.ListenPacket("udp4", addr)
-		return err
-	}))
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); pc.Close(); wg.Wait() })
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				_, _ = io.Copy(c, c)
-				c.Close()
-			}()
-		}
-	}()
-	go func() {
-		defer wg.Done()
-		buf := make([]byte, 65536)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			_, _ = pc.WriteTo(buf[:n], from)
-		}
-	}()
 }
 
 func dial(t *testing.T, ns *nstest.NS, network, addr string) (net.Conn, error) {
@@ -227,7 +183,7 @@ func TestNatPathCapsCountsAndReleasesInTheKernel(t *testing.T) {
 func TestNatPathKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T) {
 	tp := newNatTopo(t, 1)
 	np := tp.load(t)
-	ids := linkIDs(t, np)
+	ids := linkIDs(t, np.links)
 	require.NoError(t, np.Close()) // the daemon is gone; the pins stay
 
 	a, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
@@ -241,7 +197,7 @@ func TestNatPathKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T)
 	before := allLinks(t)
 	np2 := tp.load(t)
 	defer np2.Close()
-	assert.Equal(t, ids, linkIDs(t, np2), "a restarted daemon adopts the pinned links")
+	assert.Equal(t, ids, linkIDs(t, np2.links), "a restarted daemon adopts the pinned links")
 	assert.Equal(t, before, allLinks(t), "and attaches no second copy")
 
 	b, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
@@ -314,10 +270,11 @@ func allLinks(t *testing.T) []link.ID {
 	return ids
 }
 
-func linkIDs(t *testing.T, np *NatPath) map[string]uint32 {
+// linkIDs is the ID of each of a path's links, by pin name.
+func linkIDs(t *testing.T, links map[string]link.Link) map[string]uint32 {
 	t.Helper()
 	out := map[string]uint32{}
-	for name, l := range np.links {
+	for name, l := range links {
 		info, err := l.Info()
 		require.NoError(t, err)
 		out[name] = uint32(info.ID)

@@ -85,7 +85,7 @@ func newSockTopo(t *testing.T, proto uint32, cap uint32) *sockTopo {
 		addr := fmt.Sprintf("10.213.0.%d", 11+i)
 		nstest.Link(t, tp.host, port, "", g, "eth0", addr+"/24")
 		tp.host.MustRun(t, "ip", "link", "set", port, "master", "br0")
-		serveEcho(t, g, addr+":7000")
+		g.ServeEcho(t, addr+":7000")
 		serveName(t, g, addr+":7001", fmt.Sprintf("g%d", i+1))
 	}
 	s, err := Open(pins)
@@ -312,7 +312,7 @@ func TestSockLBKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T) 
 	tp := newSockTopo(t, ProtoTCP, 0)
 	lb := tp.load(t)
 	require.NoError(t, lb.SetTarget(anyHost, ProtoTCP, 8080, SockTarget{Guest: guest("10.213.0.11:7000"), Slot: tp.slot.Index()}))
-	ids := sockLinkIDs(t, lb)
+	ids := linkIDs(t, lb.links)
 	require.NoError(t, lb.Close()) // the daemon is gone; the pins stay
 
 	a, err := dial(t, tp.host, "tcp4", "127.0.0.1:8080")
@@ -326,7 +326,7 @@ func TestSockLBKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T) 
 
 	lb2 := tp.load(t)
 	defer lb2.Close()
-	assert.Equal(t, ids, sockLinkIDs(t, lb2), "a restarted daemon adopts the pinned links")
+	assert.Equal(t, ids, linkIDs(t, lb2.links), "a restarted daemon adopts the pinned links")
 	for _, h := range lb2.hooks() {
 		assert.Equal(t, 1, cgroupLinksRunning(t, tp.cgroup, h.prog, h.attach), "one copy of %s", h.pin)
 	}
@@ -496,17 +496,6 @@ func cgroupLinksRunning(t *testing.T, cgroup string, prog *ebpf.Program, attach 
 	}
 	require.NoError(t, it.Err())
 	return n
-}
-
-func sockLinkIDs(t *testing.T, s *SockLB) map[string]uint32 {
-	t.Helper()
-	out := map[string]uint32{}
-	for name, l := range s.links {
-		info, err := l.Info()
-		require.NoError(t, err)
-		out[name] = uint32(info.ID)
-	}
-	return out
 }
 
 // What byte counting costs per packet: the cgroup_skb programs run on every

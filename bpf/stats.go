@@ -339,13 +339,10 @@ func (s *Store) Lookup(name string) (Counters, bool) {
 // ResetActive takes the proxy's share out of every active gauge. A daemon
 // calls it once at start: the connections the previous process proxied died
 // with it, while the kernel paths' connections live on and keep their
-// places (the kernel maintains that share itself).
-func (s *Store) ResetActive() { s.ResetActiveExcept(nil) }
-
-// ResetActiveExcept is ResetActive for a process that took connections over
-// from the previous one (a hand-over): keep[name] of the proxy's places are
-// still held, by connections this process now carries and will close.
-func (s *Store) ResetActiveExcept(keep map[string]uint64) {
+// places (the kernel maintains that share itself). After a hand-over,
+// keep[name] of the proxy's places are still held, by connections this
+// process now carries and will close (nil: none).
+func (s *Store) ResetActive(keep map[string]uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for name, i := range s.byName {

@@ -153,7 +153,7 @@ func New(opts Options) (*Daemon, error) {
 	if d.store != nil {
 		// Connections the previous process proxied died with it; the kernel
 		// path re-adds what conntrack still holds.
-		d.store.ResetActiveExcept(opts.KeptProxyActive)
+		d.store.ResetActive(opts.KeptProxyActive)
 	}
 	d.status = d.mergeStatus(d.desired, supervisor.Report{}, netplane.Report{}, nil, nil)
 	return d, nil
@@ -661,17 +661,13 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 		if r.State == proxy.StatePending && e.VM != "" && r.Reason == "" {
 			r.Reason = "guest has no address yet"
 		}
+		// The engines' figures; Status reads the shared slot over them
+		// at every request.
 		var c bpf.Counters
-		found := false
-		if d.store != nil {
-			c, found = d.store.Lookup(e.Name)
-		}
-		if !found {
-			if n, ok := ns[e.Name]; ok {
-				c = n.Counters
-			} else if p := ps[e.Name]; len(p) > 0 {
-				c = p[0].Counters
-			}
+		if n, ok := ns[e.Name]; ok {
+			c = n.Counters
+		} else if p := ps[e.Name]; len(p) > 0 {
+			c = p[0].Counters
 		}
 		r.Active, r.Accepted, r.Refused, r.Dropped, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.BytesIn, c.BytesOut
 		st.Exposures = append(st.Exposures, r)

@@ -7,10 +7,13 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/brokkr/brokkr/internal/nlsafe"
@@ -135,4 +138,50 @@ func Link(t testing.TB, a *NS, aIf, aAddr string, b *NS, bIf, bAddr string) {
 		}
 		e.ns.MustRun(t, "ip", "link", "set", e.ifc, "up")
 	}
+}
+
+// ServeEcho runs TCP and UDP echo servers on addr inside the namespace until
+// the test ends: a guest service for tests of the data paths.
+func (n *NS) ServeEcho(t testing.TB, addr string) {
+	t.Helper()
+	var ln net.Listener
+	var pc net.PacketConn
+	if err := n.Do(func() (err error) {
+		if ln, err = net.Listen("tcp4", addr); err != nil {
+			return err
+		}
+		pc, err = net.ListenPacket("udp4", addr)
+		return err
+	}); err != nil {
+		t.Fatalf("echo server on %s in %s: %v", addr, n.Name, err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); pc.Close(); wg.Wait() })
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, _ = io.Copy(c, c)
+				c.Close()
+			}()
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		buf := make([]byte, 65536)
+		for {
+			k, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			_, _ = pc.WriteTo(buf[:k], from)
+		}
+	}()
 }

@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -64,22 +63,7 @@ func (e *env) attachEchoGuest() {
 	g.MustRun(t, "ip", "addr", "add", "10.213.8.200/24", "dev", "eth0")
 	g.MustRun(t, "ip", "link", "set", "eth0", "up")
 	g.MustRun(t, "ip", "route", "add", "default", "via", "10.213.8.1")
-	var ln net.Listener
-	require.NoError(t, g.Do(func() (err error) { ln, err = net.Listen("tcp4", ":7000"); return err }))
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() { defer wg.Done(); _, _ = io.Copy(c, c); c.Close() }()
-		}
-	}()
+	g.ServeEcho(t, "0.0.0.0:7000")
 }
 
 // shortCalls makes n connections through addr, each echoing msg once and
