@@ -75,6 +75,10 @@ type Daemon struct {
 	sockParts map[string]part
 
 	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
+	// parseGate lets one API request at a time parse a config: parsing a
+	// hostile body costs a core for tens of milliseconds, and without the
+	// gate a few such callers take every core from status and the passes.
+	parseGate sync.Mutex
 	// netMu keeps netplane's Validate (which reads the kernel) from running
 	// in the middle of its Converge (which changes it): a tap created but
 	// not yet labelled as brokkr's would look foreign to the validation.

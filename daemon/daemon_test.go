@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -812,4 +813,31 @@ func TestStatusJSONShape(t *testing.T) {
 		assert.Contains(t, m["exposures"][0], k)
 	}
 	_ = errors.New
+}
+
+// Hostile configs cost a core each to parse; the API parses one at a time so
+// a handful of such callers cannot take every core from status and passes.
+func TestAPIParsesOneConfigAtATime(t *testing.T) {
+	r := newRig(t, rigConfig)
+	h := r.d.Handler()
+	var now, most atomic.Int32
+	parseConfig = func(b []byte) (*config.Config, error) {
+		n := now.Add(1)
+		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+		}
+		time.Sleep(20 * time.Millisecond)
+		now.Add(-1)
+		return nil, config.Errors{{Path: "vms", Msg: "rejected by the test"}}
+	}
+	t.Cleanup(func() { parseConfig = config.Parse })
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, httptest.NewRequest("POST", "/v1/apply", strings.NewReader("vms: []\n")))
+			assert.Equal(t, http.StatusUnprocessableEntity, w.Code)
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, int32(1), most.Load(), "configs parsed at once")
 }
