@@ -701,3 +701,43 @@ func TestTheCapIsSharedWithTheExposuresOtherPaths(t *testing.T) {
 	require.NoError(t, b.Close())
 	eventually(t, "both places given back", func() bool { return only(t, m, spec).Counters.Active == 0 })
 }
+
+// After a burst, the parked carriers and the pooled splice pipes go once the
+// proxy has been idle a while: a daemon at rest holds no goroutine or
+// descriptor for connections that have ended.
+func TestABurstLeavesNoCarrierOrPipeBehindOnceIdle(t *testing.T) {
+	carrierIdle, pipeIdle = 300*time.Millisecond, 300*time.Millisecond
+	t.Cleanup(func() { carrierIdle, pipeIdle = 30*time.Second, 30*time.Second })
+	// Earlier tests' pipes wait on a trim armed with the old pipeIdle.
+	pipePool.mu.Lock()
+	if pipePool.trim != nil {
+		pipePool.trim.Reset(0)
+	}
+	pipePool.mu.Unlock()
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("burst", echoServer(t, "g:")))
+	require.Equal(t, StateActive, st.State, st.Reason)
+	before := openFDs(t)
+	burst := make([]*net.TCPConn, 40)
+	for i := range burst {
+		burst[i] = hold(t, st.BoundAddr)
+		_, err := burst[i].Write([]byte("ping\n"))
+		require.NoError(t, err)
+	}
+	for _, c := range burst {
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err := c.Read(make([]byte, 16))
+		require.NoError(t, err, "the echo came back through a pipe")
+	}
+	for _, c := range burst {
+		require.NoError(t, c.Close())
+	}
+	eventually(t, "the burst's connections to end", func() bool { return conns(m, "burst") == 0 })
+	eventually(t, "the parked carriers to exit", func() bool { return m.idleCarriers.Load() == 0 })
+	eventually(t, "the pooled pipes to close", func() bool {
+		pipePool.mu.Lock()
+		defer pipePool.mu.Unlock()
+		return len(pipePool.free) == 0
+	})
+	eventually(t, "the descriptors to be back", func() bool { return openFDs(t) <= before })
+}

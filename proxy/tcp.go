@@ -132,6 +132,10 @@ func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string, hostPort
 // maxIdleCarriers bounds the carrier goroutines parked for reuse.
 const maxIdleCarriers = 32
 
+// carrierIdle is how long a parked carrier waits for the next caller before
+// it exits, so a daemon at rest after a burst holds no extra goroutines.
+var carrierIdle = 30 * time.Second
+
 // carryJob is one admitted caller waiting to be carried.
 type carryJob struct {
 	ex        *exposure
@@ -149,6 +153,12 @@ type carryJob struct {
 // a goroutine. At most maxIdleCarriers park; a burst's extra ones exit.
 func (m *Manager) carrier(job carryJob) {
 	defer m.carrierWG.Done()
+	var idle *time.Timer
+	defer func() {
+		if idle != nil {
+			idle.Stop()
+		}
+	}()
 	for {
 		// Called straight from this loop, not through a helper with defers:
 		// that one more frame under every held connection cost 1.3 kB per
@@ -161,9 +171,17 @@ func (m *Manager) carrier(job carryJob) {
 			m.idleCarriers.Add(-1)
 			return
 		}
+		if idle == nil {
+			idle = time.NewTimer(carrierIdle)
+		} else {
+			idle.Reset(carrierIdle)
+		}
 		select {
 		case job = <-m.carriers:
 			m.idleCarriers.Add(-1)
+		case <-idle.C:
+			m.idleCarriers.Add(-1)
+			return
 		case <-m.quitCarriers:
 			m.idleCarriers.Add(-1)
 			return
