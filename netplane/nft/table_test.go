@@ -708,3 +708,86 @@ func TestCapSlowPathCarrier(t *testing.T) {
 	defer mu.Unlock()
 	assert.Equal(t, []string{"web -> 10.213.0.11:80", "web -> 10.213.0.11:80"}, got)
 }
+
+// The cap's slow-path listener exists only once a capped TCP exposure does:
+// no caps, a capped UDP exposure or the kernel cap (BPF) bind nothing and
+// leave the overflow map empty.
+func TestOverflowListenerOnlyWithCappedTCP(t *testing.T) {
+	tp := newTopo(t, 1)
+	listening := func() string { return tp.host.MustRun(t, "ss", "-Hltn") }
+	overflowMap := func() string {
+		return tp.host.MustRun(t, "nft", "list", "map", "inet", compile.TableName, compile.MapOverflow)
+	}
+	udpCapped := Exposure{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: guestAddr(0), GuestPort: 53, MaxConns: 4}
+	kernel := tp.rules(web(3))
+	kernel.KernelCap = true
+	kernel.Exposures[0].MarkID = 1
+	for name, r := range map[string]Rules{"no exposures": tp.rules(), "uncapped": tp.rules(web(0)),
+		"capped udp": tp.rules(udpCapped), "kernel cap": kernel} {
+		tp.converge(t, r)
+		assert.Nil(t, tp.table.ov.Load(), name)
+		assert.Empty(t, strings.TrimSpace(listening()), name+": no TCP listener in the namespace")
+		if !r.KernelCap {
+			assert.NotContains(t, overflowMap(), "elements", name)
+		}
+	}
+
+	tp.converge(t, tp.rules(web(3)))
+	o := tp.table.ov.Load()
+	require.NotNil(t, o, "a capped TCP exposure starts the slow path")
+	port := strconv.Itoa(int(o.port))
+	assert.Contains(t, listening(), ":"+port)
+	assert.Contains(t, overflowMap(), `tcp comment "cap slow path" : `+port)
+	// It stays while the table is open: a cap that comes back finds the
+	// same port.
+	tp.converge(t, tp.rules(web(0)))
+	assert.Same(t, o, tp.table.ov.Load())
+}
+
+// Converge, Counters, the watcher and the slow path run at once without
+// sharing one lock: under -race, with callers over the cap (the slow path
+// deciding) while exposures come and go and counters are read, the cap
+// still holds exactly.
+func TestConcurrentConvergeCountersAndSlowPath(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	r := tp.rules(web(2))
+	tp.converge(t, r)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_, err := tp.table.Counters()
+			assert.NoError(t, err)
+		}
+	})
+	wg.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			rr := r
+			rr.Exposures = append([]Exposure{}, r.Exposures...)
+			rr.Exposures = append(rr.Exposures, Exposure{Name: "x" + strconv.Itoa(i%3), Protocol: "tcp", HostPort: uint16(9000 + i%3), GuestAddr: guestAddr(0), GuestPort: 80})
+			_, err := tp.table.Converge(rr)
+			assert.NoError(t, err)
+		}
+	})
+	dst := netip.MustParseAddrPort("10.99.0.1:8080")
+	for i := 0; i < 5; i++ {
+		ok, _, cl := openConns(t, tp.client, dst, 6)
+		assert.LessOrEqual(t, ok, 2, "round %d: the cap admits at most 2", i)
+		cl()
+		require.NoError(t, tp.client.Do(func() error { return shortConn("10.99.0.1:8080") }), "round %d", i)
+	}
+	close(stop)
+	wg.Wait()
+	assert.LessOrEqual(t, membersOf(t, tp.table, "web"), 2)
+}

@@ -71,7 +71,7 @@ func goldenCases() []goldenCase {
 		{name: "cap-tcp-set", rules: baseRules(capped), overflowPort: 40001},
 		{name: "cap-tcp-set-no-listener", rules: baseRules(capped)},
 		{name: "cap-kernel", rules: kernel},
-		{name: "udp", rules: baseRules(udp, udpCapped), overflowPort: 40001},
+		{name: "udp", rules: baseRules(udp, udpCapped)},
 		{name: "hairpin-two-guests", rules: baseRules(tcpTo("web1", 8081, g1, 80), tcpTo("web2", 8082, g2, 80))},
 		{name: "isolate-guests", rules: isolated},
 		{name: "no-masquerade-no-dhcp-dns", rules: noMasq},
