@@ -1,3 +1,11 @@
+// Package nft applies brokkr's nftables tables and runs what lives beside
+// them: Converge makes the kernel hold what package compile builds from the
+// caller's whole desired state (Rules), in one netlink batch, falling back to
+// replacing both tables in one batch, and reports the drift it repaired.
+// Without the BPF nat path it also runs the set-based cap: the watcher that
+// frees the slots of closed connections (caps.go) and the slow path that
+// decides for callers who find a cap full (overflow.go). Counters reads the
+// per-exposure numbers. Nothing outside brokkr's two tables is touched.
 package nft
 
 import (

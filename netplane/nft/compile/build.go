@@ -368,8 +368,8 @@ func addExposure(t *TableSpec, e Exposure, id uint32, kernelCap bool) {
 				&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: RefusedCounter(e.Name)}, rej)...)
 		}
 		if proto == unix.IPPROTO_TCP {
-			// Full in the kernel: let the slow path decide exactly (see
-			// overflow.go). Without a listener (no element) the lookup fails
+			// Full in the kernel: let package nft's slow path decide
+			// exactly. Without a listener (no element) the lookup fails
 			// and the next rule refuses.
 			rules = append(rules, rule(fam, e.Name+": full in the kernel, to the slow path", append(l4proto(proto),
 				&expr.Immediate{Register: 1, Data: connMark(id)},

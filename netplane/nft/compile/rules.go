@@ -1,12 +1,13 @@
-// Package nft owns brokkr's nftables tables: `table inet brokkr` (map-dispatched
-// DNAT for exposures with an honest per-exposure connection cap, named
-// counters, the remote-loopback guard, host isolation, hairpin and egress
-// masquerade) and `table bridge brokkr` (anti-spoof per guest port and
-// guest-to-guest isolation). Nothing outside those two tables is touched.
+// Package compile is the pure half of brokkr's nftables tables: the desired
+// state (Rules), the table spec built from it (Desired, one unit per
+// exposure), the plan that turns one spec into another (MakePlan), and the
+// spec printed in `nft -f` syntax (Render). It touches no kernel and needs
+// no root: package nft applies what it builds and runs the cap around it.
 //
-// The caller computes the whole desired state (Rules); Converge makes the
-// kernel match it in one netlink batch, falling back to replacing both tables
-// in one batch, and reports the drift it repaired.
+// The tables are `table inet brokkr` (map-dispatched DNAT for exposures with
+// an honest per-exposure connection cap, named counters, the remote-loopback
+// guard, host isolation, hairpin and egress masquerade) and `table bridge
+// brokkr` (anti-spoof per guest port and guest-to-guest isolation).
 package compile
 
 import (
@@ -98,7 +99,7 @@ var ifnameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,15}$`)
 const MaxConnsLimit = 1 << 20
 
 // Validate checks r as a whole and returns every problem, each naming its
-// field. Converge applies nothing when Validate fails.
+// field. nft.Table.Converge applies nothing when Validate fails.
 func (r Rules) Validate() []error {
 	var errs []error
 	bad := func(field, format string, a ...any) {
