@@ -93,7 +93,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	var pInet, pBridge *compile.Plan
 	var res Result
 	if fast {
-		if pInet, err = t.planUnits(keys); err != nil {
+		if pInet, err = t.planUnits(keys, built); err != nil {
 			return Result{}, fmt.Errorf("nft: %w", err)
 		}
 		pBridge = compile.MakePlan(dBridge, compile.ObservedFrom(t.prevBridge))
@@ -226,12 +226,7 @@ func (t *Table) remember(keys map[string]compile.UnitKey, built map[string]*comp
 	}
 	for n, k := range keys {
 		if u, ok := t.units[n]; !ok || u.key != k {
-			spec := built[n]
-			if spec == nil {
-				// Built and checked by this Converge's plan already.
-				spec, _ = compile.UnitOf(&k)
-			}
-			t.units[n] = unitEntry{key: k, spec: spec}
+			t.units[n] = unitEntry{key: k, spec: built[n]} // every changed unit was built to plan it
 			t.byID[k.ID] = k.Exp
 			t.byHost[hostSideOf(k.Exp)] = n
 		}
@@ -285,8 +280,8 @@ func desiredFrom(global *compile.TableSpec, keys map[string]compile.UnitKey, uni
 }
 
 // planUnits plans the exposures whose inputs changed since the last batch,
-// each unit against its previous self.
-func (t *Table) planUnits(keys map[string]compile.UnitKey) (*compile.Plan, error) {
+// each unit against its previous self (the units it builds go in built).
+func (t *Table) planUnits(keys map[string]compile.UnitKey, built map[string]*compile.TableSpec) (*compile.Plan, error) {
 	p := compile.NewPlan(nftables.TableFamilyINet)
 	for n, k := range keys {
 		old, ok := t.units[n]
@@ -301,6 +296,7 @@ func (t *Table) planUnits(keys map[string]compile.UnitKey) (*compile.Plan, error
 		if err != nil {
 			return nil, err
 		}
+		built[n] = u
 		p.Merge(compile.MakePlan(u, compile.ObservedFrom(prev)))
 	}
 	for n, old := range t.units {
