@@ -1,13 +1,14 @@
-// Package nft owns brokkr's nftables tables: `table inet brokkr` (map-dispatched
-// DNAT for exposures with an honest per-exposure connection cap, named
-// counters, the remote-loopback guard, host isolation, hairpin and egress
-// masquerade) and `table bridge brokkr` (anti-spoof per guest port and
-// guest-to-guest isolation). Nothing outside those two tables is touched.
+// Package compile is the pure half of brokkr's nftables tables: the desired
+// state (Rules), the table spec built from it (Desired, one unit per
+// exposure), the plan that turns one spec into another (MakePlan), and the
+// spec printed in `nft -f` syntax (Render). It touches no kernel and needs
+// no root: package nft applies what it builds and runs the cap around it.
 //
-// The caller computes the whole desired state (Rules); Converge makes the
-// kernel match it in one netlink batch, falling back to replacing both tables
-// in one batch, and reports the drift it repaired.
-package nft
+// The tables are `table inet brokkr` (map-dispatched DNAT for exposures with
+// an honest per-exposure connection cap, named counters, the remote-loopback
+// guard, host isolation, hairpin and egress masquerade) and `table bridge
+// brokkr` (anti-spoof per guest port and guest-to-guest isolation).
+package compile
 
 import (
 	"errors"
@@ -33,8 +34,6 @@ type Rules struct {
 	// path's (bpf.NatPath); exposures carry only their mark and DNAT, and
 	// each Exposure's MarkID is its counter slot's.
 	KernelCap bool
-
-	overflowPort uint16 // the cap slow path's listener (set by Table.Converge; 0 = none)
 }
 
 // Guest is one bridge port that may only send frames from its own MAC and
@@ -61,10 +60,10 @@ type Exposure struct {
 // loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
 // alone (DNAT from loopback would need route_localnet, which brokkr never
 // sets); it is valid and gets no rules here.
-func (e Exposure) loopbackOnly() bool { return e.HostAddr.IsValid() && e.HostAddr.IsLoopback() }
+func (e Exposure) LoopbackOnly() bool { return e.HostAddr.IsValid() && e.HostAddr.IsLoopback() }
 
 // wildcard reports whether the exposure answers on every local address.
-func (e Exposure) wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
+func (e Exposure) Wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
 
 // FieldError names the field of Rules that is wrong.
 type FieldError struct {
@@ -100,7 +99,7 @@ var ifnameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,15}$`)
 const MaxConnsLimit = 1 << 20
 
 // Validate checks r as a whole and returns every problem, each naming its
-// field. Converge applies nothing when Validate fails.
+// field. nft.Table.Converge applies nothing when Validate fails.
 func (r Rules) Validate() []error {
 	var errs []error
 	bad := func(field, format string, a ...any) {
@@ -196,7 +195,7 @@ func (r Rules) Validate() []error {
 			bad(f+".maxConns", "%d must be 0 (unlimited) .. %d", e.MaxConns, MaxConnsLimit)
 		}
 		a := e.HostAddr
-		if e.wildcard() {
+		if e.Wildcard() {
 			a = netip.IPv4Unspecified()
 		}
 		k := bind{a, e.Protocol, e.HostPort}
@@ -211,10 +210,58 @@ func (r Rules) Validate() []error {
 	return errs
 }
 
-// validationError joins the errors of Validate into one error.
-func validationError(errs []error) error {
+// ValidationError joins the errors of Validate into one error.
+func ValidationError(errs []error) error {
 	if len(errs) == 0 {
 		return nil
 	}
 	return fmt.Errorf("invalid rules: %w", errors.Join(errs...))
+}
+
+// buildable reports input the builder cannot turn into expressions. Validate
+// already refuses all of it; this keeps the compiler total on input that did
+// not pass through Validate.
+func (r Rules) buildable() error {
+	if len(r.Bridge) == 0 || len(r.Bridge) > 15 {
+		return &FieldError{Field: "bridge", Msg: fmt.Sprintf("%q is not an interface name", r.Bridge)}
+	}
+	if !r.Subnet.IsValid() || !r.Subnet.Addr().Is4() {
+		return &FieldError{Field: "subnet", Msg: fmt.Sprintf("%q is not an IPv4 prefix", r.Subnet)}
+	}
+	for i, g := range r.Guests {
+		f := "guests[" + strconv.Itoa(i) + "]"
+		switch {
+		case len(g.Tap) == 0 || len(g.Tap) > 15:
+			return &FieldError{Field: f + ".tap", Msg: fmt.Sprintf("%q is not an interface name", g.Tap)}
+		case len(g.MAC) != 6:
+			return &FieldError{Field: f + ".mac", Msg: fmt.Sprintf("%q is not a 6-byte MAC", g.MAC)}
+		case g.Addr.IsValid() && !g.Addr.Is4():
+			return &FieldError{Field: f + ".addr", Msg: fmt.Sprintf("%s is not an IPv4 address", g.Addr)}
+		}
+	}
+	return nil
+}
+
+// buildable reports an exposure the builder cannot express (id is its mark
+// id; 0 is never one).
+func (e Exposure) buildable(kernelCap bool, id uint32) error {
+	if e.LoopbackOnly() {
+		return nil
+	}
+	f := "exposures[" + e.Name + "]"
+	switch {
+	case !validName(e.Name):
+		return &FieldError{Field: f + ".name", Msg: fmt.Sprintf("%q is not a valid name", e.Name)}
+	case e.Protocol != "tcp" && e.Protocol != "udp":
+		return &FieldError{Field: f + ".protocol", Msg: fmt.Sprintf("%q must be tcp or udp", e.Protocol)}
+	case !e.GuestAddr.Is4():
+		return &FieldError{Field: f + ".guestAddr", Msg: fmt.Sprintf("%q is not an IPv4 address", e.GuestAddr)}
+	case !e.Wildcard() && !e.HostAddr.Is4():
+		return &FieldError{Field: f + ".hostAddr", Msg: fmt.Sprintf("%s is not an IPv4 address", e.HostAddr)}
+	case e.MaxConns < 0 || e.MaxConns > MaxConnsLimit:
+		return &FieldError{Field: f + ".maxConns", Msg: fmt.Sprintf("%d is outside 0..%d", e.MaxConns, MaxConnsLimit)}
+	case id == 0 || id > MarkIDMask:
+		return &FieldError{Field: f + ".markID", Msg: fmt.Sprintf("%d is not a mark id (1..%d)", id, MarkIDMask)}
+	}
+	return nil
 }
