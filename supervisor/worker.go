@@ -391,7 +391,20 @@ func (w *worker) adopt(ctx context.Context, inst Instance) {
 		return
 	}
 	w.e.cfg.Logger.Info("adopted VM", "vm", w.name, "pid", inst.PID)
-	w.publish(PhaseRunning, "")
+	detail := ""
+	if p := w.e.cfg.Placer; p != nil {
+		// A VMM an older daemon started may sit in brokkrd's own cgroup,
+		// where a stop of the daemon's unit would reach it: move it. A
+		// failure leaves the VM running; the row says why it is exposed.
+		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := p.Place(pctx, w.name, inst.PID)
+		cancel()
+		if err != nil {
+			w.e.cfg.Logger.Warn("adopted VM stays outside its scope", "vm", w.name, "pid", inst.PID, "err", err)
+			detail = "not in its own scope: " + err.Error()
+		}
+	}
+	w.publish(PhaseRunning, detail)
 }
 
 // publishObserved reports what is known before any Step spoke of the VM.
@@ -467,6 +480,9 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 	w.save() // the intent survives a crash halfway through Start
 	w.publish(PhaseStarting, "starting "+w.e.cfg.Hypervisor.Kind())
 	sctx, cancel := context.WithTimeout(ctx, w.e.cfg.StartTimeout)
+	if p := w.e.cfg.Placer; p != nil {
+		lc.Place = func(pid int) error { return p.Place(sctx, w.name, pid) }
+	}
 	inst, err := w.e.cfg.Hypervisor.Start(sctx, lc)
 	timedOut := errors.Is(sctx.Err(), context.DeadlineExceeded)
 	cancel()
@@ -715,6 +731,16 @@ func (w *worker) destroy(ctx context.Context) {
 	w.disarm()
 	if w.inst != nil && !w.stopVM(ctx) {
 		return
+	}
+	if p := w.e.cfg.Placer; p != nil {
+		// The scope goes by itself once its process is gone; this also ends
+		// whatever the VMM left behind in it.
+		pctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		err := p.Release(pctx, w.name)
+		cancel()
+		if err != nil {
+			w.e.cfg.Logger.Warn("release the VM's scope", "vm", w.name, "err", err)
+		}
 	}
 	var errs []error
 	for _, d := range []string{w.e.runDir(w.name), w.e.vmDir(w.name)} {
