@@ -23,6 +23,7 @@ import (
 	"github.com/brokkr/brokkr/internal/atomicfile"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/brokkr/brokkr/supervisor/chv"
+	"github.com/brokkr/brokkr/supervisor/qemu"
 	"github.com/brokkr/brokkr/supervisor/scope"
 	"github.com/brokkr/brokkr/tests/chfake"
 )
@@ -37,6 +38,9 @@ import (
 const (
 	envDir     = "BRK_SCOPETEST_DIR"
 	envNoPlace = "BRK_SCOPETEST_NOPLACE" // "1": no Placer, as a brokkrd before scopes
+	// "kernel:initramfs": the qemu backend booting that guest (TCG),
+	// instead of the cloud-hypervisor backend and its fake.
+	envQEMU = "BRK_SCOPETEST_QEMU"
 )
 
 var (
@@ -84,8 +88,13 @@ func runDaemon(dir string) int {
 	cfg := supervisor.Config{
 		StateDir: filepath.Join(dir, "state"), RunDir: filepath.Join(dir, "run"),
 		Hypervisor: chv.New(filepath.Join(dir, "cloud-hypervisor")),
-		StopGrace:  2 * time.Second, StartTimeout: 10 * time.Second,
+		StopGrace:  2 * time.Second, StartTimeout: 30 * time.Second,
 		Logger: log,
+	}
+	kernel, initramfs := filepath.Join(dir, "vmlinuz"), ""
+	if g := os.Getenv(envQEMU); g != "" {
+		kernel, initramfs, _ = strings.Cut(g, ":")
+		cfg.Hypervisor = qemu.New("", qemu.WithAccel(qemu.AccelTCG), qemu.WithConsoleFile(), qemu.WithLogger(log))
 	}
 	if os.Getenv(envNoPlace) != "1" {
 		p, err := scope.Detect(ctx)
@@ -102,15 +111,18 @@ func runDaemon(dir string) int {
 		return 1
 	}
 	defer eng.Stop()
-	kernel := filepath.Join(dir, "vmlinuz")
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 	for {
 		var desired []supervisor.VMSpec
 		b, _ := os.ReadFile(filepath.Join(dir, "desired"))
 		for _, name := range strings.Fields(string(b)) {
-			desired = append(desired, supervisor.VMSpec{Name: name, CPUs: 1, MemoryMiB: 64,
-				Kernel: supervisor.Source{Location: kernel}, Power: supervisor.PowerRunning})
+			spec := supervisor.VMSpec{Name: name, CPUs: 1, MemoryMiB: 128,
+				Kernel: supervisor.Source{Location: kernel}, Power: supervisor.PowerRunning}
+			if initramfs != "" {
+				spec.Initramfs = &supervisor.Source{Location: initramfs}
+			}
+			desired = append(desired, spec)
 		}
 		rep := eng.Step(ctx, desired)
 		out, _ := json.Marshal(rep.VMs)

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -36,10 +37,26 @@ func alive(pid int, start uint64) bool {
 // daemon adopts it in its scope (same pid, no second VMM); destroying the
 // VM ends the process and the scope.
 func TestVMMRunsInItsScopeAndOutlivesTheDaemonUnit(t *testing.T) {
-	w := newWorld(t)
+	scopeLifecycle(t, newWorld(t))
+}
+
+// The same with the qemu backend booting the test guest (TCG): qemu, too,
+// is placed right after it starts.
+func TestQEMURunsInItsScopeAndOutlivesTheDaemonUnit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a real qemu (-short)")
+	}
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Skip("qemu-system-x86_64 not installed (scripts/deps.sh installs qemu-system-x86)")
+	}
+	img := findGuestImage(t)
+	scopeLifecycle(t, newWorld(t), envQEMU+"="+img.Kernel+":"+img.Initramfs)
+}
+
+func scopeLifecycle(t *testing.T, w *world, env ...string) {
 	ctx := context.Background()
 	w.desire("web")
-	w.startDaemon("brk-daemon-1.service", "")
+	w.startDaemon("brk-daemon-1.service", "", env...)
 	up := w.waitRow("brk-daemon-1.service", "web", running)
 	pid := up.PID
 	require.NotZero(t, pid)
@@ -72,7 +89,7 @@ func TestVMMRunsInItsScopeAndOutlivesTheDaemonUnit(t *testing.T) {
 	assert.Equal(t, "active", w.m.activeState(scope.Unit("web")))
 
 	w.removeStatus()
-	w.startDaemon("brk-daemon-2.service", "")
+	w.startDaemon("brk-daemon-2.service", "", env...)
 	again := w.waitRow("brk-daemon-2.service", "web", running)
 	assert.Equal(t, pid, again.PID, "the next daemon adopts the VMM in its scope")
 	assert.Zero(t, again.Restarts)
@@ -241,4 +258,32 @@ func (s *sleeper) waitTerminated(t *testing.T, what string) {
 	case <-time.After(10 * time.Second):
 		t.Fatalf("%s: the process still runs", what)
 	}
+}
+
+// findGuestImage reads the test guest's kernel and initramfs from
+// .cache/guest/env (tests/guest/build.sh; BROKKR_GUEST_DIR overrides the
+// directory), or skips saying how to build it.
+func findGuestImage(t *testing.T) (img struct{ Kernel, Initramfs string }) {
+	t.Helper()
+	dir := os.Getenv("BROKKR_GUEST_DIR")
+	if dir == "" {
+		dir = filepath.Join("..", "..", ".cache", "guest")
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "env"))
+	if err != nil {
+		t.Skipf("no guest image (%v): run `make guest-image` (tests/guest/build.sh)", err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		k, v, _ := strings.Cut(l, "=")
+		switch k {
+		case "GUEST_KERNEL":
+			img.Kernel = v
+		case "GUEST_INITRAMFS":
+			img.Initramfs = v
+		}
+	}
+	if img.Kernel == "" || img.Initramfs == "" {
+		t.Skipf("%s/env lacks GUEST_KERNEL or GUEST_INITRAMFS: rerun tests/guest/build.sh", dir)
+	}
+	return img
 }
