@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -185,7 +186,14 @@ func (w *world) startDaemon(unit string, killMode string, env ...string) {
 	if err != nil {
 		w.t.Fatal(err)
 	}
-	env = append(env, envDir+"="+w.dir, "DBUS_SYSTEM_BUS_ADDRESS="+w.m.busAddress())
+	// The caller's env may override these (systemd refuses a variable
+	// set twice).
+	for _, kv := range []string{envDir + "=" + w.dir, "DBUS_SYSTEM_BUS_ADDRESS=" + w.m.busAddress()} {
+		k, _, _ := strings.Cut(kv, "=")
+		if !slices.ContainsFunc(env, func(e string) bool { return strings.HasPrefix(e, k+"=") }) {
+			env = append(env, kv)
+		}
+	}
 	props := []sddbus.Property{
 		sddbus.PropDescription("brokkr scope test daemon"),
 		sddbus.PropExecStart([]string{exe, "-test.run=^$"}, true),

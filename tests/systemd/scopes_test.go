@@ -207,6 +207,22 @@ func TestStartFailsWhenTheScopeCannotBeMade(t *testing.T) {
 	assert.Empty(t, fakes(dir), "the VMM whose scope failed is not left running")
 }
 
+// Under systemd (here: the manager's /run/systemd/system) with no answer
+// on any bus, Detect says so, naming both ways it tried; it is not taken
+// for a host without systemd (brokkrd puts this one in status).
+func TestDetectUnderSystemdWithoutABus(t *testing.T) {
+	w := newWorld(t)
+	w.startDaemon("brk-daemon-1.service", "", "DBUS_SYSTEM_BUS_ADDRESS=unix:path="+filepath.Join(w.dir, "no-bus-here"))
+	require.Eventually(t, func() bool { return strings.Contains(w.daemonLog("brk-daemon-1.service"), "no placer") },
+		10*time.Second, 50*time.Millisecond, "daemon log:\n%s", w.daemonLog("brk-daemon-1.service"))
+	log := w.daemonLog("brk-daemon-1.service")
+	t.Log(strings.TrimSpace(log))
+	assert.Contains(t, log, "systemd runs this host but does not answer")
+	assert.Contains(t, log, "no-bus-here")
+	assert.Contains(t, log, "/run/systemd/private")
+	assert.NotContains(t, log, scope.ErrNoSystemd.Error())
+}
+
 // waitGone waits until the daemon no longer reports the VM.
 func (w *world) waitGone(unit, vm string) {
 	w.t.Helper()
