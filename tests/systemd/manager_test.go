@@ -31,7 +31,9 @@ import (
 //     /run is a fresh tmpfs holding /run/systemd/system (what sd_booted(3)
 //     looks for, so `systemd --user` and scope.Detect accept it);
 //   - in a network namespace of its own, empty, so none of its units can
-//     touch the host's network.
+//     touch the host's network;
+//   - with a bpffs of its own at /run/brk-bpf, for a brokkrd run as its unit,
+//     and /run/systemd/inaccessible, which a booting systemd would make.
 //
 // Its runtime directory ($XDG_RUNTIME_DIR) is on the host's /tmp: the test
 // reaches its session bus (a dbus-daemon it socket-activates) there, and
@@ -95,7 +97,11 @@ func cgroup2Mount() (mount, self string, err error) {
 	return "", "", errors.New("/proc/self/cgroup has no cgroup v2 line")
 }
 
-func startManager(t *testing.T) *manager {
+func startManager(t *testing.T) *manager { return startManagerIn(t, "") }
+
+// startManagerIn keeps the manager's runtime directory under base ("" is
+// the temp dir): units with PrivateTmp= cannot see the bus in /tmp.
+func startManagerIn(t *testing.T, base string) *manager {
 	t.Helper()
 	requireSystemd(t)
 	mnt, self, err := cgroup2Mount()
@@ -108,7 +114,7 @@ func startManager(t *testing.T) *manager {
 		t.Fatalf("create cgroup: %v", err)
 	}
 	// Short: unix socket paths under it must stay below 108 bytes.
-	if m.runtime, err = os.MkdirTemp("", "brk-sd"); err != nil {
+	if m.runtime, err = os.MkdirTemp(base, "brk-sd"); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(m.stop)
@@ -121,7 +127,15 @@ func startManager(t *testing.T) *manager {
 	script := `set -e
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
 mount -t tmpfs tmpfs /run
-mkdir -p /run/systemd/system
+mkdir -p /run/systemd/system /run/brk-bpf
+mount -t bpf bpf /run/brk-bpf
+# What a booting systemd makes in /run: the nodes that sandboxing options
+# (ProtectHome=, InaccessiblePaths=...) mount over the paths they hide.
+mkdir -p /run/systemd/inaccessible
+cd /run/systemd/inaccessible
+mkdir dir; touch reg; mkfifo fifo; mknod chr c 0 0; mknod blk b 0 0
+chmod 0000 dir reg fifo chr blk
+cd /
 exec /lib/systemd/systemd --user --log-target=console`
 	m.cmd = exec.Command("/bin/sh", "-c", script)
 	m.cmd.Env = []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=" + m.runtime, "XDG_RUNTIME_DIR=" + m.runtime}
