@@ -3,15 +3,18 @@ package systemd
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	sddbus "github.com/coreos/go-systemd/v22/dbus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -302,4 +305,112 @@ func findGuestImage(t *testing.T) (img struct{ Kernel, Initramfs string }) {
 		t.Skipf("%s/env lacks GUEST_KERNEL or GUEST_INITRAMFS: rerun tests/guest/build.sh", dir)
 	}
 	return img
+}
+
+// Adoption never stops a VM because its scope cannot be made: with the bus
+// unreachable the adopted VMM keeps running, its row says why it is not in
+// its scope, and once the bus answers a later pass moves it there.
+func TestAdoptedVMMOutsideItsScopeKeepsRunning(t *testing.T) {
+	if skipWhy != "" {
+		t.Skip(skipWhy)
+	}
+	m := startManager(t)
+	dir, err := os.MkdirTemp("", "brk-sda")
+	require.NoError(t, err)
+	t.Cleanup(func() { killFakes(dir); os.RemoveAll(dir) })
+	bin := filepath.Join(dir, "cloud-hypervisor")
+	require.NoError(t, os.WriteFile(bin, []byte("#!/bin/sh\nexport CHFAKE_SCHEMA="+specPath+"\nexec "+fakeBin+" \"$@\"\n"), 0o755))
+	kernel := filepath.Join(dir, "vmlinuz")
+	require.NoError(t, os.WriteFile(kernel, []byte("x"), 0o600))
+	spec := supervisor.VMSpec{Name: "web", CPUs: 1, MemoryMiB: 64, Kernel: supervisor.Source{Location: kernel}, Power: supervisor.PowerRunning}
+	engine := func(p supervisor.Placer) *supervisor.Engine {
+		eng, err := supervisor.NewEngine(supervisor.Config{
+			StateDir: filepath.Join(dir, "state"), RunDir: filepath.Join(dir, "run"),
+			Hypervisor: chv.New(bin), Placer: p, StartTimeout: 10 * time.Second,
+		})
+		require.NoError(t, err)
+		return eng
+	}
+	row := func(eng *supervisor.Engine, ok func(supervisor.VMStatus) bool) supervisor.VMStatus {
+		t.Helper()
+		var r supervisor.VMStatus
+		for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			if r = eng.Step(context.Background(), []supervisor.VMSpec{spec}).VMs[0]; ok(r) {
+				return r
+			}
+		}
+		t.Fatalf("the VM never reached the expected state; last row %+v", r)
+		return r
+	}
+
+	first := engine(nil) // a daemon from before scopes
+	up := row(first, running)
+	first.Stop()
+
+	var busUp atomic.Bool
+	p := scope.New(func(ctx context.Context) (*sddbus.Conn, error) {
+		if !busUp.Load() {
+			return nil, errors.New("the bus is down")
+		}
+		return m.dial(ctx)
+	})
+	defer p.Close()
+	second := engine(p)
+	defer second.Stop()
+	r := row(second, func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseRunning && r.Detail != "" })
+	assert.Equal(t, up.PID, r.PID, "adopted, not restarted")
+	assert.Contains(t, r.Detail, "not in its own scope")
+	assert.Contains(t, r.Detail, "the bus is down")
+	assert.NotEqual(t, webScope, m.relCgroup(up.PID))
+
+	busUp.Store(true)
+	r = row(second, func(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseRunning && r.Detail == "" })
+	assert.Equal(t, up.PID, r.PID)
+	assert.Equal(t, webScope, m.relCgroup(up.PID), "a later pass moved the VMM into its scope")
+}
+
+// The VMM leaves brokkrd.service's cgroup, and with it the unit's device
+// policy: its scope carries the same one. A process in the scope opens
+// /dev/net/tun (allowed) but not /dev/loop-control; the same script outside
+// any scope opens both.
+func TestScopeKeepsTheUnitsDevicePolicy(t *testing.T) {
+	requireSystemd(t)
+	for _, d := range []string{"/dev/net/tun", "/dev/loop-control"} {
+		if _, err := os.Stat(d); err != nil {
+			t.Skipf("needs %s: %v", d, err)
+		}
+	}
+	m := startManager(t)
+	p := scope.New(m.dial)
+	defer p.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	// Waits for ./go, so that it opens the devices only once placed.
+	const script = `while [ ! -e go ]; do sleep 0.02; done
+for d in /dev/net/tun /dev/loop-control; do
+  if (exec 3<$d) 2>/dev/null; then echo "$d opened"; else echo "$d denied"; fi
+done`
+	try := func(vm string) string {
+		t.Helper()
+		dir := t.TempDir()
+		c := exec.Command("/bin/sh", "-c", script)
+		c.Dir = dir
+		c.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		var out strings.Builder
+		c.Stdout = &out
+		require.NoError(t, c.Start())
+		if vm != "" {
+			if err := p.Place(ctx, vm, c.Process.Pid); err != nil {
+				_ = c.Process.Kill()
+				_ = c.Wait()
+				t.Fatal(err)
+			}
+		}
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "go"), nil, 0o600))
+		require.NoError(t, c.Wait())
+		return out.String()
+	}
+	assert.Equal(t, "/dev/net/tun opened\n/dev/loop-control opened\n", try(""), "outside any scope")
+	assert.Equal(t, "/dev/net/tun opened\n/dev/loop-control denied\n", try("dev"), "in the VM's scope")
 }
