@@ -82,7 +82,7 @@ func Detect(ctx context.Context) (*Systemd, error) {
 	}
 	s := New(SystemBus)
 	err := s.with(ctx, func(c *sddbus.Conn) error {
-		_, err := c.GetManagerProperty("Version")
+		_, err := c.SystemStateContext(ctx) // any call that ctx bounds
 		return err
 	})
 	if err != nil {

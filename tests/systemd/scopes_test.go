@@ -40,7 +40,7 @@ func alive(pid int, start uint64) bool {
 // daemon adopts it in its scope (same pid, no second VMM); destroying the
 // VM ends the process and the scope.
 func TestVMMRunsInItsScopeAndOutlivesTheDaemonUnit(t *testing.T) {
-	scopeLifecycle(t, newWorld(t))
+	scopeLifecycle(t, newWorld(t), "chfake")
 }
 
 // The same with the qemu backend booting the test guest (TCG): qemu, too,
@@ -53,16 +53,20 @@ func TestQEMURunsInItsScopeAndOutlivesTheDaemonUnit(t *testing.T) {
 		t.Skip("qemu-system-x86_64 not installed (scripts/deps.sh installs qemu-system-x86)")
 	}
 	img := findGuestImage(t)
-	scopeLifecycle(t, newWorld(t), envQEMU+"="+img.Kernel+":"+img.Initramfs)
+	scopeLifecycle(t, newWorld(t), "qemu-system-x86_64", envQEMU+"="+img.Kernel+":"+img.Initramfs)
 }
 
-func scopeLifecycle(t *testing.T, w *world, env ...string) {
+// scopeLifecycle runs the daemon with env; its VMM's executable is named exe.
+func scopeLifecycle(t *testing.T, w *world, exe string, env ...string) {
 	ctx := context.Background()
 	w.desire("web")
 	w.startDaemon("brk-daemon-1.service", "", env...)
 	up := w.waitRow("brk-daemon-1.service", "web", running)
 	pid := up.PID
 	require.NotZero(t, pid)
+	path, err := supervisor.ProcExe(pid)
+	require.NoError(t, err)
+	assert.Equal(t, exe, filepath.Base(path), "the VMM runs")
 	start, err := supervisor.ProcStartTime(pid)
 	require.NoError(t, err)
 
