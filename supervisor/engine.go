@@ -36,6 +36,9 @@ type Config struct {
 	Images               ImageFetcher
 	MaxConcurrentCreates int // 0 = unlimited
 	Logger               *slog.Logger
+	// Placer puts every VMM into a scope of its own. nil: VMMs stay in the
+	// daemon's cgroup, each in its own session.
+	Placer Placer
 
 	StartTimeout    time.Duration // one Start (launch + boot); default 2 min
 	StopGrace       time.Duration // power button to forced stop; default 30 s

@@ -100,6 +100,12 @@ type LaunchConfig struct {
 	MAC         net.HardwareAddr
 	ConsoleLog  string
 	ConsoleSize int64 // cap on console.log in bytes
+	// Place, when set, moves the VMM's process into the VM's own cgroup (a
+	// systemd scope, see Placer). The backend calls it right after the
+	// process starts, before the guest boots: memory a process touched
+	// before a move stays charged to the cgroup it left. An error fails
+	// the start (the backend kills what it started).
+	Place func(pid int) error
 }
 
 // Instance is a running (or adopted) hypervisor process.
@@ -126,8 +132,19 @@ const (
 	VMPaused   VMState = "paused"
 )
 
+// Placer gives each VMM process a cgroup of its own (supervisor/scope: a
+// transient systemd scope), so it is accounted apart from the daemon and a
+// stop of the daemon's unit does not reach it.
+type Placer interface {
+	// Place moves pid into the VM's own unit; a pid already there stays.
+	Place(ctx context.Context, vm string, pid int) error
+	// Release stops the VM's unit and anything still in it (a VM destroyed).
+	Release(ctx context.Context, vm string) error
+}
+
 // Hypervisor is the seam to a VMM (cloud-hypervisor, qemu, or a test fake).
-// Processes it starts must outlive the daemon (Setsid, no Pdeathsig).
+// Processes it starts must outlive the daemon (Setsid, no Pdeathsig) and
+// call LaunchConfig.Place, when set, as soon as they exist.
 //
 // Exit watching is the engine's job, not the backend's: after Start or Adopt
 // the worker opens a pidfd on Instance.PID and is woken the moment the

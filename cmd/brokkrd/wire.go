@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync/atomic"
+	"time"
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon"
@@ -20,6 +21,7 @@ import (
 	"github.com/brokkr/brokkr/supervisor/chv"
 	"github.com/brokkr/brokkr/supervisor/images"
 	"github.com/brokkr/brokkr/supervisor/qemu"
+	"github.com/brokkr/brokkr/supervisor/scope"
 	"golang.org/x/sys/unix"
 )
 
@@ -30,6 +32,9 @@ type system struct {
 	sock  *bpf.SockLB // nil when the socket path is off
 	lock  *os.File
 	fleet *fleet.Agent // nil on a single host
+	// scopes puts VMMs into systemd scopes; nil where systemd does not run
+	// the host.
+	scopes *scope.Systemd
 	// The proxy's Managers, for the hand-over; pxV6 is nil without ::1.
 	pxMain, pxV6 *proxy.Manager
 }
@@ -47,6 +52,9 @@ func (s *system) close() {
 	}
 	if s.fleet != nil {
 		_ = s.fleet.Close()
+	}
+	if s.scopes != nil {
+		s.scopes.Close()
 	}
 	_ = s.store.Close()
 	_ = s.lock.Close()
@@ -112,15 +120,29 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		store.Close()
 		return fail(err)
 	}
-	eng, err := supervisor.NewEngine(supervisor.Config{
+	scopes, warn := openScopes(ctx, log)
+	if warn != "" {
+		warnings = append(warnings, warn)
+	}
+	closeScopes := func() {
+		if scopes != nil {
+			scopes.Close()
+		}
+	}
+	supCfg := supervisor.Config{
 		StateDir:             cfg.StateDir,
 		RunDir:               cfg.RunDir,
 		Hypervisor:           hv,
 		Images:               cache,
 		MaxConcurrentCreates: *cfg.Hypervisor.MaxConcurrentCreates,
 		Logger:               log.With("engine", "supervisor"),
-	})
+	}
+	if scopes != nil {
+		supCfg.Placer = scopes // never a nil *scope.Systemd in the interface
+	}
+	eng, err := supervisor.NewEngine(supCfg)
 	if err != nil {
+		closeScopes()
 		plane.Close()
 		store.Close()
 		return fail(err)
@@ -142,6 +164,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 	if cfg.Fleet != nil {
 		if agent, err = fleet.New(cfg, log); err != nil {
 			eng.Stop()
+			closeScopes()
 			plane.Close()
 			store.Close()
 			return fail(err)
@@ -168,12 +191,12 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 			sock.Close()
 		}
 		eng.Stop()
+		closeScopes()
 		plane.Close()
 		store.Close()
 		return fail(err)
 	}
 	d.Store(dd)
-	_ = ctx
 	if h != nil {
 		for name, sn := range h.snaps {
 			m := pxMain
@@ -184,7 +207,29 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 			m.Adopt(sn.Pairs)
 		}
 	}
-	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, pxMain: pxMain, pxV6: pxV6}, nil
+	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, pxMain: pxMain, pxV6: pxV6, scopes: scopes}, nil
+}
+
+// openScopes gives every VMM a systemd scope of its own where systemd runs
+// the host (docs/ARCHITECTURE.md, "Supervision and adoption"). Elsewhere
+// VMMs stay in brokkrd's cgroup, each in its own session, as before. Under
+// systemd with no answer on its bus the warning goes into status: a VMM in
+// brokkrd.service's cgroup dies with `systemctl stop brokkrd`.
+func openScopes(ctx context.Context, log *slog.Logger) (*scope.Systemd, string) {
+	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	s, err := scope.Detect(dctx)
+	switch {
+	case err == nil:
+		log.Info("VMs run in systemd scopes of their own", "slice", scope.Slice)
+		return s, ""
+	case errors.Is(err, scope.ErrNoSystemd):
+		log.Info("VMs stay in brokkrd's cgroup, each in its own session", "reason", err)
+		return nil, ""
+	default:
+		log.Warn("VMs stay in brokkrd's cgroup", "err", err)
+		return nil, fmt.Sprintf("VMs are not in systemd scopes of their own (%v): stopping brokkrd.service stops them", err)
+	}
 }
 
 // openSocketPath attaches the socket path to the cgroup v2 root (mounting
