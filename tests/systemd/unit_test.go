@@ -44,8 +44,14 @@ func TestDistUnitKeepsVMsAcrossAStop(t *testing.T) {
 	fake, err := os.ReadFile(fakeBin)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(filepath.Join(bin, "chfake"), fake, 0o755))
+	// The unit's PrivateTmp and ProtectHome hide a checkout under /tmp,
+	// /home or /root from the daemon and its VMMs: the fake's schema goes
+	// beside it.
+	schema, err := os.ReadFile(specPath)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(bin, "cloud-hypervisor.yaml"), schema, 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(bin, "cloud-hypervisor"),
-		[]byte("#!/bin/sh\nexport CHFAKE_SCHEMA="+specPath+"\nexec "+filepath.Join(bin, "chfake")+" \"$@\"\n"), 0o755))
+		[]byte("#!/bin/sh\nexport CHFAKE_SCHEMA="+filepath.Join(bin, "cloud-hypervisor.yaml")+"\nexec "+filepath.Join(bin, "chfake")+" \"$@\"\n"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(base, "vmlinuz"), []byte("not really a kernel"), 0o600))
 	run := filepath.Join(base, "run")
 	cfgPath := filepath.Join(base, "brokkr.yaml")
@@ -103,14 +109,17 @@ vms:
 	start() // returns after READY=1: the first pass has run
 	client := api.NewClient(filepath.Join(run, "brokkr.sock"))
 	var pid int
-	require.Eventually(t, func() bool {
+	if !assert.Eventually(t, func() bool {
 		st, err := client.Status(ctx)
 		if err != nil || len(st.VMs) != 1 || st.VMs[0].Phase != "running" {
 			return false
 		}
 		pid = st.VMs[0].PID
 		return true
-	}, 30*time.Second, 50*time.Millisecond)
+	}, 30*time.Second, 50*time.Millisecond) {
+		st, err := client.Status(ctx)
+		t.Fatalf("the VM is not running: %+v %v\n%s", st, err, journal())
+	}
 	st, err := client.Status(ctx)
 	require.NoError(t, err)
 	assert.NotContains(t, strings.Join(st.Warnings, "\n"), "scope", "no warning about the VMs' scopes")
