@@ -239,8 +239,6 @@ static __always_inline int in_guest_net(__u32 saddr)
 
 #define RECHECK_NS (2ULL * 1000000000ULL)
 
-// flow_alive reports whether the conntrack entry at ctp is still the flow's
-// live, unexpired entry.
 // same_tuple reports whether ct's original tuple is the one the flow was
 // tracked with: conntrack entries live in a SLAB_TYPESAFE_BY_RCU cache, so
 // the entry at a flow's key may since be another connection's.
@@ -251,6 +249,8 @@ static __always_inline int same_tuple(struct nf_conn *ct, struct nat_flow *f)
 	       t->dst.u.all == f->dport && t->dst.protonum == f->proto;
 }
 
+// flow_alive reports whether the conntrack entry at ctp is still the flow's
+// live, unexpired entry.
 static __always_inline int flow_alive(__u64 ctp, struct nat_flow *f)
 {
 	struct nf_conn *ct = conn(ctp);
