@@ -12,6 +12,8 @@ import (
 	"strings"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // Defaults of the contract (docs/ARCHITECTURE.md, "External contract").
@@ -58,6 +60,42 @@ type Config struct {
 	// holds the etcd password.
 	Fleet   *Fleet  `yaml:"fleet" json:"-"`
 	Metrics Metrics `yaml:"metrics" json:"metrics"`
+
+	// model is what Compile made of this config when Parse validated it.
+	model *spec.Desired
+}
+
+// Spec is the typed desired state Parse validated this config into. A
+// Config that did not come from Parse or Defaults has none (nil): run it
+// through Compile.
+func (c *Config) Spec() *spec.Desired { return c.model }
+
+// WithPower returns a copy of c with VM name's desired power set, in the
+// config and in its model alike; false when there is no such VM.
+func (c *Config) WithPower(name string, power spec.Power) (*Config, bool) {
+	cp := *c
+	cp.VMs = append([]VM(nil), c.VMs...)
+	found := false
+	for i := range cp.VMs {
+		if cp.VMs[i].Name == name {
+			cp.VMs[i].Power = string(power)
+			found = true
+		}
+	}
+	if !found {
+		return nil, false
+	}
+	if c.model != nil {
+		m := *c.model
+		m.VMs = append([]spec.VM(nil), c.model.VMs...)
+		for i := range m.VMs {
+			if m.VMs[i].Name == name {
+				m.VMs[i].Power = power
+			}
+		}
+		cp.model = &m
+	}
+	return &cp, true
 }
 
 // Metrics is where else /metrics is served. The listener is opened when
@@ -149,6 +187,11 @@ func (es Errors) Error() string {
 func Defaults() *Config {
 	c := &Config{}
 	c.applyDefaults()
+	m, errs := Compile(c)
+	if len(errs) > 0 {
+		panic("config: the defaults do not validate: " + errs.Error())
+	}
+	c.model = m
 	return c
 }
 
@@ -196,9 +239,11 @@ func Parse(data []byte) (*Config, error) {
 		return nil, Errors{{Msg: "not valid: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
 	}
 	c.applyDefaults()
-	if errs := c.Validate(); len(errs) > 0 {
+	m, errs := Compile(c)
+	if len(errs) > 0 {
 		return nil, errs
 	}
+	c.model = m
 	return c, nil
 }
 
