@@ -21,6 +21,7 @@ import (
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/brokkr/brokkr/supervisor"
@@ -135,7 +136,10 @@ func (p *recProxy) Converge(d []proxy.Spec) []proxy.Status {
 	p.seen = map[string]string{}
 	var out []proxy.Status
 	for _, s := range d {
-		addr := p.resolve(s.VM)
+		addr := s.Target.Addr.String()
+		if s.Target.IsVM() {
+			addr = p.resolve(s.Target.VM)
+		}
 		p.seen[s.ID] = addr
 		st := proxy.StateActive
 		if addr == "" {
@@ -345,7 +349,7 @@ func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
 	specs, _ := r.px.specs()
 	got := map[string]string{}
 	for _, s := range specs {
-		got[s.ID] = s.HostAddress
+		got[s.ID] = s.HostAddress.String()
 	}
 	assert.Equal(t, map[string]string{
 		"web-auto":  "127.0.0.1", // loopback callers, which DNAT cannot serve
@@ -380,10 +384,10 @@ func TestAutoAlsoListensOnIPv6LoopbackThroughASecondManager(t *testing.T) {
 	six, _ := v6.specs()
 	var got4, got6 []string
 	for _, s := range main {
-		got4 = append(got4, s.ID+"@"+s.HostAddress)
+		got4 = append(got4, s.ID+"@"+s.HostAddress.String())
 	}
 	for _, s := range six {
-		got6 = append(got6, s.ID+"@"+s.HostAddress)
+		got6 = append(got6, s.ID+"@"+s.HostAddress.String())
 	}
 	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0"}, got4)
 	assert.Equal(t, []string{"web-auto@::1"}, got6, "only auto on an unspecified address adds ::1; one name per manager")
@@ -606,14 +610,14 @@ func TestCloseLeavesTheKernelAndVMsAlone(t *testing.T) {
 
 func TestMergeParts(t *testing.T) {
 	s, why := mergeParts([]part{{"nat", "active", ""}, {"proxy", "failed", "bind: address already in use"}})
-	assert.Equal(t, "failed", s)
+	assert.Equal(t, spec.StateFailed, s)
 	assert.Equal(t, "proxy: bind: address already in use", why)
 	s, _ = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "active", ""}})
-	assert.Equal(t, "pending", s)
+	assert.Equal(t, spec.StatePending, s)
 	_, why = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "pending", "no address"}, {"proxy", "pending", "no address"}})
 	assert.Equal(t, "nat: no lease; proxy: no address", why, "one reason once")
 	s, _ = mergeParts([]part{{"nat", "active", ""}})
-	assert.Equal(t, "active", s)
+	assert.Equal(t, spec.StateActive, s)
 }
 
 // --- API ---

@@ -78,7 +78,8 @@ func (d *Daemon) handleApply(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, fmt.Sprintf("dryRun: %q is not 1, true, 0 or false", r.URL.Query().Get("dryRun")), nil)
 		return
 	}
-	cfg, err := config.Parse(body)
+	// Decode only: Apply validates (config.Compile), once.
+	cfg, err := config.Decode(body)
 	if err == nil {
 		var plan api.Plan
 		plan, err = d.Apply(cfg, dry)

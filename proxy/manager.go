@@ -221,7 +221,7 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 	}
 
 	if ex == nil {
-		slot, err := m.stats.Attach(c.ID, bpf.ProtoNumber(c.Protocol), uint16(c.HostPort))
+		slot, err := m.stats.Attach(c.ID, bpf.ProtoNumber(string(c.Protocol)), uint16(c.HostPort))
 		if err != nil {
 			st.Reason = "counters: " + err.Error()
 			return st
@@ -258,7 +258,7 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 	st.Counters = ex.ctr.slot.Read()
 	st.State = StateActive
 	st.Reason = join(note, ex.reason)
-	if m.resolve(c.VM) == "" {
+	if m.guestAddr(c.Target) == "" {
 		st.State = StatePending
 		st.Reason = join("guest has no address yet", st.Reason)
 	}
@@ -275,7 +275,7 @@ func (m *Manager) relabel(c checked) {
 	if _, p, err := net.SplitHostPort(ex.boundAddr); err == nil {
 		port, _ = strconv.Atoi(p)
 	}
-	if sl, err := m.stats.Attach(c.ID, bpf.ProtoNumber(c.Protocol), uint16(port)); err == nil {
+	if sl, err := m.stats.Attach(c.ID, bpf.ProtoNumber(string(c.Protocol)), uint16(port)); err == nil {
 		sl.Release(false)
 	}
 }
@@ -298,7 +298,7 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 		m.loops.Add(1)
 		go func() {
 			defer m.loops.Done()
-			m.serveTCP(ex, ln, stop, c.VM, c.GuestPort)
+			m.serveTCP(ex, ln, stop, c.Target, c.GuestPort)
 		}()
 	case "udp":
 		conn, err := listenUDP(c)

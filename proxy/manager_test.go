@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/spec"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"runtime"
 	"strconv"
@@ -97,7 +99,7 @@ func echoServer(t *testing.T, tag string) int {
 }
 
 func tcpSpec(id string, guestPort int) Spec {
-	return Spec{ID: id, VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: guestPort}
+	return Spec{ID: id, Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("127.0.0.1"), GuestPort: guestPort}
 }
 
 // only converges and returns the single status, asserting there is one.
@@ -517,7 +519,7 @@ func TestAFailedExposureStillReportsItsCounters(t *testing.T) {
 func TestStopAllClosesEveryListenerAndKeepsTheCounters(t *testing.T) {
 	m, _ := newManager(t)
 	port := echoServer(t, "g:")
-	udp := Spec{ID: "dns", VM: "vm1", Protocol: "udp", HostAddress: "127.0.0.1", GuestPort: 53}
+	udp := Spec{ID: "dns", Target: spec.Target{VM: "vm1"}, Protocol: "udp", HostAddress: netip.MustParseAddr("127.0.0.1"), GuestPort: 53}
 	st := m.Converge([]Spec{tcpSpec("a", port), tcpSpec("b", port), udp})
 	for _, s := range st {
 		require.Equal(t, StateActive, s.State, s.Reason)
@@ -568,7 +570,7 @@ func TestIPv6HostAddress(t *testing.T) {
 	probe.Close()
 	m, _ := newManager(t)
 	spec := tcpSpec("web6", echoServer(t, "g:"))
-	spec.HostAddress = "::1"
+	spec.HostAddress = netip.MustParseAddr("::1")
 	st := only(t, m, spec)
 	require.Equal(t, StateActive, st.State, st.Reason)
 	assert.Equal(t, "g:six", roundTrip(t, dial(t, st.BoundAddr), "g:", "six"))
@@ -577,9 +579,7 @@ func TestIPv6HostAddress(t *testing.T) {
 // The proxy sets keepalive once, on the listener, and relies on accepted
 // sockets inheriting it; this checks that they do.
 func TestAcceptedCallersInheritKeepaliveFromTheListener(t *testing.T) {
-	c, err := validate(tcpSpec("web", 80))
-	require.NoError(t, err)
-	ln, err := listenTCP(c)
+	ln, err := listenTCP(fill(tcpSpec("web", 80)))
 	require.NoError(t, err)
 	defer ln.Close()
 	caller := dial(t, ln.Addr().String())

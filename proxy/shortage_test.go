@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
+	"github.com/brokkr/brokkr/internal/spec"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -194,7 +196,7 @@ func childShortage() int {
 	defer guest.Close()
 	m := NewManager(func(string) string { return "127.0.0.1" }, nil)
 	defer m.StopAll()
-	specs := []Spec{{ID: "web", VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1",
+	specs := []Spec{{ID: "web", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("127.0.0.1"),
 		GuestPort: guest.Addr().(*net.TCPAddr).Port}}
 	fmt.Println("bound", m.Converge(specs)[0].BoundAddr)
 
@@ -403,7 +405,7 @@ func childSplice() int {
 	}()
 	m := NewManager(func(string) string { return "127.0.0.1" }, nil)
 	defer m.StopAll()
-	st := m.Converge([]Spec{{ID: "bulk", VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1",
+	st := m.Converge([]Spec{{ID: "bulk", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("127.0.0.1"),
 		GuestPort: ln.Addr().(*net.TCPAddr).Port}})[0]
 	c, err := net.Dial("tcp", st.BoundAddr)
 	if err != nil {

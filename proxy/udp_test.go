@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"github.com/brokkr/brokkr/internal/spec"
 	"net"
 	"net/netip"
 	"strconv"
@@ -39,7 +40,7 @@ func udpEcho(t *testing.T) int {
 }
 
 func udpSpec(id string, guestPort int) Spec {
-	return Spec{ID: id, VM: "vm1", Protocol: "udp", HostAddress: "127.0.0.1", GuestPort: guestPort}
+	return Spec{ID: id, Target: spec.Target{VM: "vm1"}, Protocol: "udp", HostAddress: netip.MustParseAddr("127.0.0.1"), GuestPort: guestPort}
 }
 
 // ask sends msg from c to addr and returns the reply and where it came from,
@@ -164,10 +165,10 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 		port = probe.Addr().(*net.TCPAddr).Port
 		probe.Close()
 		st = m.Converge([]Spec{
-			{ID: "u4", VM: "vm1", Protocol: "udp", HostAddress: "0.0.0.0", GuestPort: guestUDP},
-			{ID: "u6", VM: "vm1", Protocol: "udp", HostAddress: "::", GuestPort: guestUDP},
-			{ID: "t6", VM: "vm1", Protocol: "tcp", HostAddress: "::", HostPort: port, GuestPort: guestTCP},
-			{ID: "t4", VM: "vm1", Protocol: "tcp", HostAddress: "0.0.0.0", HostPort: port, GuestPort: guestTCP},
+			{ID: "u4", Target: spec.Target{VM: "vm1"}, Protocol: "udp", HostAddress: netip.MustParseAddr("0.0.0.0"), GuestPort: guestUDP},
+			{ID: "u6", Target: spec.Target{VM: "vm1"}, Protocol: "udp", HostAddress: netip.MustParseAddr("::"), GuestPort: guestUDP},
+			{ID: "t6", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("::"), HostPort: port, GuestPort: guestTCP},
+			{ID: "t4", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("0.0.0.0"), HostPort: port, GuestPort: guestTCP},
 		})
 		c4 = udpClient(t, "udp4", "127.0.0.1:0")
 		c6 = udpClient(t, "udp6", "[fd00:bb::1]:0")
@@ -220,5 +221,5 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 	require.NoError(t, t4.SetDeadline(time.Now().Add(5*time.Second)))
 	assert.Equal(t, "g:six", roundTrip(t, t6, "g:", "six"))
 	assert.Equal(t, "g:four", roundTrip(t, t4, "g:", "four"))
-	assert.EqualValues(t, 1, only(t, m, Spec{ID: "t6", VM: "vm1", Protocol: "tcp", HostAddress: "::", HostPort: port, GuestPort: guestTCP}).Counters.Accepted)
+	assert.EqualValues(t, 1, only(t, m, Spec{ID: "t6", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("::"), HostPort: port, GuestPort: guestTCP}).Counters.Accepted)
 }

@@ -60,18 +60,10 @@ type Config struct {
 	// holds the etcd password.
 	Fleet   *Fleet  `yaml:"fleet" json:"-"`
 	Metrics Metrics `yaml:"metrics" json:"metrics"`
-
-	// model is what Compile made of this config when Parse validated it.
-	model *spec.Desired
 }
 
-// Spec is the typed desired state Parse validated this config into. A
-// Config that did not come from Parse or Defaults has none (nil): run it
-// through Compile.
-func (c *Config) Spec() *spec.Desired { return c.model }
-
-// WithPower returns a copy of c with VM name's desired power set, in the
-// config and in its model alike; false when there is no such VM.
+// WithPower returns a copy of c with VM name's desired power set; false when
+// there is no such VM. The copy is a changed desired state: Compile it.
 func (c *Config) WithPower(name string, power spec.Power) (*Config, bool) {
 	cp := *c
 	cp.VMs = append([]VM(nil), c.VMs...)
@@ -82,20 +74,7 @@ func (c *Config) WithPower(name string, power spec.Power) (*Config, bool) {
 			found = true
 		}
 	}
-	if !found {
-		return nil, false
-	}
-	if c.model != nil {
-		m := *c.model
-		m.VMs = append([]spec.VM(nil), c.model.VMs...)
-		for i := range m.VMs {
-			if m.VMs[i].Name == name {
-				m.VMs[i].Power = power
-			}
-		}
-		cp.model = &m
-	}
-	return &cp, true
+	return &cp, found
 }
 
 // Metrics is where else /metrics is served. The listener is opened when
@@ -187,19 +166,35 @@ func (es Errors) Error() string {
 func Defaults() *Config {
 	c := &Config{}
 	c.applyDefaults()
-	m, errs := Compile(c)
-	if len(errs) > 0 {
-		panic("config: the defaults do not validate: " + errs.Error())
-	}
-	c.model = m
 	return c
 }
 
-// Parse decodes YAML (or JSON, which the YAML decoder reads too) and
-// validates it as a whole. An empty document is the defaults. Unknown keys are
+// Parse decodes and validates a config as a whole (Load without the
+// model, for callers that need only the file).
+func Parse(data []byte) (*Config, error) {
+	c, _, err := Load(data)
+	return c, err
+}
+
+// Load decodes YAML (or JSON, which the YAML decoder reads too) and
+// validates it as a whole into the typed model (Compile).
+func Load(data []byte) (*Config, *spec.Desired, error) {
+	c, err := Decode(data)
+	if err != nil {
+		return nil, nil, err
+	}
+	m, errs := Compile(c)
+	if len(errs) > 0 {
+		return nil, nil, errs
+	}
+	return c, m, nil
+}
+
+// Decode reads a config's shape and fills in its defaults; its values are
+// checked by Compile. An empty document is the defaults. Unknown keys are
 // errors: a misspelt key ("maxconns") silently falling back to a default is
 // exactly the kind of surprise a config file must not hold.
-func Parse(data []byte) (*Config, error) {
+func Decode(data []byte) (*Config, error) {
 	if len(data) > maxConfigBytes {
 		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), maxConfigBytes)}}
 	}
@@ -239,11 +234,6 @@ func Parse(data []byte) (*Config, error) {
 		return nil, Errors{{Msg: "not valid: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
 	}
 	c.applyDefaults()
-	m, errs := Compile(c)
-	if len(errs) > 0 {
-		return nil, errs
-	}
-	c.model = m
 	return c, nil
 }
 
