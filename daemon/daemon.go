@@ -41,9 +41,8 @@ type Options struct {
 	Tick       time.Duration // default 1 s
 	Timeout    time.Duration // per engine pass; default 10 s
 	Warnings   []string      // conditions found while opening (shown in status)
-	// IPv6Loopback makes auto exposures also listen on ::1 (the Proxy must
-	// then carry ::1 specs next to 127.0.0.1 ones under the same name; see
-	// ProxyPair).
+	// IPv6Loopback makes auto exposures also listen on ::1 (the Proxy then
+	// carries ::1 specs next to 127.0.0.1 ones under the same name).
 	IPv6Loopback bool
 	// SocketPath, when set, serves auto exposures' host-local callers in
 	// the kernel (and the loopback proxies go away); SocketPathReason says

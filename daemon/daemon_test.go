@@ -366,31 +366,27 @@ func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
 	}
 }
 
-func TestAutoAlsoListensOnIPv6LoopbackThroughASecondManager(t *testing.T) {
+func TestAutoAlsoListensOnIPv6LoopbackUnderTheSameName(t *testing.T) {
 	host, err := config.Parse([]byte(rigConfig))
 	require.NoError(t, err)
 	host.StateDir, host.RunDir = t.TempDir(), shortDir(t)
 	c := &calls{}
 	addrs := NewAddressBook()
-	v4, v6 := &recProxy{calls: c, resolve: addrs.Resolve}, &recProxy{calls: c, resolve: addrs.Resolve}
+	px := &recProxy{calls: c, resolve: addrs.Resolve}
 	store := bpf.NewInMemory("test")
 	defer store.Close()
 	d, err := New(Options{Host: host, Store: store, Supervisor: &recSup{calls: c}, Network: &recNet{calls: c, leased: true},
-		Proxy: ProxyPair{Main: v4, Loopback6: v6}, Addresses: addrs, IPv6Loopback: true,
+		Proxy: px, Addresses: addrs, IPv6Loopback: true,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	d.Pass(context.Background())
-	main, _ := v4.specs()
-	six, _ := v6.specs()
-	var got4, got6 []string
-	for _, s := range main {
-		got4 = append(got4, s.ID+"@"+s.HostAddress.String())
+	specs, _ := px.specs()
+	var got []string
+	for _, s := range specs {
+		got = append(got, s.ID+"@"+s.HostAddress.String())
 	}
-	for _, s := range six {
-		got6 = append(got6, s.ID+"@"+s.HostAddress.String())
-	}
-	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0"}, got4)
-	assert.Equal(t, []string{"web-auto@::1"}, got6, "only auto on an unspecified address adds ::1; one name per manager")
+	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-auto@::1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0"}, got,
+		"only auto on an unspecified address adds ::1, to the one Manager, under the exposure's name")
 	assert.Equal(t, "active", expo(d.Status(), "web-auto").State, "the two listeners merge into one row")
 }
 

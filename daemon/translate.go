@@ -73,34 +73,6 @@ func vmSpecs(m *spec.Desired, facts map[string]guestFacts) []supervisor.VMSpec {
 	return out
 }
 
-// ProxyPair carries the IPv6-loopback listeners on a second proxy.Manager.
-// An auto exposure listens on 127.0.0.1 and ::1 under one name, and one
-// Manager holds one listener per name; both Managers attach the exposure's
-// counter slot by that name in the same Store, so the two listeners add
-// into one entry and share nothing else.
-type ProxyPair struct {
-	Main, Loopback6 Proxy
-}
-
-// Converge hands ::1 specs to Loopback6 and the rest to Main.
-func (p ProxyPair) Converge(specs []proxy.Spec) []proxy.Status {
-	var main, v6 []proxy.Spec
-	for _, s := range specs {
-		if s.HostAddress == netip.IPv6Loopback() {
-			v6 = append(v6, s)
-		} else {
-			main = append(main, s)
-		}
-	}
-	return append(p.Main.Converge(main), p.Loopback6.Converge(v6)...)
-}
-
-// StopAll stops both.
-func (p ProxyPair) StopAll() {
-	p.Main.StopAll()
-	p.Loopback6.StopAll()
-}
-
 // HaveIPv6Loopback reports whether ::1 can be bound in this namespace (IPv6
 // may be disabled; then auto exposures serve loopback callers on 127.0.0.1
 // only).

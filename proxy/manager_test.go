@@ -162,12 +162,23 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// liveOf is the running listener of exposure id (m.mu held); the tests
+// that use it give each exposure one host address.
+func liveOf(m *Manager, id string) *exposure {
+	for k, ex := range m.live {
+		if k.id == id {
+			return ex
+		}
+	}
+	return nil
+}
+
 // listenerOf reads an exposure's current listener under the lock the accept
 // loop writes it under.
 func listenerOf(m *Manager, id string) net.Listener {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if ex := m.live[id]; ex != nil {
+	if ex := liveOf(m, id); ex != nil {
 		return ex.ln
 	}
 	return nil
@@ -176,7 +187,7 @@ func listenerOf(m *Manager, id string) net.Listener {
 func conns(m *Manager, id string) int64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if ex := m.live[id]; ex != nil {
+	if ex := liveOf(m, id); ex != nil {
 		return ex.conns.Load()
 	}
 	return -1
@@ -276,7 +287,7 @@ func TestAListenerWhoseAcceptLoopDiedIsRebound(t *testing.T) {
 	eventually(t, "the dead loop gives its listener back", func() bool {
 		m.mu.Lock()
 		defer m.mu.Unlock()
-		ex := m.live["web"]
+		ex := liveOf(m, "web")
 		reason = ex.reason
 		return ex.ln == nil
 	})
@@ -700,4 +711,51 @@ func TestTheCapIsSharedWithTheExposuresOtherPaths(t *testing.T) {
 	require.NoError(t, a.Close())
 	require.NoError(t, b.Close())
 	eventually(t, "both places given back", func() bool { return only(t, m, spec).Counters.Active == 0 })
+}
+
+// An auto exposure's loopback listeners (127.0.0.1 and ::1) live in one
+// Manager under one name: both carry, both count into the one slot, and the
+// cap holds across them. Dropping one address keeps the exposure's counters;
+// dropping the name deletes them.
+func TestOneExposureListensOnTwoAddressesUnderOneName(t *testing.T) {
+	probe, err := net.Listen("tcp6", "[::1]:0")
+	if err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	}
+	probe.Close()
+	m, _ := newManager(t)
+	port := echoServer(t, "g:")
+	v4 := tcpSpec("web", port)
+	v4.MaxConns = 1
+	v6 := v4
+	v6.HostAddress = netip.IPv6Loopback()
+	st := m.Converge([]Spec{v4, v6})
+	require.Len(t, st, 2)
+	for _, s := range st {
+		require.Equal(t, StateActive, s.State, s.Reason)
+	}
+	require.NotEqual(t, st[0].BoundAddr, st[1].BoundAddr)
+
+	c4 := dial(t, st[0].BoundAddr)
+	assert.Equal(t, "g:four", roundTrip(t, c4, "g:", "four"))
+	requireReset(t, st[1].BoundAddr) // the one place is taken through 127.0.0.1
+	require.NoError(t, c4.Close())
+	eventually(t, "the place is given back", func() bool { c, _ := m.stats.Lookup("web"); return c.Active == 0 })
+	c6 := dial(t, st[1].BoundAddr)
+	assert.Equal(t, "g:six", roundTrip(t, c6, "g:", "six"))
+	require.NoError(t, c6.Close())
+	eventually(t, "the place is given back", func() bool { c, _ := m.stats.Lookup("web"); return c.Active == 0 })
+
+	c, ok := m.stats.Lookup("web")
+	require.True(t, ok)
+	assert.EqualValues(t, 2, c.Accepted, "both listeners count into the one slot")
+	assert.EqualValues(t, 1, c.Refused)
+
+	only(t, m, v4) // ::1 goes; the exposure stays
+	c, ok = m.stats.Lookup("web")
+	require.True(t, ok, "the exposure is still desired: its slot stays")
+	assert.EqualValues(t, 2, c.Accepted)
+	m.Converge(nil)
+	_, ok = m.stats.Lookup("web")
+	assert.False(t, ok, "the exposure is gone: its slot is deleted")
 }

@@ -100,7 +100,7 @@ func TestADescriptorShortagePausesTheLoopKeepsThePortAndIsReported(t *testing.T)
 	eventually(t, "the loop dies and says why", func() bool {
 		m.mu.Lock()
 		defer m.mu.Unlock()
-		return m.live["web"].ln == nil && strings.Contains(m.live["web"].reason, "accept: ")
+		return liveOf(m, "web").ln == nil && strings.Contains(liveOf(m, "web").reason, "accept: ")
 	})
 }
 

@@ -198,7 +198,7 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 	}
 	if r == "" {
 		m.mu.Lock()
-		ex := m.live["u6"]
+		ex := liveOf(m, "u6")
 		t.Logf("no reply over IPv6; u6 reason %q lost %q conns %d counters %+v", ex.reason, ex.lost, ex.conns.Load(), ex.ctr.slot.Read())
 		m.mu.Unlock()
 	}

@@ -36,6 +36,9 @@ func (c checked) listenKey() string {
 	return c.bindKey() + " -> " + c.Target.String() + ":" + strconv.Itoa(c.GuestPort)
 }
 
+// key is the listener's name in the Manager.
+func (c checked) key() listenerKey { return listenerKey{c.ID, c.host} }
+
 // hostAddrPort is the address the listener binds.
 func (c checked) hostAddrPort() string {
 	return netip.AddrPortFrom(c.host, uint16(c.HostPort)).String()
@@ -53,26 +56,26 @@ func fill(s Spec) checked {
 }
 
 // validateAll fills in every spec and checks what only this Manager knows:
-// an ID names one listener, and no two listeners ask for the same protocol,
-// address and port. The first of two clashing specs keeps running; every
-// later one fails and names the one it clashes with, so a working exposure
-// is never taken down by a new one. owners[i] says spec i is the one that
-// owns its ID (its first use), whose running state and counters the ID
+// an ID and a host address name one listener, and no two listeners ask for
+// the same protocol, address and port. The first of two clashing specs keeps
+// running; every later one fails and names the one it clashes with, so a
+// working exposure is never taken down by a new one. owners[i] says spec i
+// is the one that owns its key (its first use), whose running state the key
 // names.
 func validateAll(desired []Spec) (checks []checked, errs []error, owners []bool) {
 	out := make([]checked, len(desired))
 	errs = make([]error, len(desired))
 	owners = make([]bool, len(desired))
-	ids := map[string]int{}
+	keys := map[listenerKey]int{}
 	binds := map[string]int{}
 	for i, s := range desired {
 		c := fill(s)
 		out[i] = c
-		if j, seen := ids[s.ID]; seen {
-			errs[i] = fmt.Errorf("name: %q is used by an earlier exposure (#%d)", s.ID, j)
+		if j, seen := keys[c.key()]; seen {
+			errs[i] = fmt.Errorf("name: %q on %s is used by an earlier exposure (#%d)", s.ID, c.host, j)
 			continue
 		}
-		ids[s.ID] = i
+		keys[c.key()] = i
 		owners[i] = true
 		if c.HostPort == 0 {
 			continue // the OS picks a free port: nothing to clash with

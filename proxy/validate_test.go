@@ -31,7 +31,7 @@ func TestValidateAllFailsDuplicatesAfterTheFirst(t *testing.T) {
 	mapped := Spec{ID: "d", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("::ffff:127.0.0.1"), HostPort: 8080, GuestPort: 82}
 	_, errs, owners := validateAll([]Spec{a, dupID, dupBind, otherProto, mapped})
 	assert.NoError(t, errs[0])
-	assert.ErrorContains(t, errs[1], `name: "a" is used by an earlier exposure`)
+	assert.ErrorContains(t, errs[1], `name: "a" on 127.0.0.1 is used by an earlier exposure`)
 	assert.ErrorContains(t, errs[2], `hostPort: tcp 127.0.0.1:8080 is already published by exposure "a"`)
 	assert.NoError(t, errs[3], "the same port over another protocol is another socket")
 	assert.ErrorContains(t, errs[4], "already published", "an IPv4-mapped address is the IPv4 address")
