@@ -28,15 +28,16 @@ const (
 	RestartNever     = spec.RestartNever
 )
 
-// Phases of VMStatus.Phase (docs/ARCHITECTURE.md, "External contract").
+// Phases of VMStatus.Phase: the model's set (docs/ARCHITECTURE.md,
+// "External contract").
 const (
-	PhasePending  = "pending"
-	PhaseCreating = "creating"
-	PhaseStarting = "starting"
-	PhaseRunning  = "running"
-	PhaseStopping = "stopping"
-	PhaseStopped  = "stopped"
-	PhaseFailed   = "failed"
+	PhasePending  = string(spec.PhasePending)
+	PhaseCreating = string(spec.PhaseCreating)
+	PhaseStarting = string(spec.PhaseStarting)
+	PhaseRunning  = string(spec.PhaseRunning)
+	PhaseStopping = string(spec.PhaseStopping)
+	PhaseStopped  = string(spec.PhaseStopped)
+	PhaseFailed   = string(spec.PhaseFailed)
 )
 
 // Source is a local path or an http(s) URL, with the sha256 it must have

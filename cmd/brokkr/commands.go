@@ -15,6 +15,7 @@ import (
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/spf13/cobra"
 )
 
@@ -173,12 +174,12 @@ does for a failed unit, so scripts and health checks need not parse the output.`
 // failedExit is status's exit 3 while anything is failed (docs/ARCHITECTURE.md, "External contract").
 func failedExit(st *api.Status) error {
 	for _, v := range st.VMs {
-		if v.Phase == "failed" {
+		if v.Phase == string(spec.PhaseFailed) {
 			return silentError{3}
 		}
 	}
 	for _, e := range st.Exposures {
-		if e.State == "failed" {
+		if e.State == string(spec.StateFailed) {
 			return silentError{3}
 		}
 	}

@@ -29,17 +29,15 @@ const (
 	DefaultCPUs            = 1
 	DefaultMemory          = "256M"
 	DefaultCmdline         = "console=ttyS0"
-	DefaultPower           = "running"
-	DefaultRestart         = "always"
-	DefaultProtocol        = "tcp"
+	DefaultPower           = string(spec.PowerRunning)
+	DefaultRestart         = string(spec.RestartAlways)
+	DefaultProtocol        = string(spec.TCP)
 	DefaultHostAddress     = "0.0.0.0"
-	DefaultMode            = "auto"
+	DefaultMode            = string(spec.ModeAuto)
 	DefaultMaxConns        = 256
 	MaxExposureNameLen     = 63
 	HypervisorCHV          = "cloud-hypervisor"
 	HypervisorQEMU         = "qemu"
-	ModeAuto, ModeNAT      = "auto", "nat"
-	ModeProxy              = "proxy"
 	minMTU, maxMTU         = 576, 65535
 	maxConfigBytes         = 4 << 20
 	maxConcurrentCreatesUp = 1024
