@@ -759,3 +759,23 @@ func TestOneExposureListensOnTwoAddressesUnderOneName(t *testing.T) {
 	_, ok = m.stats.Lookup("web")
 	assert.False(t, ok, "the exposure is gone: its slot is deleted")
 }
+
+// A listener that moves to another address is a new (name, address) key,
+// but the same exposure: its counters carry on.
+func TestAMovedListenerKeepsItsExposuresCounters(t *testing.T) {
+	m, _ := newManager(t)
+	port := echoServer(t, "g:")
+	a := tcpSpec("web", port)
+	st := only(t, m, a)
+	require.Equal(t, StateActive, st.State, st.Reason)
+	c := dial(t, st.BoundAddr)
+	assert.Equal(t, "g:x", roundTrip(t, c, "g:", "x"))
+	require.NoError(t, c.Close())
+
+	b := a
+	b.HostAddress = netip.MustParseAddr("127.0.0.2")
+	st = only(t, m, b)
+	require.Equal(t, StateActive, st.State, st.Reason)
+	assert.True(t, strings.HasPrefix(st.BoundAddr, "127.0.0.2:"), st.BoundAddr)
+	assert.EqualValues(t, 1, st.Counters.Accepted, "the exposure's slot was kept across the move")
+}
