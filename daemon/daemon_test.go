@@ -140,12 +140,12 @@ func (p *recProxy) Converge(d []proxy.Spec) []proxy.Status {
 		if s.Target.IsVM() {
 			addr = p.resolve(s.Target.VM)
 		}
-		p.seen[s.ID] = addr
+		p.seen[s.Name] = addr
 		st := proxy.StateActive
 		if addr == "" {
 			st = proxy.StatePending
 		}
-		out = append(out, proxy.Status{ID: s.ID, State: st})
+		out = append(out, proxy.Status{ID: s.Name, State: st})
 	}
 	return out
 }
@@ -349,7 +349,7 @@ func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
 	specs, _ := r.px.specs()
 	got := map[string]string{}
 	for _, s := range specs {
-		got[s.ID] = s.HostAddress.String()
+		got[s.Name] = s.Listen.String()
 	}
 	assert.Equal(t, map[string]string{
 		"web-auto":  "127.0.0.1", // loopback callers, which DNAT cannot serve
@@ -358,7 +358,7 @@ func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
 		"ext":       "0.0.0.0",
 	}, got)
 	for _, s := range specs {
-		if s.ID == "ext" {
+		if s.Name == "ext" {
 			assert.Equal(t, 3, s.MaxConns)
 		} else {
 			assert.Equal(t, 256, s.MaxConns)
@@ -383,7 +383,7 @@ func TestAutoAlsoListensOnIPv6LoopbackUnderTheSameName(t *testing.T) {
 	specs, _ := px.specs()
 	var got []string
 	for _, s := range specs {
-		got = append(got, s.ID+"@"+s.HostAddress.String())
+		got = append(got, s.Name+"@"+s.Listen.String())
 	}
 	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-auto@::1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0"}, got,
 		"only auto on an unspecified address adds ::1, to the one Manager, under the exposure's name")

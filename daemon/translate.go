@@ -25,15 +25,7 @@ func proxySpecs(m *spec.Desired, ipv6, sock bool) []proxy.Spec {
 	var out []proxy.Spec
 	for _, e := range m.Exposures {
 		for _, addr := range e.ProxyBinds(ipv6, sock) {
-			out = append(out, proxy.Spec{
-				ID:          e.Name,
-				Target:      e.Target,
-				Protocol:    e.Proto,
-				HostAddress: addr,
-				HostPort:    int(e.HostPort),
-				GuestPort:   int(e.GuestPort),
-				MaxConns:    e.MaxConns,
-			})
+			out = append(out, proxy.Spec{Exposure: e, Listen: addr})
 		}
 	}
 	return out

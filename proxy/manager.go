@@ -4,7 +4,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -192,7 +191,7 @@ func (m *Manager) Converge(desired []Spec) []Status {
 	for i, c := range checks {
 		if owners[i] {
 			wanted[c.key()] = true
-			ids[c.ID] = true
+			ids[c.Name] = true
 		}
 	}
 	for k, ex := range m.live {
@@ -215,7 +214,7 @@ func (m *Manager) Converge(desired []Spec) []Status {
 
 // convergeOne brings one exposure to its spec (m.mu held).
 func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
-	st := Status{ID: c.ID, State: StateFailed}
+	st := Status{ID: c.Name, State: StateFailed}
 	ex := m.live[c.key()]
 	if invalid != nil {
 		st.Reason = invalid.Error()
@@ -228,19 +227,19 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 			ex.closeSocket()
 			ex.key = ""
 			st.Counters = ex.ctr.slot.Read()
-		} else if cs, ok := m.stats.Lookup(c.ID); ok {
+		} else if cs, ok := m.stats.Lookup(c.Name); ok {
 			st.Counters = cs
 		}
 		return st
 	}
 
 	if ex == nil {
-		slot, err := m.stats.Attach(c.ID, bpf.ProtoNumber(string(c.Protocol)), uint16(c.HostPort))
+		slot, err := m.stats.Attach(c.Name, bpf.ProtoNumber(string(c.Proto)), c.HostPort)
 		if err != nil {
 			st.Reason = "counters: " + err.Error()
 			return st
 		}
-		ex = &exposure{id: c.ID, ctr: &counterRef{slot: slot}}
+		ex = &exposure{id: c.Name, ctr: &counterRef{slot: slot}}
 		ex.ctr.refs.Store(1)
 		m.live[c.key()] = ex
 	}
@@ -286,10 +285,10 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 func (m *Manager) relabel(c checked) {
 	port := c.HostPort
 	ex := m.live[c.key()]
-	if _, p, err := net.SplitHostPort(ex.boundAddr); err == nil {
-		port, _ = strconv.Atoi(p)
+	if ap, err := netip.ParseAddrPort(ex.boundAddr); err == nil {
+		port = ap.Port()
 	}
-	if sl, err := m.stats.Attach(c.ID, bpf.ProtoNumber(string(c.Protocol)), uint16(port)); err == nil {
+	if sl, err := m.stats.Attach(c.Name, bpf.ProtoNumber(string(c.Proto)), port); err == nil {
 		sl.Release(false)
 	}
 }
@@ -298,9 +297,9 @@ func (m *Manager) relabel(c checked) {
 // (m.mu held).
 func (m *Manager) bind(ex *exposure, c checked) error {
 	stop := make(chan struct{})
-	switch c.Protocol {
+	switch c.Proto {
 	case "tcp":
-		name := listenerName(c.ID, c.listenKey())
+		name := listenerName(c.Name, c.listenKey())
 		ln, ok := m.inherited(name)
 		if !ok {
 			var err error
@@ -312,7 +311,7 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 		m.loops.Add(1)
 		go func() {
 			defer m.loops.Done()
-			m.serveTCP(ex, ln, stop, c.Target, c.GuestPort)
+			m.serveTCP(ex, ln, stop, c.Target, int(c.GuestPort))
 		}()
 	case "udp":
 		conn, err := listenUDP(c)

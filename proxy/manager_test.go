@@ -99,7 +99,7 @@ func echoServer(t *testing.T, tag string) int {
 }
 
 func tcpSpec(id string, guestPort int) Spec {
-	return Spec{ID: id, Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("127.0.0.1"), GuestPort: guestPort}
+	return Spec{Exposure: spec.Exposure{Name: id, Target: spec.Target{VM: "vm1"}, Proto: "tcp", GuestPort: uint16(guestPort)}, Listen: netip.MustParseAddr("127.0.0.1")}
 }
 
 // only converges and returns the single status, asserting there is one.
@@ -258,7 +258,7 @@ func TestABindFailureCarriesTheOSErrorAndHealsWhenThePortFrees(t *testing.T) {
 	require.NoError(t, err)
 	port := squat.Addr().(*net.TCPAddr).Port
 	spec := tcpSpec("web", guest)
-	spec.HostPort = port
+	spec.HostPort = uint16(port)
 
 	st := only(t, m, spec)
 	assert.Equal(t, StateFailed, st.State)
@@ -423,7 +423,7 @@ func TestConnectionsDrainingThroughARebindStillCountTowardTheCap(t *testing.T) {
 	spec.MaxConns = 1
 	held := hold(t, only(t, m, spec).BoundAddr)
 
-	spec.GuestPort = two
+	spec.GuestPort = uint16(two)
 	st := only(t, m, spec) // rebinds
 	assert.EqualValues(t, 1, conns(m, "web"))
 	requireReset(t, st.BoundAddr)
@@ -519,7 +519,7 @@ func TestAFailedExposureStillReportsItsCounters(t *testing.T) {
 	squat, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	defer squat.Close()
-	spec.HostPort = squat.Addr().(*net.TCPAddr).Port
+	spec.HostPort = uint16(squat.Addr().(*net.TCPAddr).Port)
 	st := only(t, m, spec)
 	require.Equal(t, StateFailed, st.State)
 	assert.EqualValues(t, 1, st.Counters.Accepted, "what it carried before the failure is still reported")
@@ -530,7 +530,7 @@ func TestAFailedExposureStillReportsItsCounters(t *testing.T) {
 func TestStopAllClosesEveryListenerAndKeepsTheCounters(t *testing.T) {
 	m, _ := newManager(t)
 	port := echoServer(t, "g:")
-	udp := Spec{ID: "dns", Target: spec.Target{VM: "vm1"}, Protocol: "udp", HostAddress: netip.MustParseAddr("127.0.0.1"), GuestPort: 53}
+	udp := Spec{Exposure: spec.Exposure{Name: "dns", Target: spec.Target{VM: "vm1"}, Proto: "udp", GuestPort: 53}, Listen: netip.MustParseAddr("127.0.0.1")}
 	st := m.Converge([]Spec{tcpSpec("a", port), tcpSpec("b", port), udp})
 	for _, s := range st {
 		require.Equal(t, StateActive, s.State, s.Reason)
@@ -581,7 +581,7 @@ func TestIPv6HostAddress(t *testing.T) {
 	probe.Close()
 	m, _ := newManager(t)
 	spec := tcpSpec("web6", echoServer(t, "g:"))
-	spec.HostAddress = netip.MustParseAddr("::1")
+	spec.Listen = netip.MustParseAddr("::1")
 	st := only(t, m, spec)
 	require.Equal(t, StateActive, st.State, st.Reason)
 	assert.Equal(t, "g:six", roundTrip(t, dial(t, st.BoundAddr), "g:", "six"))
@@ -728,7 +728,7 @@ func TestOneExposureListensOnTwoAddressesUnderOneName(t *testing.T) {
 	v4 := tcpSpec("web", port)
 	v4.MaxConns = 1
 	v6 := v4
-	v6.HostAddress = netip.IPv6Loopback()
+	v6.Listen = netip.IPv6Loopback()
 	st := m.Converge([]Spec{v4, v6})
 	require.Len(t, st, 2)
 	for _, s := range st {
@@ -773,7 +773,7 @@ func TestAMovedListenerKeepsItsExposuresCounters(t *testing.T) {
 	require.NoError(t, c.Close())
 
 	b := a
-	b.HostAddress = netip.MustParseAddr("127.0.0.2")
+	b.Listen = netip.MustParseAddr("127.0.0.2")
 	st = only(t, m, b)
 	require.Equal(t, StateActive, st.State, st.Reason)
 	assert.True(t, strings.HasPrefix(st.BoundAddr, "127.0.0.2:"), st.BoundAddr)

@@ -196,8 +196,7 @@ func childShortage() int {
 	defer guest.Close()
 	m := NewManager(func(string) string { return "127.0.0.1" }, nil)
 	defer m.StopAll()
-	specs := []Spec{{ID: "web", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("127.0.0.1"),
-		GuestPort: guest.Addr().(*net.TCPAddr).Port}}
+	specs := []Spec{{Exposure: spec.Exposure{Name: "web", Target: spec.Target{VM: "vm1"}, Proto: "tcp", GuestPort: uint16(guest.Addr().(*net.TCPAddr).Port)}, Listen: netip.MustParseAddr("127.0.0.1")}}
 	fmt.Println("bound", m.Converge(specs)[0].BoundAddr)
 
 	var spent []*os.File
@@ -405,8 +404,7 @@ func childSplice() int {
 	}()
 	m := NewManager(func(string) string { return "127.0.0.1" }, nil)
 	defer m.StopAll()
-	st := m.Converge([]Spec{{ID: "bulk", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("127.0.0.1"),
-		GuestPort: ln.Addr().(*net.TCPAddr).Port}})[0]
+	st := m.Converge([]Spec{{Exposure: spec.Exposure{Name: "bulk", Target: spec.Target{VM: "vm1"}, Proto: "tcp", GuestPort: uint16(ln.Addr().(*net.TCPAddr).Port)}, Listen: netip.MustParseAddr("127.0.0.1")}})[0]
 	c, err := net.Dial("tcp", st.BoundAddr)
 	if err != nil {
 		fmt.Println("error", err)

@@ -11,18 +11,15 @@ import (
 	"github.com/brokkr/brokkr/internal/spec"
 )
 
-// Spec is one listener the proxy should carry. The daemon builds it from
-// the validated model (config.Compile), so its fields are trusted; tests
-// build it directly.
+// Spec is one listener the proxy should carry: the model's exposure
+// (validated by config.Compile, so trusted here; its Name names the counter
+// slot) and the address this listener binds, one of the exposure's
+// ProxyBinds. HostPort 0 lets the OS pick (tests and benchmarks;
+// Status.BoundAddr says what was picked).
 type Spec struct {
-	ID          string        // exposure name; names the counter slot
-	Target      spec.Target   // a VM (its address from the Resolver) or a fixed address
-	Protocol    spec.Proto    // tcp or udp
-	HostAddress netip.Addr    // address to bind (the zero Addr = 0.0.0.0, every IPv4 address)
-	HostPort    int           // 1..65535; 0 lets the OS pick (tests)
-	GuestPort   int           // 1..65535
-	MaxConns    int           // 0 = unlimited; the daemon passes 256 by default
-	UDPIdle     time.Duration // idle timeout of a UDP flow; 0 = 60 s
+	spec.Exposure
+	Listen  netip.Addr    // the zero Addr = 0.0.0.0, every IPv4 address
+	UDPIdle time.Duration // idle timeout of a UDP flow; 0 = 60 s
 }
 
 // Resolver returns the guest's current address for a VM ("" = none yet).

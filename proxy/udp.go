@@ -49,7 +49,7 @@ type udpFlow struct {
 }
 
 func newUDPRelay(m *Manager, ex *exposure, conn *net.UDPConn, c checked) *udpRelay {
-	return &udpRelay{m: m, ex: ex, conn: conn, target: c.Target, guestPort: strconv.Itoa(c.GuestPort),
+	return &udpRelay{m: m, ex: ex, conn: conn, target: c.Target, guestPort: strconv.Itoa(int(c.GuestPort)),
 		pktinfo: c.host.IsUnspecified(), flows: map[flowKey]*udpFlow{}}
 }
 

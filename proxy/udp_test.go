@@ -40,7 +40,7 @@ func udpEcho(t *testing.T) int {
 }
 
 func udpSpec(id string, guestPort int) Spec {
-	return Spec{ID: id, Target: spec.Target{VM: "vm1"}, Protocol: "udp", HostAddress: netip.MustParseAddr("127.0.0.1"), GuestPort: guestPort}
+	return Spec{Exposure: spec.Exposure{Name: id, Target: spec.Target{VM: "vm1"}, Proto: "udp", GuestPort: uint16(guestPort)}, Listen: netip.MustParseAddr("127.0.0.1")}
 }
 
 // ask sends msg from c to addr and returns the reply and where it came from,
@@ -165,10 +165,10 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 		port = probe.Addr().(*net.TCPAddr).Port
 		probe.Close()
 		st = m.Converge([]Spec{
-			{ID: "u4", Target: spec.Target{VM: "vm1"}, Protocol: "udp", HostAddress: netip.MustParseAddr("0.0.0.0"), GuestPort: guestUDP},
-			{ID: "u6", Target: spec.Target{VM: "vm1"}, Protocol: "udp", HostAddress: netip.MustParseAddr("::"), GuestPort: guestUDP},
-			{ID: "t6", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("::"), HostPort: port, GuestPort: guestTCP},
-			{ID: "t4", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("0.0.0.0"), HostPort: port, GuestPort: guestTCP},
+			{Exposure: spec.Exposure{Name: "u4", Target: spec.Target{VM: "vm1"}, Proto: "udp", GuestPort: uint16(guestUDP)}, Listen: netip.MustParseAddr("0.0.0.0")},
+			{Exposure: spec.Exposure{Name: "u6", Target: spec.Target{VM: "vm1"}, Proto: "udp", GuestPort: uint16(guestUDP)}, Listen: netip.MustParseAddr("::")},
+			{Exposure: spec.Exposure{Name: "t6", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: uint16(port), GuestPort: uint16(guestTCP)}, Listen: netip.MustParseAddr("::")},
+			{Exposure: spec.Exposure{Name: "t4", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: uint16(port), GuestPort: uint16(guestTCP)}, Listen: netip.MustParseAddr("0.0.0.0")},
 		})
 		c4 = udpClient(t, "udp4", "127.0.0.1:0")
 		c6 = udpClient(t, "udp6", "[fd00:bb::1]:0")
@@ -221,5 +221,5 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 	require.NoError(t, t4.SetDeadline(time.Now().Add(5*time.Second)))
 	assert.Equal(t, "g:six", roundTrip(t, t6, "g:", "six"))
 	assert.Equal(t, "g:four", roundTrip(t, t4, "g:", "four"))
-	assert.EqualValues(t, 1, only(t, m, Spec{ID: "t6", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("::"), HostPort: port, GuestPort: guestTCP}).Counters.Accepted)
+	assert.EqualValues(t, 1, only(t, m, Spec{Exposure: spec.Exposure{Name: "t6", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: uint16(port), GuestPort: uint16(guestTCP)}, Listen: netip.MustParseAddr("::")}).Counters.Accepted)
 }

@@ -26,26 +26,26 @@ type checked struct {
 // bindKey is what two exposures must not share: one socket per protocol,
 // address and port.
 func (c checked) bindKey() string {
-	return string(c.Protocol) + " " + netip.AddrPortFrom(c.host, uint16(c.HostPort)).String()
+	return string(c.Proto) + " " + netip.AddrPortFrom(c.host, c.HostPort).String()
 }
 
 // listenKey says which changes need a new socket. MaxConns and UDPIdle are
 // not in it: a changed cap or idle timeout is applied in place, without
 // dropping the listener or its connections.
 func (c checked) listenKey() string {
-	return c.bindKey() + " -> " + c.Target.String() + ":" + strconv.Itoa(c.GuestPort)
+	return c.bindKey() + " -> " + c.Target.String() + ":" + strconv.Itoa(int(c.GuestPort))
 }
 
 // key is the listener's name in the Manager.
-func (c checked) key() listenerKey { return listenerKey{c.ID, c.host} }
+func (c checked) key() listenerKey { return listenerKey{c.Name, c.host} }
 
 // hostAddrPort is the address the listener binds.
 func (c checked) hostAddrPort() string {
-	return netip.AddrPortFrom(c.host, uint16(c.HostPort)).String()
+	return netip.AddrPortFrom(c.host, c.HostPort).String()
 }
 
 func fill(s Spec) checked {
-	c := checked{Spec: s, host: s.HostAddress.Unmap(), idle: s.UDPIdle}
+	c := checked{Spec: s, host: s.Listen.Unmap(), idle: s.UDPIdle}
 	if !c.host.IsValid() {
 		c.host = netip.IPv4Unspecified()
 	}
@@ -72,7 +72,7 @@ func validateAll(desired []Spec) (checks []checked, errs []error, owners []bool)
 		c := fill(s)
 		out[i] = c
 		if j, seen := keys[c.key()]; seen {
-			errs[i] = fmt.Errorf("name: %q on %s is used by an earlier exposure (#%d)", s.ID, c.host, j)
+			errs[i] = fmt.Errorf("name: %q on %s is used by an earlier exposure (#%d)", s.Name, c.host, j)
 			continue
 		}
 		keys[c.key()] = i
@@ -81,7 +81,7 @@ func validateAll(desired []Spec) (checks []checked, errs []error, owners []bool)
 			continue // the OS picks a free port: nothing to clash with
 		}
 		if j, seen := binds[c.bindKey()]; seen {
-			errs[i] = fmt.Errorf("hostPort: %s %s is already published by exposure %q", c.Protocol, c.hostAddrPort(), desired[j].ID)
+			errs[i] = fmt.Errorf("hostPort: %s %s is already published by exposure %q", c.Proto, c.hostAddrPort(), desired[j].Name)
 			continue
 		}
 		binds[c.bindKey()] = i

@@ -14,21 +14,21 @@ import (
 )
 
 func TestFillGivesTheDefaults(t *testing.T) {
-	c := fill(Spec{ID: "web", Target: spec.Target{VM: "vm1"}, Protocol: spec.UDP, GuestPort: 80})
+	c := fill(Spec{Exposure: spec.Exposure{Name: "web", Target: spec.Target{VM: "vm1"}, Proto: spec.UDP, GuestPort: 80}})
 	assert.Equal(t, "0.0.0.0:0", c.hostAddrPort(), "HostPort 0 means any free port; no address means any IPv4")
 	assert.Equal(t, DefaultUDPIdle, c.idle)
-	mapped := fill(Spec{HostAddress: netip.MustParseAddr("::ffff:127.0.0.1"), HostPort: 80})
+	mapped := fill(Spec{Exposure: spec.Exposure{HostPort: 80}, Listen: netip.MustParseAddr("::ffff:127.0.0.1")})
 	assert.Equal(t, "127.0.0.1:80", mapped.hostAddrPort(), "an IPv4-mapped address binds as the IPv4 address")
 }
 
 func TestValidateAllFailsDuplicatesAfterTheFirst(t *testing.T) {
-	a := Spec{ID: "a", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("127.0.0.1"), HostPort: 8080, GuestPort: 80}
+	a := Spec{Exposure: spec.Exposure{Name: "a", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: 8080, GuestPort: 80}, Listen: netip.MustParseAddr("127.0.0.1")}
 	dupID := a
 	dupID.HostPort = 8081
-	dupBind := Spec{ID: "b", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("127.0.0.1"), HostPort: 8080, GuestPort: 81}
+	dupBind := Spec{Exposure: spec.Exposure{Name: "b", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: 8080, GuestPort: 81}, Listen: netip.MustParseAddr("127.0.0.1")}
 	otherProto := dupBind
-	otherProto.ID, otherProto.Protocol = "c", "udp"
-	mapped := Spec{ID: "d", Target: spec.Target{VM: "vm1"}, Protocol: "tcp", HostAddress: netip.MustParseAddr("::ffff:127.0.0.1"), HostPort: 8080, GuestPort: 82}
+	otherProto.Name, otherProto.Proto = "c", "udp"
+	mapped := Spec{Exposure: spec.Exposure{Name: "d", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: 8080, GuestPort: 82}, Listen: netip.MustParseAddr("::ffff:127.0.0.1")}
 	_, errs, owners := validateAll([]Spec{a, dupID, dupBind, otherProto, mapped})
 	assert.NoError(t, errs[0])
 	assert.ErrorContains(t, errs[1], `name: "a" on 127.0.0.1 is used by an earlier exposure`)

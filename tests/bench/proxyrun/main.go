@@ -66,8 +66,7 @@ func main() {
 		if ha != "" && !addr.IsValid() {
 			fail("-e %q: %q is not an IP address", e, ha)
 		}
-		specs = append(specs, proxy.Spec{ID: fmt.Sprintf("bench-%d", i), Target: spec.Target{VM: vm}, Protocol: spec.Proto(proto),
-			HostAddress: addr, HostPort: hp, GuestPort: gp, MaxConns: *maxConns})
+		specs = append(specs, proxy.Spec{Exposure: spec.Exposure{Name: fmt.Sprintf("bench-%d", i), Target: spec.Target{VM: vm}, Proto: spec.Proto(proto), HostPort: uint16(hp), GuestPort: uint16(gp), MaxConns: *maxConns}, Listen: addr})
 	}
 	m := proxy.NewManager(func(vm string) string { return guests[vm] }, nil)
 	defer m.StopAll()
