@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"reflect"
 	"slices"
 	"strings"
@@ -289,7 +290,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	t0 = time.Now()
 	if d.sock != nil {
-		parts, err := d.sock.converge(model, d.addrs.Resolve)
+		parts, err := d.sock.converge(model, d.addrs.lookup)
 		d.sockParts = parts
 		errs = append(errs, err)
 	}
@@ -365,14 +366,14 @@ func (d *Daemon) updateFacts(want *spec.Desired, rep netplane.Report) map[string
 	for _, v := range want.VMs {
 		wanted[v.Name] = true
 	}
-	addrs := map[string]string{}
+	addrs := map[string]netip.Addr{}
 	for name, f := range d.facts {
 		if !wanted[name] {
 			delete(d.facts, name)
 			continue
 		}
 		if f.Address.IsValid() && (f.Leased || !want.Network.DHCP) {
-			addrs[name] = f.Address.String()
+			addrs[name] = f.Address
 		}
 	}
 	d.addrs.Set(addrs)
@@ -393,34 +394,45 @@ func netplaneErr(err error) error {
 }
 
 // AddressBook is the proxy's Resolver: guest addresses by VM name, swapped
-// whole on each pass, read per connection.
+// whole on each pass, read per connection. It keeps each address as text
+// too, so a dial formats nothing.
 type AddressBook struct {
 	mu    sync.RWMutex
-	addrs map[string]string
+	addrs map[string]bookEntry
+}
+
+type bookEntry struct {
+	addr netip.Addr
+	text string
 }
 
 // NewAddressBook returns an empty book.
-func NewAddressBook() *AddressBook { return &AddressBook{addrs: map[string]string{}} }
+func NewAddressBook() *AddressBook { return &AddressBook{addrs: map[string]bookEntry{}} }
 
 // Set replaces every address.
-func (a *AddressBook) Set(addrs map[string]string) {
+func (a *AddressBook) Set(addrs map[string]netip.Addr) {
+	book := make(map[string]bookEntry, len(addrs))
+	for vm, addr := range addrs {
+		book[vm] = bookEntry{addr, addr.String()}
+	}
 	a.mu.Lock()
-	a.addrs = addrs
+	a.addrs = book
 	a.mu.Unlock()
 }
 
-func (a *AddressBook) lookup(vm string) (string, bool) {
+// lookup is the VM's address, if it has one now.
+func (a *AddressBook) lookup(vm string) (netip.Addr, bool) {
 	a.mu.RLock()
 	defer a.mu.RUnlock()
-	addr, ok := a.addrs[vm]
-	return addr, ok
+	e, ok := a.addrs[vm]
+	return e.addr, ok
 }
 
 // Resolve is a proxy.Resolver.
 func (a *AddressBook) Resolve(vm string) string {
 	a.mu.RLock()
 	defer a.mu.RUnlock()
-	return a.addrs[vm]
+	return a.addrs[vm].text
 }
 
 // Close stops the loop's engines without touching what they made: VMs keep

@@ -59,7 +59,7 @@ func interfaceAddrs() ([]netip.Addr, error) {
 // converge makes the translations match c: one per auto exposure, to the
 // guest's current address (refusing at once while it has none). It returns
 // each exposure's part for the status.
-func (p *sockPath) converge(m *spec.Desired, resolve func(vm string) string) (map[string]part, error) {
+func (p *sockPath) converge(m *spec.Desired, lookup func(vm string) (netip.Addr, bool)) (map[string]part, error) {
 	var errs []error
 	if addrs, err := p.localAddr(); err != nil {
 		errs = append(errs, fmt.Errorf("socket path: local addresses: %w", err))
@@ -88,9 +88,7 @@ func (p *sockPath) converge(m *spec.Desired, resolve func(vm string) string) (ma
 		t := bpf.SockTarget{Slot: sl.Index()}
 		g := e.Target.Addr
 		if e.Target.IsVM() {
-			// The book holds only addresses netplane gave (valid IPv4);
-			// "" (none yet) does not parse.
-			g, _ = netip.ParseAddr(resolve(e.Target.VM))
+			g, _ = lookup(e.Target.VM) // the zero Addr while it has none
 		}
 		if g.Is4() {
 			t.Guest = netip.AddrPortFrom(g, e.GuestPort)
