@@ -117,9 +117,9 @@ func New(opts Options) (*Plane, error) {
 	}, nil
 }
 
-// Validate checks d as a whole, against itself and against the namespace
-// (foreign links and subnets). Every error names its field. Nothing is
-// applied.
+// Validate checks d (valid on its own: config.Compile) against what
+// netplane derives from it and against the namespace (foreign links and
+// subnets). Every error names its field. Nothing is applied.
 func (p *Plane) Validate(d Desired) []error {
 	links, err := p.links.Links()
 	if err != nil {

@@ -29,9 +29,10 @@ func (c *Config) Validate() Errors {
 
 // Compile is the one validation of desired state: it checks the whole
 // config (defaults applied) and returns every problem, in file order, or
-// the typed model the engines run from. Parse (a config file, desired.json,
-// an apply, a fleet document) calls it; nothing downstream checks again
-// what it checked.
+// the typed model the engines run from. It runs where desired state enters:
+// Load and Parse (a config file, desired.json), the daemon's Apply (the API,
+// a fleet document) and SetPower; nothing downstream checks again what it
+// checked.
 func Compile(c *Config) (*spec.Desired, Errors) {
 	var errs Errors
 	m := &spec.Desired{Network: spec.Network{Bridge: c.Network.Bridge, MTU: *c.Network.MTU,
