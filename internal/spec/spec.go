@@ -87,7 +87,8 @@ func (s ExposureState) Rank() int {
 // enforces a cap in the kernel fallback is sized to it.
 const MaxConnsLimit = 1 << 20
 
-// Desired is the whole desired state.
+// Desired is the whole desired state. VMs and Exposures are in the
+// config's order: index i is the config's vms[i] / exposures[i].
 type Desired struct {
 	Network   Network
 	VMs       []VM
