@@ -55,8 +55,8 @@ func writeError(w http.ResponseWriter, code int, msg string, fields []string) {
 	writeJSON(w, code, api.Error{Error: msg, Errors: fields})
 }
 
-// parseConfig is config.Parse; tests watch it.
-var parseConfig = config.Parse
+// parseConfig is config.Decode; tests watch it.
+var parseConfig = config.Decode
 
 func (d *Daemon) handleApply(w http.ResponseWriter, r *http.Request) {
 	if d.opts.Source != nil {
@@ -82,6 +82,7 @@ func (d *Daemon) handleApply(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, fmt.Sprintf("dryRun: %q is not 1, true, 0 or false", r.URL.Query().Get("dryRun")), nil)
 		return
 	}
+	// Decode only: Apply validates (config.Compile), once.
 	d.parseGate.Lock()
 	cfg, err := parseConfig(body)
 	d.parseGate.Unlock()

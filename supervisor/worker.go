@@ -302,7 +302,7 @@ func (w *worker) pass(ctx context.Context) {
 	w.create(ctx, spec, countRestart)
 }
 
-func policy(p string) string {
+func policy(p Restart) Restart {
 	if p == "" {
 		return RestartAlways
 	}
@@ -312,7 +312,7 @@ func policy(p string) string {
 // restartAllowed applies the restart policy to how the VM ended. An exit
 // status we could not read (the VM ended while the daemon was down) counts
 // as a failure.
-func restartAllowed(p string, st ExitStatus) bool {
+func restartAllowed(p Restart, st ExitStatus) bool {
 	switch policy(p) {
 	case RestartNever:
 		return false
@@ -560,7 +560,7 @@ func (w *worker) launchConfig(ctx context.Context, spec *VMSpec) (LaunchConfig, 
 	}
 	lc := LaunchConfig{
 		Name: w.name, Dir: dir, RunDir: run,
-		CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Cmdline: strings.TrimSpace(spec.Cmdline + " " + spec.IP),
+		CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Cmdline: strings.TrimSpace(spec.Cmdline + " " + KernelIPParam(spec.IP, spec.Name)),
 		Tap: spec.Tap, MAC: spec.MAC,
 		ConsoleLog: filepath.Join(dir, "console.log"), ConsoleSize: w.e.cfg.ConsoleMaxBytes,
 	}

@@ -35,8 +35,8 @@ type system struct {
 	// scopes puts VMMs into systemd scopes; nil where systemd does not run
 	// the host.
 	scopes *scope.Systemd
-	// The proxy's Managers, for the hand-over; pxV6 is nil without ::1.
-	pxMain, pxV6 *proxy.Manager
+	// The proxy's Manager, for the hand-over.
+	px *proxy.Manager
 }
 
 func (s *system) countersWhere() string {
@@ -63,8 +63,8 @@ func (s *system) close() {
 // open takes the runDir lock, opens the counter map and builds the three
 // engines around one daemon. With h (a hand-over) the lock is the old
 // process's, the proxy starts from its snapshots and is held until Resume;
-// listeners systemd kept (sdMain, sdV6) are bound from instead of anew.
-func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherited, sdMain, sdV6 map[string]*os.File) (*system, error) {
+// listeners systemd kept (sd) are bound from instead of anew.
+func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherited, sd map[string]*os.File) (*system, error) {
 	var lock *os.File
 	var err error
 	var pxOpts []proxy.Option
@@ -85,8 +85,8 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 
 	var d atomic.Pointer[daemon.Daemon]
 	addrs := daemon.NewAddressBook()
-	pxMain := proxy.NewManager(addrs.Resolve, store, pxOpts...)
-	pxMain.Inherit(sdMain)
+	px := proxy.NewManager(addrs.Resolve, store, pxOpts...)
+	px.Inherit(sd)
 	plane, err := netplane.New(netplane.Options{
 		StateDir: cfg.StateDir,
 		Stats:    store,
@@ -98,7 +98,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		},
 		// Callers a capped nat exposure admits on its slow path are spliced
 		// by the proxy's code (and ended by its StopAll).
-		Overflow: pxMain.Carry,
+		Overflow: px.Carry,
 	})
 	if err != nil {
 		store.Close()
@@ -147,14 +147,8 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		store.Close()
 		return fail(err)
 	}
-	var px daemon.Proxy = pxMain
-	var pxV6 *proxy.Manager
 	ipv6 := daemon.HaveIPv6Loopback()
-	if ipv6 {
-		pxV6 = proxy.NewManager(addrs.Resolve, store, pxOpts...)
-		pxV6.Inherit(sdV6)
-		px = daemon.ProxyPair{Main: px, Loopback6: pxV6}
-	} else {
+	if !ipv6 {
 		log.Info("no IPv6 loopback here: auto exposures serve local callers on 127.0.0.1 only")
 	}
 	// Fleet mode: the desired state comes from etcd (the client connects
@@ -198,16 +192,15 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 	}
 	d.Store(dd)
 	if h != nil {
-		for name, sn := range h.snaps {
-			m := pxMain
-			if name == "v6" && pxV6 != nil {
-				m = pxV6
-			}
-			m.Inherit(sn.Listeners)
-			m.Adopt(sn.Pairs)
+		// One Manager takes every snapshot: a process from before the
+		// listeners were keyed by (name, address) hands over a second
+		// one ("v6") for its ::1 listeners, under the same names.
+		for _, sn := range h.snaps {
+			px.Inherit(sn.Listeners)
+			px.Adopt(sn.Pairs)
 		}
 	}
-	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, pxMain: pxMain, pxV6: pxV6, scopes: scopes}, nil
+	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, px: px, scopes: scopes}, nil
 }
 
 // openScopes gives every VMM a systemd scope of its own where systemd runs

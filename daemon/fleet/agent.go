@@ -297,7 +297,7 @@ func (a *Agent) handle(t daemon.Target, kv *mvccpb.KeyValue) {
 	if rev == cur.Revision || rev == cur.Rejected || rev == pendingRev {
 		return // seen already (a relist after reconnecting)
 	}
-	doc, err := config.ParseDocument(kv.Value)
+	doc, err := config.DecodeDocument(kv.Value) // Apply validates it, once
 	var plan api.Plan
 	if err == nil {
 		next := *t.Host()
