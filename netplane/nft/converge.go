@@ -33,12 +33,10 @@ func (t *Table) tables() (*nftables.Table, *nftables.Table) {
 }
 
 // Converge makes both tables match r: one batch with the difference, or, if
-// that fails, one batch that replaces both tables. Nothing is applied when r
-// is invalid.
+// that fails, one batch that replaces both tables. r comes from the
+// validated desired state (docs/ARCHITECTURE.md, "The desired-state
+// model"); input the compiler cannot express applies nothing.
 func (t *Table) Converge(r Rules) (Result, error) {
-	if errs := r.Validate(); len(errs) > 0 {
-		return Result{}, compile.ValidationError(errs)
-	}
 	t.applyMu.Lock()
 	defer t.applyMu.Unlock()
 

@@ -11,11 +11,9 @@
 package compile
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
-	"regexp"
 	"strconv"
 )
 
@@ -65,19 +63,15 @@ func (e Exposure) LoopbackOnly() bool { return e.HostAddr.IsValid() && e.HostAdd
 // wildcard reports whether the exposure answers on every local address.
 func (e Exposure) Wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
 
-// FieldError names the field of Rules that is wrong.
-type FieldError struct {
-	Field string // e.g. exposures[web-http].hostPort
-	Msg   string
+// fieldErr names the field of Rules the builder cannot express. The
+// desired state was validated where it entered (config.Compile); this only
+// keeps the compiler total on input that did not.
+func fieldErr(field, format string, a ...any) error {
+	return fmt.Errorf("%s: %s", field, fmt.Sprintf(format, a...))
 }
 
-func (e *FieldError) Error() string { return e.Field + ": " + e.Msg }
-
-// nameRE keeps names usable inside nft object names (chains, sets, counters)
-// that `nft` prints back and parses again.
-var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$`)
-
-// validName is nameRE.MatchString without the regexp machinery.
+// validName: names usable inside nft object names (chains, sets, counters)
+// that `nft` prints back and parses again: [a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}.
 func validName(s string) bool {
 	if len(s) == 0 || len(s) > 64 {
 		return false
@@ -92,151 +86,26 @@ func validName(s string) bool {
 	return true
 }
 
-// ifnameRE: Linux interface names (IFNAMSIZ-1 bytes, no '/', no spaces).
-var ifnameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,15}$`)
-
 // MaxConnsLimit bounds a cap; the set that enforces it is sized to it.
 const MaxConnsLimit = 1 << 20
 
-// Validate checks r as a whole and returns every problem, each naming its
-// field. nft.Table.Converge applies nothing when Validate fails.
-func (r Rules) Validate() []error {
-	var errs []error
-	bad := func(field, format string, a ...any) {
-		errs = append(errs, &FieldError{Field: field, Msg: fmt.Sprintf(format, a...)})
-	}
-	if !ifnameRE.MatchString(r.Bridge) {
-		bad("bridge", "%q is not a valid interface name (1-15 of [a-zA-Z0-9_.-])", r.Bridge)
-	}
-	subnetOK := r.Subnet.IsValid() && r.Subnet.Addr().Is4() && r.Subnet.Bits() > 0 && r.Subnet.Bits() < 31
-	if !subnetOK {
-		bad("subnet", "%q must be an IPv4 prefix between /1 and /30", r.Subnet)
-	}
-	if !r.Gateway.Is4() {
-		bad("gateway", "%q must be an IPv4 address", r.Gateway)
-	} else if subnetOK && !r.Subnet.Masked().Contains(r.Gateway) {
-		bad("gateway", "%s is outside subnet %s", r.Gateway, r.Subnet)
-	}
-	seenTap := map[string]string{}
-	seenGuest := map[string]bool{}
-	for i, g := range r.Guests {
-		f := fmt.Sprintf("guests[%d]", i)
-		if g.Name != "" {
-			f = fmt.Sprintf("guests[%s]", g.Name)
-		}
-		if !nameRE.MatchString(g.Name) {
-			bad(f+".name", "%q must match %s", g.Name, nameRE)
-		} else if seenGuest[g.Name] {
-			bad(f+".name", "duplicate guest name")
-		}
-		seenGuest[g.Name] = true
-		if !ifnameRE.MatchString(g.Tap) {
-			bad(f+".tap", "%q is not a valid interface name", g.Tap)
-		} else if other, ok := seenTap[g.Tap]; ok {
-			bad(f+".tap", "%q is also the tap of guest %s", g.Tap, other)
-		} else if g.Tap == r.Bridge {
-			bad(f+".tap", "%q is the bridge itself", g.Tap)
-		}
-		seenTap[g.Tap] = g.Name
-		if len(g.MAC) != 6 || g.MAC[0]&1 == 1 {
-			bad(f+".mac", "%q must be a unicast 6-byte MAC", g.MAC)
-		}
-		if g.Addr.IsValid() && (!g.Addr.Is4() || (subnetOK && !r.Subnet.Masked().Contains(g.Addr))) {
-			bad(f+".addr", "%s must be an IPv4 address inside %s", g.Addr, r.Subnet)
-		}
-	}
-	seenExp := make(map[string]bool, len(r.Exposures))
-	type bind struct {
-		addr  netip.Addr
-		proto string
-		port  uint16
-	}
-	binds := make(map[bind]string, len(r.Exposures))
-	for i, e := range r.Exposures {
-		// This loop runs over every exposure on every Converge: the field
-		// name is built only for an error, names are checked without a
-		// regexp (10,000 Sprintf and matches were ~5 ms of it).
-		bad := func(field, format string, a ...any) {
-			f := "exposures[" + strconv.Itoa(i) + "]"
-			if e.Name != "" {
-				f = "exposures[" + e.Name + "]"
-			}
-			bad(f+field, format, a...)
-		}
-		f := ""
-		if !validName(e.Name) {
-			bad(f+".name", "%q must match %s", e.Name, nameRE)
-		} else if seenExp[e.Name] {
-			bad(f+".name", "duplicate exposure name")
-		}
-		seenExp[e.Name] = true
-		if e.Protocol != "tcp" && e.Protocol != "udp" {
-			bad(f+".protocol", "%q must be tcp or udp", e.Protocol)
-		}
-		if e.HostPort == 0 {
-			bad(f+".hostPort", "must be 1..65535")
-		}
-		if e.GuestPort == 0 {
-			bad(f+".guestPort", "must be 1..65535")
-		}
-		if e.HostAddr.IsValid() {
-			switch {
-			case !e.HostAddr.Is4():
-				bad(f+".hostAddr", "%s: only IPv4 host addresses are published by the kernel path", e.HostAddr)
-			}
-		}
-		if !e.GuestAddr.Is4() || e.GuestAddr.IsUnspecified() || e.GuestAddr.IsLoopback() {
-			bad(f+".guestAddr", "%q must be a routable IPv4 address", e.GuestAddr)
-		}
-		if r.KernelCap && (e.MarkID == 0 || e.MarkID > MarkIDMask) {
-			bad(f+".markID", "%d must be a counter slot + 1 (1 .. %d)", e.MarkID, MarkIDMask)
-		}
-		if e.MaxConns < 0 || e.MaxConns > MaxConnsLimit {
-			bad(f+".maxConns", "%d must be 0 (unlimited) .. %d", e.MaxConns, MaxConnsLimit)
-		}
-		a := e.HostAddr
-		if e.Wildcard() {
-			a = netip.IPv4Unspecified()
-		}
-		k := bind{a, e.Protocol, e.HostPort}
-		if other, ok := binds[k]; ok {
-			bad(f+".hostPort", "%s %s:%d is already published by exposure %s", e.Protocol, a, e.HostPort, other)
-		}
-		binds[k] = e.Name
-	}
-	// A wildcard binding and a specific one on the same port would both
-	// match; the specific one wins (looked up first), which is what a socket
-	// bind would do too, so that is allowed.
-	return errs
-}
-
-// ValidationError joins the errors of Validate into one error.
-func ValidationError(errs []error) error {
-	if len(errs) == 0 {
-		return nil
-	}
-	return fmt.Errorf("invalid rules: %w", errors.Join(errs...))
-}
-
-// buildable reports input the builder cannot turn into expressions. Validate
-// already refuses all of it; this keeps the compiler total on input that did
-// not pass through Validate.
+// buildable reports input the builder cannot turn into expressions.
 func (r Rules) buildable() error {
 	if len(r.Bridge) == 0 || len(r.Bridge) > 15 {
-		return &FieldError{Field: "bridge", Msg: fmt.Sprintf("%q is not an interface name", r.Bridge)}
+		return fieldErr("bridge", "%q is not an interface name", r.Bridge)
 	}
 	if !r.Subnet.IsValid() || !r.Subnet.Addr().Is4() {
-		return &FieldError{Field: "subnet", Msg: fmt.Sprintf("%q is not an IPv4 prefix", r.Subnet)}
+		return fieldErr("subnet", "%q is not an IPv4 prefix", r.Subnet)
 	}
 	for i, g := range r.Guests {
 		f := "guests[" + strconv.Itoa(i) + "]"
 		switch {
 		case len(g.Tap) == 0 || len(g.Tap) > 15:
-			return &FieldError{Field: f + ".tap", Msg: fmt.Sprintf("%q is not an interface name", g.Tap)}
+			return fieldErr(f+".tap", "%q is not an interface name", g.Tap)
 		case len(g.MAC) != 6:
-			return &FieldError{Field: f + ".mac", Msg: fmt.Sprintf("%q is not a 6-byte MAC", g.MAC)}
+			return fieldErr(f+".mac", "%q is not a 6-byte MAC", g.MAC)
 		case g.Addr.IsValid() && !g.Addr.Is4():
-			return &FieldError{Field: f + ".addr", Msg: fmt.Sprintf("%s is not an IPv4 address", g.Addr)}
+			return fieldErr(f+".addr", "%s is not an IPv4 address", g.Addr)
 		}
 	}
 	return nil
@@ -251,17 +120,17 @@ func (e Exposure) buildable(kernelCap bool, id uint32) error {
 	f := "exposures[" + e.Name + "]"
 	switch {
 	case !validName(e.Name):
-		return &FieldError{Field: f + ".name", Msg: fmt.Sprintf("%q is not a valid name", e.Name)}
+		return fieldErr(f+".name", "%q is not a valid name", e.Name)
 	case e.Protocol != "tcp" && e.Protocol != "udp":
-		return &FieldError{Field: f + ".protocol", Msg: fmt.Sprintf("%q must be tcp or udp", e.Protocol)}
+		return fieldErr(f+".protocol", "%q must be tcp or udp", e.Protocol)
 	case !e.GuestAddr.Is4():
-		return &FieldError{Field: f + ".guestAddr", Msg: fmt.Sprintf("%q is not an IPv4 address", e.GuestAddr)}
+		return fieldErr(f+".guestAddr", "%q is not an IPv4 address", e.GuestAddr)
 	case !e.Wildcard() && !e.HostAddr.Is4():
-		return &FieldError{Field: f + ".hostAddr", Msg: fmt.Sprintf("%s is not an IPv4 address", e.HostAddr)}
+		return fieldErr(f+".hostAddr", "%s is not an IPv4 address", e.HostAddr)
 	case e.MaxConns < 0 || e.MaxConns > MaxConnsLimit:
-		return &FieldError{Field: f + ".maxConns", Msg: fmt.Sprintf("%d is outside 0..%d", e.MaxConns, MaxConnsLimit)}
+		return fieldErr(f+".maxConns", "%d is outside 0..%d", e.MaxConns, MaxConnsLimit)
 	case id == 0 || id > MarkIDMask:
-		return &FieldError{Field: f + ".markID", Msg: fmt.Sprintf("%d is not a mark id (1..%d)", id, MarkIDMask)}
+		return fieldErr(f+".markID", "%d is not a mark id (1..%d)", id, MarkIDMask)
 	}
 	return nil
 }
