@@ -252,11 +252,13 @@ func TestARemovedExposureClosesItsPortAndFlushesItsConntrackEntries(t *testing.T
 	assert.NotContains(t, dump, "echo-proxy", "the slot of a deleted exposure is freed")
 
 	// Created again (the base config file, which still has it).
-	out, errs, code = e.brokkr("apply", "-f", e.cfgPath, "--wait", "--timeout", "1m")
-	require.Equal(t, 0, code, "%s %s", out, errs)
-	x, ok := exposure(e.status(), "echo-proxy")
-	require.True(t, ok, "echo-proxy created again")
-	assert.Equal(t, "active", x.State)
+	_, errs, code = e.brokkr("apply", "-f", e.cfgPath)
+	require.Equal(t, 0, code, errs)
+	st := e.waitStatus("echo-proxy created again", 5*time.Second, func(st api.Status) bool {
+		x, ok := exposure(st, "echo-proxy")
+		return ok && x.State == "active"
+	})
+	x, _ := exposure(st, "echo-proxy")
 	assert.Zero(t, x.Accepted, "a re-created exposure starts from zero: its slot was freed on removal")
 	c := hold(t, e.client, hostIP+":7100")
 	c.Close()

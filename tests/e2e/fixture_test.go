@@ -233,9 +233,10 @@ func (e *env) reset() {
 		require.NoError(e.t, err)
 		require.Equal(e.t, string(e.baseDesired), string(cur), "the base desired state is back")
 	}
+	// Through the API, not the CLI: every test pays for this check.
 	base := strings.Count(allExposures, "{name:")
-	e.waitStatus("the shared daemon at its base", 4*time.Minute, func(st api.Status) bool {
-		v := vm(st, vmName)
+	atBase := func(st *api.Status) bool {
+		v := vm(*st, vmName)
 		if v.Phase != "running" || v.PID == 0 || len(st.Exposures) != base {
 			return false
 		}
@@ -245,7 +246,21 @@ func (e *env) reset() {
 			}
 		}
 		return true
-	})
+	}
+	client := api.NewClient(e.sock)
+	defer client.CloseIdle()
+	deadline := time.Now().Add(4 * time.Minute)
+	for {
+		st, err := client.Status(context.Background())
+		if err == nil && atBase(st) {
+			break
+		}
+		if time.Now().After(deadline) {
+			b, _ := json.MarshalIndent(st, "", "  ")
+			e.t.Fatalf("the shared daemon is not back at its base within 4 min: %v\n%s", err, b)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
 	e.waitGuestServing(hostIP + ":8080")
 }
 
