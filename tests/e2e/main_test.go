@@ -1,7 +1,8 @@
 // Package e2e tests brokkr black-box through its two binaries: brokkrd runs
 // in a host namespace of the test's own (nsenter --net, so bpffs stays
 // visible), a client namespace calls the published ports over veth, and one
-// real VM (QEMU, TCG here) is booted and shared by the subtests.
+// real VM (QEMU, TCG here) is booted and shared by the tests that need no
+// daemon of their own (sharedEnv).
 package e2e
 
 import (
@@ -38,6 +39,7 @@ func TestMain(m *testing.M) {
 	// goleak.VerifyTestMain exits by itself; the same check by hand lets the
 	// binaries be removed afterwards.
 	code := m.Run()
+	stopShared()
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "goleak:", err)

@@ -1,11 +1,9 @@
 package e2e
 
 import (
-	"fmt"
 	"io"
 	"net"
 	"os"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -35,21 +33,10 @@ exposures:
 func newNatEnv(t *testing.T) *env {
 	t.Helper()
 	nstest.RequireRoot(t)
-	e := &env{t: t}
-	e.host = nstest.New(t, "host")
-	e.client = nstest.New(t, "client")
-	nstest.Link(t, e.host, "brk-e2n-h", hostIP+"/24", e.client, "brk-e2n-c", clientIP+"/24")
-	e.state = t.TempDir()
-	run, err := os.MkdirTemp("", "brk-e2n-")
-	require.NoError(t, err)
-	e.run = run
-	e.bpfDir = fmt.Sprintf("/sys/fs/bpf/brk-e2n-%d", os.Getpid())
-	e.sock = filepath.Join(run, "brokkr.sock")
-	e.logPath = filepath.Join(e.state, "brokkrd.log")
-	e.cfgPath = filepath.Join(e.state, "brokkr.yaml")
+	e := &env{t: t, fixture: newFixture(t, "e2n")}
 	cfg := strings.NewReplacer("{{state}}", e.state, "{{run}}", e.run, "{{bpf}}", e.bpfDir).Replace(natConfig)
 	require.NoError(t, os.WriteFile(e.cfgPath, []byte(cfg), 0o600))
-	t.Cleanup(e.cleanup)
+	t.Cleanup(e.logOnFailure)
 	return e
 }
 
