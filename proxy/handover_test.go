@@ -6,6 +6,8 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"net/netip"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -251,4 +253,63 @@ func TestFreezeWhileCallersArriveLosesNone(t *testing.T) {
 		c.Close()
 	}
 	require.Eventually(t, func() bool { _, p := sl.Shares(); return p == 0 }, 5*time.Second, 5*time.Millisecond)
+}
+
+// A UDP exchange carries on across a hand-over: the exposure's socket and
+// the client's flow (its socket to the guest, the client's address, the
+// idle clock) go to the next Manager. A datagram sent during the freeze
+// waits in the socket and is answered after it, through the same guest-side
+// socket; the flow is counted once, keeps its place, and still ends when
+// idle.
+func TestFreezeHandsUDPFlowsToAnotherManager(t *testing.T) {
+	store := bpf.NewInMemory("test")
+	g := &guests{addrs: map[string]string{"vm1": "127.0.0.1"}}
+	spec := udpSpec("dns", udpEcho(t))
+	spec.UDPIdle = 2 * time.Second
+	m1 := NewManager(g.resolve, store)
+	st := only(t, m1, spec)
+	require.Equal(t, StateActive, st.State, st.Reason)
+	c := udpClient(t, "udp4", "127.0.0.1:0")
+	r1, _ := ask(t, c, st.BoundAddr, "one", 5*time.Second)
+	guestPort, _, ok := strings.Cut(r1, ":")
+	require.True(t, ok, "reply %q", r1)
+
+	snap := m1.Freeze()
+	require.Len(t, snap.Listeners, 1)
+	require.Len(t, snap.Pairs, 1)
+	require.NotNil(t, snap.Pairs[0].Flow)
+	to, err := netip.ParseAddrPort(st.BoundAddr)
+	require.NoError(t, err)
+	_, err = c.WriteToUDPAddrPort([]byte("two"), to)
+	require.NoError(t, err)
+	m1.StopAll()
+	sl, err := store.Attach("dns", bpf.ProtoNumber("udp"), 0)
+	require.NoError(t, err)
+	defer sl.Release(false)
+	_, p := sl.Shares()
+	require.EqualValues(t, 1, p, "the frozen flow keeps its place")
+
+	m2 := NewManager(g.resolve, store, WithHold())
+	defer m2.StopAll()
+	m2.Inherit(snap.Listeners)
+	m2.Adopt(snap.Pairs)
+	st2 := only(t, m2, spec)
+	require.Equal(t, st.BoundAddr, st2.BoundAddr, "the same socket, not a new bind")
+	m2.Resume()
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(5*time.Second)))
+	buf := make([]byte, 512)
+	n, err := c.Read(buf)
+	require.NoError(t, err, "the datagram sent during the freeze is answered")
+	assert.Equal(t, guestPort+":two", string(buf[:n]), "through the flow's own guest socket")
+	r3, _ := ask(t, c, st.BoundAddr, "three", 5*time.Second)
+	assert.Equal(t, guestPort+":three", r3)
+
+	cs := sl.Read()
+	assert.EqualValues(t, 1, cs.Accepted, "one flow, counted once")
+	assert.EqualValues(t, len("onetwothree"), cs.BytesIn)
+	assert.EqualValues(t, len(r1)+len(guestPort)+len(":two")+len(r3), cs.BytesOut)
+	_, p = sl.Shares()
+	assert.EqualValues(t, 1, p)
+	require.Eventually(t, func() bool { _, p := sl.Shares(); return p == 0 }, 5*time.Second, 20*time.Millisecond,
+		"the adopted flow still ends when idle, giving its place back")
 }

@@ -53,9 +53,10 @@ type handManager struct {
 type handPair struct {
 	ID            string
 	HostPort      uint16
-	Client, Guest int
+	Client, Guest int // Client -1 for a UDP flow
 	Pending       [2][]byte
 	Done          [2]bool
+	Flow          *proxy.FrozenFlow `json:",omitempty"`
 }
 
 // inherited is what a new process got from the old one.
@@ -236,10 +237,11 @@ func receiveHandover() (*inherited, error) {
 		}
 		for _, p := range hm.Pairs {
 			c, g := at(p.Client), at(p.Guest)
-			if c == nil || g == nil {
+			if g == nil || (c == nil) != (p.Flow != nil) {
 				continue
 			}
-			s.Pairs = append(s.Pairs, proxy.FrozenPair{ID: p.ID, HostPort: p.HostPort, Client: c, Guest: g, Pending: p.Pending, Done: p.Done})
+			s.Pairs = append(s.Pairs, proxy.FrozenPair{ID: p.ID, HostPort: p.HostPort, Client: c, Guest: g,
+				Pending: p.Pending, Done: p.Done, Flow: p.Flow})
 		}
 		h.snaps[name] = s
 	}
@@ -361,9 +363,12 @@ func (s *system) handOver(req upgradeReq, apiLn, upLn, metricsLn net.Listener, l
 			files = append(files, f)
 		}
 		for _, p := range sn.Pairs {
-			hm.Pairs = append(hm.Pairs, handPair{ID: p.ID, HostPort: p.HostPort, Client: len(files), Guest: len(files) + 1,
-				Pending: p.Pending, Done: p.Done})
-			files = append(files, p.Client, p.Guest)
+			hp := handPair{ID: p.ID, HostPort: p.HostPort, Client: -1, Pending: p.Pending, Done: p.Done, Flow: p.Flow}
+			if p.Client != nil {
+				hp.Client = add(p.Client)
+			}
+			hp.Guest = add(p.Guest)
+			hm.Pairs = append(hm.Pairs, hp)
 		}
 		st.Managers[name] = hm
 	}
