@@ -303,6 +303,7 @@ exposures:
   - {name: rs-nat, target: 10.213.9.200, guestPort: 7000, hostPort: 7200, mode: nat}
   - {name: rs-auto, target: 10.213.9.200, guestPort: 7000, hostPort: 7201, mode: auto}
   - {name: rs-proxy, target: 10.213.9.200, guestPort: 7000, hostPort: 7202, mode: proxy}
+  - {name: rs-udp, target: 10.213.9.200, guestPort: 7001, hostPort: 7203, protocol: udp, mode: proxy}
 `
 
 // start runs brokkrd the way systemd would: in the host namespace, with
@@ -339,7 +340,7 @@ func (r *rig) start(bin string) {
 func (r *rig) waitServing() {
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
-		if st, err := api.NewClient(r.sock).Status(context.Background()); err == nil && len(st.Exposures) == 3 {
+		if st, err := api.NewClient(r.sock).Status(context.Background()); err == nil && len(st.Exposures) == 4 {
 			ok := true
 			for _, e := range st.Exposures {
 				ok = ok && e.State == "active"
@@ -350,7 +351,7 @@ func (r *rig) waitServing() {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	r.t.Fatalf("brokkrd did not serve all three exposures within 30 s; log:\n%s", tailFile(r.log, 4000))
+	r.t.Fatalf("brokkrd did not serve all four exposures within 30 s; log:\n%s", tailFile(r.log, 4000))
 }
 
 func tailFile(path string, n int) string {
@@ -410,7 +411,54 @@ type phase struct {
 	nat   *counts
 	proxy *counts
 	auto  *counts
+	udp   *udpCounts
 	aErr  error
+}
+
+// udpCounts is the UDP exchange's tally: one client socket (one flow)
+// asking every 10 ms and waiting up to a second for each answer.
+type udpCounts struct {
+	Asked, Answered, Lost, Wrong int64
+	GuestPorts                   map[string]bool // the flow's guest-side sockets seen
+}
+
+// udpLoad asks "n" through addr until stop; the guest answers
+// "<its peer's port>:n", so a flow that stays the same keeps one port.
+func udpLoad(c *net.UDPConn, stop <-chan struct{}) *udpCounts {
+	u := &udpCounts{GuestPorts: map[string]bool{}}
+	buf := make([]byte, 512)
+	for i := 0; ; i++ {
+		select {
+		case <-stop:
+			return u
+		case <-time.After(10 * time.Millisecond):
+		}
+		msg := strconv.Itoa(i)
+		u.Asked++
+		if _, err := c.Write([]byte(msg)); err != nil {
+			u.Lost++
+			continue
+		}
+		_ = c.SetReadDeadline(time.Now().Add(time.Second))
+		for {
+			n, err := c.Read(buf)
+			if err != nil {
+				u.Lost++
+				break
+			}
+			port, got, _ := strings.Cut(string(buf[:n]), ":")
+			if got != msg {
+				if v, err := strconv.Atoi(got); err == nil && v < i {
+					continue // a late answer to an earlier one
+				}
+				u.Wrong++
+				break
+			}
+			u.Answered++
+			u.GuestPorts[port] = true
+			break
+		}
+	}
 }
 
 // startLoad starts the three loads: nat and proxy from the client
@@ -430,8 +478,17 @@ func (r *rig) startLoad() *phase {
 			return c, err
 		}
 	}
-	p.wg.Add(3)
+	p.wg.Add(4)
 	go func() { defer p.wg.Done(); p.nat = load(dialIn("192.0.2.1:7200"), 2, p.stop) }()
+	var uc *net.UDPConn
+	require.NoError(r.t, r.client.Do(func() error {
+		c, err := net.Dial("udp4", "192.0.2.1:7203")
+		if err == nil {
+			uc = c.(*net.UDPConn)
+		}
+		return err
+	}))
+	go func() { defer p.wg.Done(); defer uc.Close(); p.udp = udpLoad(uc, p.stop) }()
 	go func() { defer p.wg.Done(); p.proxy = load(dialIn("192.0.2.1:7202"), 2, p.stop) }()
 	cg, err := os.Open(r.cgroup)
 	require.NoError(r.t, err)
@@ -519,6 +576,22 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 	require.NoError(t, g.Do(func() (err error) { ln, err = net.Listen("tcp4", ":7000"); return err }))
 	var gwg sync.WaitGroup
 	t.Cleanup(func() { ln.Close(); gwg.Wait() })
+	var pc net.PacketConn
+	require.NoError(t, g.Do(func() (err error) { pc, err = net.ListenPacket("udp4", ":7001"); return err }))
+	t.Cleanup(func() { pc.Close() })
+	gwg.Add(1)
+	go func() {
+		defer gwg.Done()
+		buf := make([]byte, 512)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			port := strconv.Itoa(from.(*net.UDPAddr).Port)
+			_, _ = pc.WriteTo(append([]byte(port+":"), buf[:n]...), from)
+		}
+	}()
 	gwg.Add(1)
 	go func() {
 		defer gwg.Done()
@@ -573,6 +646,10 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 
 	report := fmt.Sprintf("planned: %d restarts + %d upgrades in %s; crash: %d SIGKILLs\n", restarts, upgrades, planned.Round(time.Second), kills)
 	report += "path   phase    short  long  refused  dropped  corrupted\n"
+	udpRow := func(ph string, u *udpCounts) string {
+		return fmt.Sprintf("udp    %-8s asked %d, answered %d, lost %d, wrong %d; guest-side sockets %d\n",
+			ph, u.Asked, u.Answered, u.Lost, u.Wrong, len(u.GuestPorts))
+	}
 	for _, row := range []struct {
 		path, ph string
 		c        *counts
@@ -580,6 +657,7 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 		{"nat", "sigkill", k.nat}, {"auto", "sigkill", k.auto}, {"proxy", "sigkill", k.proxy}} {
 		report += fmt.Sprintf("%-6s %-8s %6d %5d %8d %8d %10d  %v\n", row.path, row.ph, row.c.Short, row.c.Long, row.c.Refused, row.c.Dropped, row.c.Corrupted, row.c.Errors)
 	}
+	report += udpRow("planned", p.udp) + udpRow("sigkill", k.udp)
 	t.Log("\n" + report)
 	if out := os.Getenv("RESTART_REPORT"); out != "" {
 		_ = os.WriteFile(out, []byte(report), 0o644)
@@ -589,6 +667,8 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 		require.Positive(t, c.Short)
 		require.Positive(t, c.Long)
 	}
+	require.Zero(t, p.udp.Lost+p.udp.Wrong, "the UDP exchange loses nothing across planned restarts and upgrades: %+v", p.udp)
+	require.Len(t, p.udp.GuestPorts, 1, "one flow all along: handed over, never opened again")
 	for _, c := range []*counts{k.nat, k.auto, k.proxy} {
 		require.Zero(t, c.Refused, "no caller refused across a SIGKILL: %+v", c)
 		require.Zero(t, c.Corrupted, "%+v", c)
