@@ -68,7 +68,10 @@ func TestFreezeHandsListenersAndConnectionsToAnotherManager(t *testing.T) {
 	st := only(t, m1, spec)
 	require.Equal(t, StateActive, st.State, st.Reason)
 
-	const size = 4 << 20
+	// More than the return path's buffers hold (the caller's small receive
+	// buffer, the proxy's send buffer, at most 4 MiB): once the echo stalls,
+	// each return direction waits in the middle of a pipeful.
+	const size = 8 << 20
 	const conns = 3
 	read := make(chan struct{})
 	type result struct {
@@ -81,6 +84,7 @@ func TestFreezeHandsListenersAndConnectionsToAnotherManager(t *testing.T) {
 		c, err := net.Dial("tcp", st.BoundAddr)
 		require.NoError(t, err)
 		defer c.Close()
+		require.NoError(t, c.(*net.TCPConn).SetReadBuffer(64<<10))
 		go func() {
 			s, g, n, err := transfer(c, size, read)
 			results <- result{s, g, n, err}
@@ -90,7 +94,17 @@ func TestFreezeHandsListenersAndConnectionsToAnotherManager(t *testing.T) {
 	require.NoError(t, err)
 	defer sl.Release(false)
 	require.Eventually(t, func() bool { _, p := sl.Shares(); return p == conns }, 5*time.Second, 5*time.Millisecond)
-	time.Sleep(200 * time.Millisecond) // let the echo back up into the pipes
+	// Frozen once the echo stalls (no byte moved for 100 ms): the callers
+	// do not read, so each return direction then waits in the middle of a
+	// pipeful. A fixed pause was not enough on a loaded machine.
+	var last uint64
+	require.Eventually(t, func() bool {
+		c := sl.Read()
+		moved := c.BytesIn + c.BytesOut
+		stalled := c.BytesOut > 0 && moved == last
+		last = moved
+		return stalled
+	}, 20*time.Second, 100*time.Millisecond)
 
 	snap := m1.Freeze()
 	require.Len(t, snap.Pairs, conns)
@@ -304,10 +318,12 @@ func TestFreezeHandsUDPFlowsToAnotherManager(t *testing.T) {
 	r3, _ := ask(t, c, st.BoundAddr, "three", 5*time.Second)
 	assert.Equal(t, guestPort+":three", r3)
 
-	cs := sl.Read()
-	assert.EqualValues(t, 1, cs.Accepted, "one flow, counted once")
-	assert.EqualValues(t, len("onetwothree"), cs.BytesIn)
-	assert.EqualValues(t, len(r1)+len(guestPort)+len(":two")+len(r3), cs.BytesOut)
+	// A datagram is counted right after it is sent on, so the answer can
+	// arrive first.
+	in, out := uint64(len("onetwothree")), uint64(len(r1)+len(guestPort)+len(":two")+len(r3))
+	require.Eventually(t, func() bool { cs := sl.Read(); return cs.BytesIn == in && cs.BytesOut == out },
+		5*time.Second, 5*time.Millisecond, "bytes counted once each way: %+v", sl.Read())
+	assert.EqualValues(t, 1, sl.Read().Accepted, "one flow, counted once")
 	_, p = sl.Shares()
 	assert.EqualValues(t, 1, p)
 	require.Eventually(t, func() bool { _, p := sl.Shares(); return p == 0 }, 5*time.Second, 20*time.Millisecond,

@@ -1,7 +1,9 @@
 // Package restart is the restart/upgrade soak (issue 16): steady load through
-// one exposure of each mode while brokkrd is handed over to itself, upgraded
-// to another binary and SIGKILLed, counting per path refused callers,
-// dropped connections and corrupted transfers. The test plays systemd's part
+// one exposure of each mode, and a UDP exchange through a proxy exposure,
+// while brokkrd is handed over to itself, upgraded to another binary, asked
+// to upgrade to binaries that fail (FAILED_UPGRADE=1) and SIGKILLed, counting
+// per path refused callers, dropped connections, corrupted transfers and
+// lost datagrams. The test plays systemd's part
 // of the notify and fd-store protocol (NOTIFY_SOCKET receiving FDSTORE=1
 // with SCM_RIGHTS, MAINPID=; a restart with LISTEN_FDS/LISTEN_FDNAMES),
 // since no real systemd runs here. It takes minutes: BROKKR_SOAK=1 runs it
