@@ -239,6 +239,16 @@ static __always_inline int in_guest_net(__u32 saddr)
 
 #define RECHECK_NS (2ULL * 1000000000ULL)
 
+// same_tuple reports whether ct's original tuple is the one the flow was
+// tracked with: conntrack entries live in a SLAB_TYPESAFE_BY_RCU cache, so
+// the entry at a flow's key may since be another connection's.
+static __always_inline int same_tuple(struct nf_conn *ct, struct nat_flow *f)
+{
+	struct nf_conntrack_tuple *t = &ct->tuplehash[0].tuple;
+	return t->src.u3.ip == f->saddr && t->dst.u3.ip == f->daddr && t->src.u.all == f->sport &&
+	       t->dst.u.all == f->dport && t->dst.protonum == f->proto;
+}
+
 // flow_alive reports whether the conntrack entry at ctp is still the flow's
 // live, unexpired entry.
 static __always_inline int flow_alive(__u64 ctp, struct nat_flow *f)
@@ -248,9 +258,7 @@ static __always_inline int flow_alive(__u64 ctp, struct nat_flow *f)
 		return 0;
 	if (ct->status & (1UL << IPS_DYING_BIT))
 		return 0;
-	struct nf_conntrack_tuple *t = &ct->tuplehash[0].tuple;
-	if (t->src.u3.ip != f->saddr || t->dst.u3.ip != f->daddr || t->src.u.all != f->sport ||
-	    t->dst.u.all != f->dport || t->dst.protonum != f->proto)
+	if (!same_tuple(ct, f))
 		return 0;
 	__s32 left = (__s32)(ct->timeout - (__u32)bpf_jiffies64());
 	return left > 0;
@@ -504,6 +512,16 @@ int brk_nat_reflect(struct __sk_buff *skb)
 	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
 	if (!f || !(f->flags & F_REFUSED))
 		return TC_ACT_OK;
+	if (!same_tuple(conn(ctp), f)) {
+		// A refused flow's entry outlives its conntrack entry (conntrack
+		// kills an entry whose only reply is a RST at once) until the
+		// next sweep, and the memory goes straight to the next
+		// connection: this SYN is another caller's (the socket path's,
+		// the proxy's, a guest's), not one to refuse. The leftover holds
+		// no place; forget it.
+		bpf_map_delete_elem(&nat_flows, &ctp);
+		return TC_ACT_OK;
+	}
 
 	// The RST the guest would send: from the guest to the caller (as the
 	// packet now stands, after NAT), acknowledging the SYN.

@@ -194,11 +194,11 @@ func TestNatPathKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T)
 	a.Close()
 	eventually(t, "the place given back with no daemon", func() bool { return tp.slot.Read().Active == 0 })
 
-	before := allLinks(t)
 	np2 := tp.load(t)
 	defer np2.Close()
 	assert.Equal(t, ids, linkIDs(t, np2.links), "a restarted daemon adopts the pinned links")
-	assert.Equal(t, before, allLinks(t), "and attaches no second copy")
+	p := np2.objs.natpathPrograms
+	assert.Zero(t, linksOf(t, p.BrkNatPre, p.BrkNatOut, p.BrkNatReflect), "and attaches no second copy of its programs")
 
 	b, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
 	require.NoError(t, err)
@@ -257,17 +257,33 @@ func TestNatPathUDPFlowsAreCappedAndCountedAndFreedWhenConntrackForgetsThem(t *t
 	assert.Equal(t, "now", string(got[:n]))
 }
 
-// allLinks lists the IDs of every BPF link in the system.
-func allLinks(t *testing.T) []link.ID {
+// linksOf counts the BPF links in the system that run one of progs. Only
+// these programs' links, not every link: other tests and other users of
+// the machine attach and detach links of their own meanwhile.
+func linksOf(t *testing.T, progs ...*ebpf.Program) int {
 	t.Helper()
+	want := map[ebpf.ProgramID]bool{}
+	for _, p := range progs {
+		info, err := p.Info()
+		require.NoError(t, err)
+		id, ok := info.ID()
+		require.True(t, ok, "program ID")
+		want[id] = true
+	}
 	it := new(link.Iterator)
 	defer it.Close()
-	var ids []link.ID
+	n := 0
 	for it.Next() {
-		ids = append(ids, it.ID)
+		info, err := it.Link.Info()
+		if err != nil {
+			continue // detached meanwhile
+		}
+		if want[info.Program] {
+			n++
+		}
 	}
 	require.NoError(t, it.Err())
-	return ids
+	return n
 }
 
 // linkIDs is the ID of each of a path's links, by pin name.

@@ -4,6 +4,7 @@ import (
 	"syscall"
 
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // noFileLimit is this process's RLIMIT_NOFILE (soft, the one that fails an
@@ -14,12 +15,12 @@ var noFileLimit = func() (uint64, error) {
 	return l.Cur, err
 }
 
-// budgetWarning is c's descriptor-budget warning against brokkrd's own
+// budgetWarning is m's descriptor-budget warning against brokkrd's own
 // limit, or "".
-func budgetWarning(c *config.Config) string {
+func budgetWarning(m *spec.Desired) string {
 	n, err := noFileLimit()
 	if err != nil {
 		return ""
 	}
-	return c.DescriptorBudget(n)
+	return config.DescriptorBudget(m, n)
 }

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"reflect"
 	"slices"
 	"strings"
@@ -18,6 +19,7 @@ import (
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/brokkr/brokkr/supervisor"
@@ -40,9 +42,8 @@ type Options struct {
 	Tick       time.Duration // default 1 s
 	Timeout    time.Duration // per engine pass; default 10 s
 	Warnings   []string      // conditions found while opening (shown in status)
-	// IPv6Loopback makes auto exposures also listen on ::1 (the Proxy must
-	// then carry ::1 specs next to 127.0.0.1 ones under the same name; see
-	// ProxyPair).
+	// IPv6Loopback makes auto exposures also listen on ::1 (the Proxy then
+	// carries ::1 specs next to 127.0.0.1 ones under the same name).
 	IPv6Loopback bool
 	// SocketPath, when set, serves auto exposures' host-local callers in
 	// the kernel (and the loopback proxies go away); SocketPathReason says
@@ -75,6 +76,10 @@ type Daemon struct {
 	sockParts map[string]part
 
 	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
+	// parseGate lets one API request at a time parse a config: parsing a
+	// hostile body costs a core for tens of milliseconds, and without the
+	// gate a few such callers take every core from status and the passes.
+	parseGate sync.Mutex
 	// netMu keeps netplane's Validate (which reads the kernel) from running
 	// in the middle of its Converge (which changes it): a tap created but
 	// not yet labelled as brokkr's would look foreign to the validation.
@@ -82,6 +87,7 @@ type Daemon struct {
 
 	mu      sync.Mutex
 	desired *config.Config
+	model   *spec.Desired // desired, compiled (config.Compile) when it entered
 	status  api.Status
 	facts   map[string]guestFacts
 	passes  uint64
@@ -116,12 +122,16 @@ func New(opts Options) (*Daemon, error) {
 	if opts.Addresses == nil {
 		opts.Addresses = NewAddressBook()
 	}
-	desired, err := loadDesired(opts.Host.StateDir)
+	desired, model, err := loadDesired(opts.Host.StateDir)
 	if err != nil {
 		return nil, err
 	}
 	if desired == nil {
 		desired = opts.Host
+		var errs config.Errors
+		if model, errs = config.Compile(desired); len(errs) > 0 {
+			return nil, fmt.Errorf("the config does not validate:\n%w", errs)
+		}
 		if err := saveDesired(opts.Host.StateDir, desired); err != nil {
 			return nil, err
 		}
@@ -135,16 +145,18 @@ func New(opts Options) (*Daemon, error) {
 				"exposuresOnlyInFile", p.Exposures.Added, "exposuresChangedInFile", p.Exposures.Changed, "exposuresNotInFile", p.Exposures.Removed)
 		}
 	}
+	// The process-fixed keys are no part of the model.
+	desired = withHost(desired, opts.Host)
 	d := &Daemon{
 		opts: opts, log: opts.Logger, host: opts.Host, store: opts.Store,
 		sup: opts.Supervisor, net: opts.Network, px: opts.Proxy, addrs: opts.Addresses,
-		desired: withHost(desired, opts.Host),
-		facts:   map[string]guestFacts{},
-		wake:    make(chan struct{}, 1),
-		passed:  make(chan struct{}, 1),
-		supRun:  bounded[supervisor.Report]{name: "supervisor"},
-		netRun:  bounded[netplane.Report]{name: "netplane"},
-		pxRun:   bounded[[]proxy.Status]{name: "proxy"},
+		desired: desired, model: model,
+		facts:  map[string]guestFacts{},
+		wake:   make(chan struct{}, 1),
+		passed: make(chan struct{}, 1),
+		supRun: bounded[supervisor.Report]{name: "supervisor"},
+		netRun: bounded[netplane.Report]{name: "netplane"},
+		pxRun:  bounded[[]proxy.Status]{name: "proxy"},
 	}
 	d.m = newMetrics(d)
 	if opts.SocketPath != nil && opts.Store != nil {
@@ -155,7 +167,7 @@ func New(opts Options) (*Daemon, error) {
 		// path re-adds what conntrack still holds.
 		d.store.ResetActive(opts.KeptProxyActive)
 	}
-	d.status = d.mergeStatus(d.desired, supervisor.Report{}, netplane.Report{}, nil, nil)
+	d.status = d.mergeStatus(d.desired, d.model, supervisor.Report{}, netplane.Report{}, nil, nil)
 	return d, nil
 }
 
@@ -234,7 +246,7 @@ func (d *Daemon) Run(ctx context.Context) {
 // runs last so its resolver sees the leases of this pass.
 func (d *Daemon) Pass(ctx context.Context) {
 	d.mu.Lock()
-	cp, gen := *d.desired, d.gen
+	cp, model, gen := *d.desired, d.model, d.gen
 	d.mu.Unlock()
 	want := &cp
 	var errs []error
@@ -243,7 +255,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	nrep, err := d.netRun.run(ctx, d.opts.Timeout, func(ctx context.Context) netplane.Report {
 		d.netMu.Lock()
 		defer d.netMu.Unlock()
-		return d.net.Converge(ctx, netDesired(want))
+		return d.net.Converge(ctx, netDesired(model))
 	})
 	d.m.observe("netplane", time.Since(t0), err == nil && nrep.Err == nil)
 	errs = append(errs, err)
@@ -253,7 +265,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	for _, r := range nrep.Repaired {
 		d.log.Warn("drift repaired", "what", r)
 	}
-	facts := d.updateFacts(want, nrep)
+	facts := d.updateFacts(model, nrep)
 
 	// A VM whose tap netplane has never reported (it failed or stalled
 	// since this process started) must not reach the supervisor without
@@ -261,7 +273,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	// and an adopted VM would be recreated. Hold the supervisor for this
 	// pass instead; VMs keep running as they are.
 	var untapped []string
-	for _, v := range want.VMs {
+	for _, v := range model.VMs {
 		if f, ok := facts[v.Name]; !ok || f.Tap == "" {
 			untapped = append(untapped, v.Name)
 		}
@@ -272,7 +284,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 		errs = append(errs, fmt.Errorf("supervisor: held this pass: the network plane has not reported the taps of %v", untapped))
 	} else {
 		t0 = time.Now()
-		specs := vmSpecs(want, facts)
+		specs := vmSpecs(model, facts)
 		srep, err = d.supRun.run(ctx, d.opts.Timeout, func(ctx context.Context) supervisor.Report {
 			return d.sup.Step(ctx, specs)
 		})
@@ -282,11 +294,11 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	t0 = time.Now()
 	if d.sock != nil {
-		parts, err := d.sock.converge(want, d.addrs.Resolve)
+		parts, err := d.sock.converge(model, d.addrs.lookup)
 		d.sockParts = parts
 		errs = append(errs, err)
 	}
-	pspecs := proxySpecs(want, d.opts.IPv6Loopback, d.sock != nil)
+	pspecs := proxySpecs(model, d.opts.IPv6Loopback, d.sock != nil)
 	pst, err := d.pxRun.run(ctx, d.opts.Timeout, func(context.Context) []proxy.Status {
 		return d.px.Converge(pspecs)
 	})
@@ -295,7 +307,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	if d.store != nil {
 		keep := map[string]bool{}
-		for _, e := range want.Exposures {
+		for _, e := range model.Exposures {
 			keep[e.Name] = true
 		}
 		if gone := d.store.Prune(func(n string) bool { return keep[n] }); len(gone) > 0 {
@@ -303,7 +315,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 		}
 	}
 
-	st := d.mergeStatus(want, srep, nrep, pst, errs)
+	st := d.mergeStatus(want, model, srep, nrep, pst, errs)
 	d.mu.Lock()
 	d.status = st
 	d.statusGen = gen
@@ -335,7 +347,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 // updateFacts records what netplane said about each guest and publishes the
 // addresses the proxy may dial: a leased address, or with DHCP off the
 // assigned one (the guest takes it from its command line).
-func (d *Daemon) updateFacts(want *config.Config, rep netplane.Report) map[string]guestFacts {
+func (d *Daemon) updateFacts(want *spec.Desired, rep netplane.Report) map[string]guestFacts {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	seen := map[string]bool{}
@@ -358,14 +370,14 @@ func (d *Daemon) updateFacts(want *config.Config, rep netplane.Report) map[strin
 	for _, v := range want.VMs {
 		wanted[v.Name] = true
 	}
-	addrs := map[string]string{}
+	addrs := map[string]netip.Addr{}
 	for name, f := range d.facts {
 		if !wanted[name] {
 			delete(d.facts, name)
 			continue
 		}
-		if f.Address.IsValid() && (f.Leased || !*want.Network.DHCP) {
-			addrs[name] = f.Address.String()
+		if f.Address.IsValid() && (f.Leased || !want.Network.DHCP) {
+			addrs[name] = f.Address
 		}
 	}
 	d.addrs.Set(addrs)
@@ -386,37 +398,45 @@ func netplaneErr(err error) error {
 }
 
 // AddressBook is the proxy's Resolver: guest addresses by VM name, swapped
-// whole on each pass, read per connection.
+// whole on each pass, read per connection. It keeps each address as text
+// too, so a dial formats nothing.
 type AddressBook struct {
 	mu    sync.RWMutex
-	addrs map[string]string
+	addrs map[string]bookEntry
+}
+
+type bookEntry struct {
+	addr netip.Addr
+	text string
 }
 
 // NewAddressBook returns an empty book.
-func NewAddressBook() *AddressBook { return &AddressBook{addrs: map[string]string{}} }
+func NewAddressBook() *AddressBook { return &AddressBook{addrs: map[string]bookEntry{}} }
 
 // Set replaces every address.
-func (a *AddressBook) Set(addrs map[string]string) {
+func (a *AddressBook) Set(addrs map[string]netip.Addr) {
+	book := make(map[string]bookEntry, len(addrs))
+	for vm, addr := range addrs {
+		book[vm] = bookEntry{addr, addr.String()}
+	}
 	a.mu.Lock()
-	a.addrs = addrs
+	a.addrs = book
 	a.mu.Unlock()
 }
 
-func (a *AddressBook) lookup(vm string) (string, bool) {
+// lookup is the VM's address, if it has one now.
+func (a *AddressBook) lookup(vm string) (netip.Addr, bool) {
 	a.mu.RLock()
 	defer a.mu.RUnlock()
-	addr, ok := a.addrs[vm]
-	return addr, ok
+	e, ok := a.addrs[vm]
+	return e.addr, ok
 }
 
 // Resolve is a proxy.Resolver.
 func (a *AddressBook) Resolve(vm string) string {
-	if t, ok := resolveTarget(vm); ok {
-		return t
-	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
-	return a.addrs[vm]
+	return a.addrs[vm].text
 }
 
 // Close stops the loop's engines without touching what they made: VMs keep
@@ -441,13 +461,18 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	d.applyMu.Lock()
 	defer d.applyMu.Unlock()
 	next := withHost(cfg, d.host)
+	model, cerrs := config.Compile(next)
+	if len(cerrs) > 0 {
+		return api.Plan{}, cerrs
+	}
 	if !d.lockNet(d.opts.Timeout) {
 		return api.Plan{}, ErrBusy
 	}
-	errs := d.net.Validate(netDesired(next))
+	errs := d.net.Validate(netDesired(model))
 	d.netMu.Unlock()
 	if len(errs) > 0 {
-		// netplane's errors name their field in their text.
+		// The namespace's facts (foreign links, clashing subnets): netplane's
+		// errors name their field in their text.
 		ce := make(config.Errors, 0, len(errs))
 		for _, e := range errs {
 			ce = append(ce, config.FieldError{Msg: e.Error()})
@@ -458,7 +483,7 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	plan := diff(cur, next)
 	plan.DryRun = dryRun
 	plan.Warnings = hostWarnings(cfg, d.host)
-	if w := budgetWarning(next); w != "" {
+	if w := budgetWarning(model); w != "" {
 		plan.Warnings = append(plan.Warnings, w)
 	}
 	if dryRun {
@@ -468,7 +493,7 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 		return api.Plan{}, err
 	}
 	d.mu.Lock()
-	d.desired = next
+	d.desired, d.model = next, model
 	d.gen++
 	d.mu.Unlock()
 	plan.Applied = true
@@ -515,27 +540,22 @@ func hostWarnings(cfg, host *config.Config) []string {
 var ErrNoSuchVM = errors.New("no such VM")
 
 // SetPower changes a VM's persisted desired power (start/stop).
-func (d *Daemon) SetPower(name, power string) error {
+func (d *Daemon) SetPower(name string, power spec.Power) error {
 	d.applyMu.Lock()
 	defer d.applyMu.Unlock()
-	cur := d.Desired()
-	vms := append([]config.VM(nil), cur.VMs...)
-	found := false
-	for i := range vms {
-		if vms[i].Name == name {
-			vms[i].Power = power
-			found = true
-		}
-	}
+	cur, found := d.Desired().WithPower(name, power)
 	if !found {
 		return fmt.Errorf("%w: %q", ErrNoSuchVM, name)
 	}
-	cur.VMs = vms
+	model, errs := config.Compile(cur)
+	if len(errs) > 0 {
+		return errs
+	}
 	if err := saveDesired(d.host.StateDir, cur); err != nil {
 		return err
 	}
 	d.mu.Lock()
-	d.desired = cur
+	d.desired, d.model = cur, model
 	d.gen++
 	d.mu.Unlock()
 	d.Wake()
@@ -547,24 +567,24 @@ var ErrStopped = errors.New("VM is stopped (start it instead)")
 
 // Restart asks the supervisor to restart a running VM.
 func (d *Daemon) Restart(name string) error {
-	cur := d.Desired()
-	for _, v := range cur.VMs {
-		if v.Name == name {
-			if v.Power != supervisor.PowerRunning {
-				return fmt.Errorf("%q: %w", name, ErrStopped)
-			}
-			if err := d.sup.Restart(name); err != nil {
-				return fmt.Errorf("restarting %q: %w", name, err)
-			}
-			d.Wake()
-			return nil
-		}
+	d.mu.Lock()
+	v, ok := d.model.VM(name)
+	d.mu.Unlock()
+	switch {
+	case !ok:
+		return fmt.Errorf("%w: %q", ErrNoSuchVM, name)
+	case v.Power != spec.PowerRunning:
+		return fmt.Errorf("%q: %w", name, ErrStopped)
 	}
-	return fmt.Errorf("%w: %q", ErrNoSuchVM, name)
+	if err := d.sup.Restart(name); err != nil {
+		return fmt.Errorf("restarting %q: %w", name, err)
+	}
+	d.Wake()
+	return nil
 }
 
 // mergeStatus builds the contract's status from the three reports.
-func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep netplane.Report, pst []proxy.Status, errs []error) api.Status {
+func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supervisor.Report, nrep netplane.Report, pst []proxy.Status, errs []error) api.Status {
 	st := api.Status{VMs: []api.VM{}, Exposures: []api.Exposure{}}
 	sv := map[string]supervisor.VMStatus{}
 	for _, v := range srep.VMs {
@@ -623,42 +643,46 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 	for _, p := range pst {
 		ps[p.ID] = append(ps[p.ID], p)
 	}
-	for _, e := range want.Exposures {
-		r := api.Exposure{Name: e.Name, VM: e.VM, Target: e.Target, Mode: e.Mode, HostAddress: e.HostAddress,
-			HostPort: e.HostPort, Protocol: e.Protocol, GuestPort: e.GuestPort, MaxConns: *e.MaxConns}
+	for i, e := range model.Exposures {
+		// The row echoes the exposure as the config spells it.
+		ce := want.Exposures[i]
+		r := api.Exposure{Name: ce.Name, VM: ce.VM, Target: ce.Target, Mode: ce.Mode, HostAddress: ce.HostAddress,
+			HostPort: ce.HostPort, Protocol: ce.Protocol, GuestPort: ce.GuestPort, MaxConns: *ce.MaxConns}
 		var parts []part
-		_, hasAddr := d.addrs.lookup(e.VM)
-		if usesKernel(e) {
+		vm := e.Target.VM
+		_, hasAddr := d.addrs.lookup(vm)
+		if e.UsesKernel() {
 			if n, ok := ns[e.Name]; ok {
 				parts = append(parts, part{"nat", n.State, n.Reason})
 			} else if netErr != "" {
-				parts = append(parts, part{"nat", proxy.StateFailed, netErr})
+				parts = append(parts, part{"nat", spec.StateFailed, netErr})
 			} else {
-				parts = append(parts, part{"nat", proxy.StatePending, "the network plane has not reported it yet"})
+				parts = append(parts, part{"nat", spec.StatePending, "the network plane has not reported it yet"})
 			}
 		}
-		if d.sock != nil && usesSocketPath(e) {
+		if d.sock != nil && e.UsesSocketPath() {
 			if p, ok := d.sockParts[e.Name]; ok {
 				parts = append(parts, p)
 			} else {
-				parts = append(parts, part{"socket", proxy.StatePending, "the socket path has not reported it yet"})
+				parts = append(parts, part{"socket", spec.StatePending, "the socket path has not reported it yet"})
 			}
 		}
-		if binds := proxyBinds(e, d.opts.IPv6Loopback, d.sock != nil); len(binds) > 0 {
+		if binds := e.ProxyBinds(d.opts.IPv6Loopback, d.sock != nil); len(binds) > 0 {
 			if p := ps[e.Name]; len(p) > 0 {
 				for _, s := range p {
-					if s.State == proxy.StatePending && e.VM != "" && !hasAddr && netErr != "" {
+					if s.State == spec.StatePending && vm != "" && !hasAddr && netErr != "" {
 						// Waiting for a guest address the refused network cannot give.
-						s.State, s.Reason = proxy.StateFailed, netErr
+						s.State, s.Reason = spec.StateFailed, netErr
 					}
 					parts = append(parts, part{"proxy", s.State, s.Reason})
 				}
 			} else {
-				parts = append(parts, part{"proxy", proxy.StatePending, "the proxy has not reported it yet"})
+				parts = append(parts, part{"proxy", spec.StatePending, "the proxy has not reported it yet"})
 			}
 		}
-		r.State, r.Reason = mergeParts(parts)
-		if r.State == proxy.StatePending && e.VM != "" && r.Reason == "" {
+		state, reason := mergeParts(parts)
+		r.State, r.Reason = string(state), reason
+		if state == spec.StatePending && vm != "" && r.Reason == "" {
 			r.Reason = "guest has no address yet"
 		}
 		// The engines' figures; Status reads the shared slot over them
@@ -674,7 +698,7 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 	}
 	st.Warnings = append(st.Warnings, d.opts.Warnings...)
 	st.Warnings = append(st.Warnings, nrep.Warnings...)
-	if w := budgetWarning(want); w != "" {
+	if w := budgetWarning(model); w != "" {
 		st.Warnings = append(st.Warnings, w)
 	}
 	if r := d.opts.SocketPathReason; r != "" {
@@ -691,15 +715,18 @@ func (d *Daemon) mergeStatus(want *config.Config, srep supervisor.Report, nrep n
 	return st
 }
 
-type part struct{ path, state, reason string }
+type part struct {
+	path   string
+	state  spec.ExposureState
+	reason string
+}
 
 // mergeParts: failed beats pending beats active; reasons name their path.
-func mergeParts(parts []part) (string, string) {
-	state := proxy.StateActive
+func mergeParts(parts []part) (spec.ExposureState, string) {
+	state := spec.StateActive
 	var reasons []string
-	rank := map[string]int{proxy.StateActive: 0, proxy.StatePending: 1, proxy.StateFailed: 2}
 	for _, p := range parts {
-		if rank[p.state] > rank[state] {
+		if p.state.Rank() > state.Rank() {
 			state = p.state
 		}
 		if r := p.path + ": " + p.reason; p.reason != "" && !slices.Contains(reasons, r) {
@@ -707,7 +734,7 @@ func mergeParts(parts []part) (string, string) {
 		}
 	}
 	if len(parts) == 0 {
-		return proxy.StatePending, "no path carries this exposure"
+		return spec.StatePending, "no path carries this exposure"
 	}
 	return state, joinReasons(reasons)
 }

@@ -15,12 +15,14 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/brokkr/brokkr/supervisor"
@@ -135,13 +137,16 @@ func (p *recProxy) Converge(d []proxy.Spec) []proxy.Status {
 	p.seen = map[string]string{}
 	var out []proxy.Status
 	for _, s := range d {
-		addr := p.resolve(s.VM)
-		p.seen[s.ID] = addr
+		addr := s.Target.Addr.String()
+		if s.Target.IsVM() {
+			addr = p.resolve(s.Target.VM)
+		}
+		p.seen[s.Name] = addr
 		st := proxy.StateActive
 		if addr == "" {
 			st = proxy.StatePending
 		}
-		out = append(out, proxy.Status{ID: s.ID, State: st})
+		out = append(out, proxy.Status{ID: s.Name, State: st})
 	}
 	return out
 }
@@ -345,7 +350,7 @@ func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
 	specs, _ := r.px.specs()
 	got := map[string]string{}
 	for _, s := range specs {
-		got[s.ID] = s.HostAddress
+		got[s.Name] = s.Listen.String()
 	}
 	assert.Equal(t, map[string]string{
 		"web-auto":  "127.0.0.1", // loopback callers, which DNAT cannot serve
@@ -354,7 +359,7 @@ func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
 		"ext":       "0.0.0.0",
 	}, got)
 	for _, s := range specs {
-		if s.ID == "ext" {
+		if s.Name == "ext" {
 			assert.Equal(t, 3, s.MaxConns)
 		} else {
 			assert.Equal(t, 256, s.MaxConns)
@@ -362,31 +367,27 @@ func TestModesSplitBetweenKernelAndProxy(t *testing.T) {
 	}
 }
 
-func TestAutoAlsoListensOnIPv6LoopbackThroughASecondManager(t *testing.T) {
+func TestAutoAlsoListensOnIPv6LoopbackUnderTheSameName(t *testing.T) {
 	host, err := config.Parse([]byte(rigConfig))
 	require.NoError(t, err)
 	host.StateDir, host.RunDir = t.TempDir(), shortDir(t)
 	c := &calls{}
 	addrs := NewAddressBook()
-	v4, v6 := &recProxy{calls: c, resolve: addrs.Resolve}, &recProxy{calls: c, resolve: addrs.Resolve}
+	px := &recProxy{calls: c, resolve: addrs.Resolve}
 	store := bpf.NewInMemory("test")
 	defer store.Close()
 	d, err := New(Options{Host: host, Store: store, Supervisor: &recSup{calls: c}, Network: &recNet{calls: c, leased: true},
-		Proxy: ProxyPair{Main: v4, Loopback6: v6}, Addresses: addrs, IPv6Loopback: true,
+		Proxy: px, Addresses: addrs, IPv6Loopback: true,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	d.Pass(context.Background())
-	main, _ := v4.specs()
-	six, _ := v6.specs()
-	var got4, got6 []string
-	for _, s := range main {
-		got4 = append(got4, s.ID+"@"+s.HostAddress)
+	specs, _ := px.specs()
+	var got []string
+	for _, s := range specs {
+		got = append(got, s.Name+"@"+s.Listen.String())
 	}
-	for _, s := range six {
-		got6 = append(got6, s.ID+"@"+s.HostAddress)
-	}
-	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0"}, got4)
-	assert.Equal(t, []string{"web-auto@::1"}, got6, "only auto on an unspecified address adds ::1; one name per manager")
+	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-auto@::1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0"}, got,
+		"only auto on an unspecified address adds ::1, to the one Manager, under the exposure's name")
 	assert.Equal(t, "active", expo(d.Status(), "web-auto").State, "the two listeners merge into one row")
 }
 
@@ -606,14 +607,14 @@ func TestCloseLeavesTheKernelAndVMsAlone(t *testing.T) {
 
 func TestMergeParts(t *testing.T) {
 	s, why := mergeParts([]part{{"nat", "active", ""}, {"proxy", "failed", "bind: address already in use"}})
-	assert.Equal(t, "failed", s)
+	assert.Equal(t, spec.StateFailed, s)
 	assert.Equal(t, "proxy: bind: address already in use", why)
 	s, _ = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "active", ""}})
-	assert.Equal(t, "pending", s)
+	assert.Equal(t, spec.StatePending, s)
 	_, why = mergeParts([]part{{"nat", "pending", "no lease"}, {"proxy", "pending", "no address"}, {"proxy", "pending", "no address"}})
 	assert.Equal(t, "nat: no lease; proxy: no address", why, "one reason once")
 	s, _ = mergeParts([]part{{"nat", "active", ""}})
-	assert.Equal(t, "active", s)
+	assert.Equal(t, spec.StateActive, s)
 }
 
 // --- API ---
@@ -812,4 +813,31 @@ func TestStatusJSONShape(t *testing.T) {
 		assert.Contains(t, m["exposures"][0], k)
 	}
 	_ = errors.New
+}
+
+// Hostile configs cost a core each to parse; the API parses one at a time so
+// a handful of such callers cannot take every core from status and passes.
+func TestAPIParsesOneConfigAtATime(t *testing.T) {
+	r := newRig(t, rigConfig)
+	h := r.d.Handler()
+	var now, most atomic.Int32
+	parseConfig = func(b []byte) (*config.Config, error) {
+		n := now.Add(1)
+		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+		}
+		time.Sleep(20 * time.Millisecond)
+		now.Add(-1)
+		return nil, config.Errors{{Path: "vms", Msg: "rejected by the test"}}
+	}
+	t.Cleanup(func() { parseConfig = config.Decode })
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, httptest.NewRequest("POST", "/v1/apply", strings.NewReader("vms: []\n")))
+			assert.Equal(t, http.StatusUnprocessableEntity, w.Code)
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, int32(1), most.Load(), "configs parsed at once")
 }

@@ -10,28 +10,30 @@ import (
 
 	"github.com/brokkr/brokkr/daemon/config"
 	"github.com/brokkr/brokkr/internal/atomicfile"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // DesiredFile is the name of the persisted desired state under stateDir.
 const DesiredFile = "desired.json"
 
-// loadDesired reads stateDir/desired.json. It returns (nil, nil) when there
-// is none yet. The file goes through the same parser and validation as a
-// config file, so a hand-edited or older file is held to the same rules.
-func loadDesired(stateDir string) (*config.Config, error) {
+// loadDesired reads stateDir/desired.json and its model. It returns nils
+// when there is none yet. The file goes through the same parser and
+// validation as a config file, so a hand-edited or older file is held to the
+// same rules.
+func loadDesired(stateDir string) (*config.Config, *spec.Desired, error) {
 	path := filepath.Join(stateDir, DesiredFile)
 	b, err := os.ReadFile(path)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+		return nil, nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("reading desired state: %w", err)
+		return nil, nil, fmt.Errorf("reading desired state: %w", err)
 	}
-	c, err := config.Parse(b)
+	c, m, err := config.Load(b)
 	if err != nil {
-		return nil, fmt.Errorf("%s is not a valid desired state (fix or remove it; the daemon will not guess):\n%w", path, err)
+		return nil, nil, fmt.Errorf("%s is not a valid desired state (fix or remove it; the daemon will not guess):\n%w", path, err)
 	}
-	return c, nil
+	return c, m, nil
 }
 
 // saveDesired writes the desired state atomically: a temp file in the same

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -151,12 +152,12 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(e.BytesIn), n, "in")
 		ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(e.BytesOut), n, "out")
 		ch <- prometheus.MustNewConstMetric(descMaxConns, prometheus.GaugeValue, float64(e.MaxConns), n)
-		for _, s := range []string{"active", "pending", "failed"} {
+		for _, s := range []spec.ExposureState{spec.StateActive, spec.StatePending, spec.StateFailed} {
 			v := 0.0
-			if e.State == s {
+			if e.State == string(s) {
 				v = 1
 			}
-			ch <- prometheus.MustNewConstMetric(descExpState, prometheus.GaugeValue, v, n, s)
+			ch <- prometheus.MustNewConstMetric(descExpState, prometheus.GaugeValue, v, n, string(s))
 		}
 	}
 	for _, v := range st.VMs {

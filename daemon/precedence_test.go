@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -25,10 +26,10 @@ func restartWith(t *testing.T, stateDir, runDir, path string) (*rig, []byte, *co
 	return newRigWith(t, cfg), b, cfg
 }
 
-func power(r *rig, vm string) string {
+func power(r *rig, vm string) spec.Power {
 	for _, v := range r.d.Desired().VMs {
 		if v.Name == vm {
-			return v.Power
+			return spec.Power(v.Power)
 		}
 	}
 	return ""

@@ -7,8 +7,7 @@ import (
 	"net/netip"
 
 	"github.com/brokkr/brokkr/bpf"
-	"github.com/brokkr/brokkr/daemon/config"
-	"github.com/brokkr/brokkr/proxy"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // SocketPath is the eBPF socket path (bpf.SockLB): auto exposures'
@@ -57,14 +56,10 @@ func interfaceAddrs() ([]netip.Addr, error) {
 	return out, nil
 }
 
-// usesSocketPath reports whether the socket path serves an exposure's
-// host-local callers: every auto exposure.
-func usesSocketPath(e config.Exposure) bool { return e.Mode == config.ModeAuto }
-
 // converge makes the translations match c: one per auto exposure, to the
 // guest's current address (refusing at once while it has none). It returns
 // each exposure's part for the status.
-func (p *sockPath) converge(c *config.Config, resolve func(vm string) string) (map[string]part, error) {
+func (p *sockPath) converge(m *spec.Desired, lookup func(vm string) (netip.Addr, bool)) (map[string]part, error) {
 	var errs []error
 	if addrs, err := p.localAddr(); err != nil {
 		errs = append(errs, fmt.Errorf("socket path: local addresses: %w", err))
@@ -74,50 +69,45 @@ func (p *sockPath) converge(c *config.Config, resolve func(vm string) string) (m
 	parts := map[string]part{}
 	want := map[sockKey]bool{}
 	wantSlots := map[string]bool{}
-	for _, e := range c.Exposures {
-		if !usesSocketPath(e) {
+	for _, e := range m.Exposures {
+		if !e.UsesSocketPath() {
 			continue
 		}
-		host, err := netip.ParseAddr(e.HostAddress)
-		if err != nil {
-			parts[e.Name] = part{"socket", proxy.StateFailed, err.Error()}
-			continue
-		}
-		proto := bpf.ProtoNumber(e.Protocol)
+		proto := bpf.ProtoNumber(string(e.Proto))
 		sl := p.slots[e.Name]
 		if sl == nil {
-			if sl, err = p.store.Attach(e.Name, proto, uint16(e.HostPort)); err != nil {
-				parts[e.Name] = part{"socket", proxy.StateFailed, err.Error()}
+			var err error
+			if sl, err = p.store.Attach(e.Name, proto, e.HostPort); err != nil {
+				parts[e.Name] = part{"socket", spec.StateFailed, err.Error()}
 				continue
 			}
 			p.slots[e.Name] = sl
 		}
 		wantSlots[e.Name] = true
-		sl.SetCap(uint32(*e.MaxConns))
-		vm := e.VM
-		if e.Target != "" {
-			vm = targetPrefix + e.Target
-		}
+		sl.SetCap(uint32(e.MaxConns))
 		t := bpf.SockTarget{Slot: sl.Index()}
-		g, err := netip.ParseAddr(resolve(vm))
-		if err == nil && g.Is4() {
-			t.Guest = netip.AddrPortFrom(g, uint16(e.GuestPort))
+		g := e.Target.Addr
+		if e.Target.IsVM() {
+			g, _ = lookup(e.Target.VM) // the zero Addr while it has none
+		}
+		if g.Is4() {
+			t.Guest = netip.AddrPortFrom(g, e.GuestPort)
 		} else {
 			// No address yet: callers are refused at once rather than
 			// left to time out.
-			t.Guest = netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(e.GuestPort))
+			t.Guest = netip.AddrPortFrom(netip.IPv4Unspecified(), e.GuestPort)
 			t.Down = true
 		}
-		k := sockKey{host, proto, uint16(e.HostPort)}
+		k := sockKey{e.HostAddr, proto, e.HostPort}
 		want[k] = true
 		if err := p.lb.SetTarget(k.host, k.proto, k.port, t); err != nil {
-			parts[e.Name] = part{"socket", proxy.StateFailed, err.Error()}
+			parts[e.Name] = part{"socket", spec.StateFailed, err.Error()}
 			continue
 		}
 		if t.Down {
-			parts[e.Name] = part{"socket", proxy.StatePending, ""}
+			parts[e.Name] = part{"socket", spec.StatePending, ""}
 		} else {
-			parts[e.Name] = part{"socket", proxy.StateActive, ""}
+			parts[e.Name] = part{"socket", spec.StateActive, ""}
 		}
 	}
 	for k := range p.have {

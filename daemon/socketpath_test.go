@@ -84,7 +84,7 @@ func TestAutoServesLocalCallersThroughTheSocketPathNotLoopbackProxies(t *testing
 	specs, _ := r.px.specs()
 	var ids []string
 	for _, s := range specs {
-		ids = append(ids, s.ID+"@"+s.HostAddress)
+		ids = append(ids, s.Name+"@"+s.Listen.String())
 	}
 	assert.Equal(t, []string{"web-proxy@0.0.0.0", "ext@0.0.0.0"}, ids, "no loopback listeners for auto exposures")
 	got := sock.get()
@@ -133,7 +133,7 @@ func TestWithoutTheSocketPathAutoFallsBackToLoopbackProxiesAndSaysWhy(t *testing
 	specs, _ := r.px.specs()
 	var ids []string
 	for _, s := range specs {
-		ids = append(ids, s.ID+"@"+s.HostAddress)
+		ids = append(ids, s.Name+"@"+s.Listen.String())
 	}
 	assert.Contains(t, ids, "web-auto@127.0.0.1")
 	assert.Contains(t, ids, "web-auto@::1")

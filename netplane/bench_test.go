@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // BenchmarkConverge measures the pass the daemon runs every tick with
@@ -33,8 +34,8 @@ func BenchmarkConverge(b *testing.B) {
 				d.Guests = append(d.Guests, Guest{Name: fmt.Sprintf("vm-%04d", i)})
 			}
 			for i := 0; i < c.exps; i++ {
-				d.Exposures = append(d.Exposures, Exposure{Name: fmt.Sprintf("exp-%05d", i), VM: d.Guests[i%n].Name,
-					Protocol: "tcp", HostPort: uint16(10000 + i), GuestPort: 80, MaxConns: 16})
+				d.Exposures = append(d.Exposures, Exposure{Name: fmt.Sprintf("exp-%05d", i), Target: spec.Target{VM: d.Guests[i%n].Name},
+					Proto: "tcp", HostPort: uint16(10000 + i), GuestPort: 80, MaxConns: 16})
 			}
 			start := time.Now()
 			if r := p.Converge(context.Background(), d); r.Err != nil {

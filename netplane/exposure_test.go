@@ -16,6 +16,7 @@ import (
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // serve answers every TCP connection on addr inside ns with tag, until the
@@ -73,14 +74,14 @@ func exposureFromPendingToActive(t *testing.T, natPath bool) {
 	d := Desired{
 		Network: network(),
 		Guests:  guestsOf("web"),
-		Exposures: []Exposure{{Name: "web-http", VM: "web", Protocol: "tcp", HostPort: 8080, GuestPort: 80, MaxConns: 4},
-			{Name: "outside", Target: mustAddr("10.213.0.250"), Protocol: "tcp", HostPort: 8081, GuestPort: 80}},
+		Exposures: []Exposure{{Name: "web-http", Target: spec.Target{VM: "web"}, Proto: "tcp", HostPort: 8080, GuestPort: 80, MaxConns: 4},
+			{Name: "outside", Target: spec.Target{Addr: mustAddr("10.213.0.250")}, Proto: "tcp", HostPort: 8081, GuestPort: 80}},
 	}
 	rep := p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
 	require.Len(t, rep.Exposures, 2)
-	assert.Equal(t, "pending", rep.Exposures[0].State, rep.Exposures[0].Reason)
-	assert.Equal(t, "active", rep.Exposures[1].State, "an explicit target has its address by definition")
+	assert.Equal(t, spec.StatePending, rep.Exposures[0].State, rep.Exposures[0].Reason)
+	assert.Equal(t, spec.StateActive, rep.Exposures[1].State, "an explicit target has its address by definition")
 	web := rep.Guests[0]
 	assert.NotEqual(t, mustAddr("10.213.0.250"), web.Address, "a target address is never assigned")
 
@@ -100,7 +101,7 @@ func exposureFromPendingToActive(t *testing.T, natPath bool) {
 	rep = p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
 	assert.True(t, rep.Guests[0].Leased)
-	assert.Equal(t, "active", rep.Exposures[0].State, rep.Exposures[0].Reason)
+	assert.Equal(t, spec.StateActive, rep.Exposures[0].State, rep.Exposures[0].Reason)
 	table := host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
 	if natPath {
 		assert.Empty(t, p.NatPathReason())

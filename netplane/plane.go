@@ -16,6 +16,7 @@ import (
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/internal/nlsafe"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane/dhcp"
 	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/netplane/link"
@@ -116,9 +117,9 @@ func New(opts Options) (*Plane, error) {
 	}, nil
 }
 
-// Validate checks d as a whole, against itself and against the namespace
-// (foreign links and subnets). Every error names its field. Nothing is
-// applied.
+// Validate checks d (valid on its own: config.Compile) against what
+// netplane derives from it and against the namespace (foreign links and
+// subnets). Every error names its field. Nothing is applied.
 func (p *Plane) Validate(d Desired) []error {
 	links, err := p.links.Links()
 	if err != nil {
@@ -132,26 +133,12 @@ func (p *Plane) validate(d Desired, links []netlink.Link) []error {
 	for vm, l := range p.pool.Leases() {
 		assigned[vm] = l.Addr
 	}
-	errs := validateSpec(d, assigned)
-	if len(errs) == 0 {
-		// Only a spec clean on its own is worth checking against the nft
-		// table's rules (the same mistakes would be reported twice).
-		errs = nftPreflight(d)
-	}
-	if len(validateNetwork(d.Network)) == 0 {
-		errs = append(errs, p.validateAgainstKernel(d, links)...)
-	}
-	return errs
+	return append(validateDerived(d, assigned), p.validateAgainstKernel(d, links)...)
 }
 
 func withDefaults(d Desired) Desired {
 	if d.Network.MTU == 0 {
 		d.Network.MTU = DefaultMTU
-	}
-	for i := range d.Exposures {
-		if !d.Exposures[i].HostAddress.IsValid() {
-			d.Exposures[i].HostAddress = netip.IPv4Unspecified()
-		}
 	}
 	return d
 }
@@ -207,8 +194,8 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	}
 	var reserved []netip.Addr
 	for _, e := range d.Exposures {
-		if e.Target.IsValid() {
-			reserved = append(reserved, e.Target)
+		if !e.Target.IsVM() {
+			reserved = append(reserved, e.Target.Addr)
 		}
 	}
 	leases, noAddr, err := p.pool.Reconcile(ipam.Request{Bridge: n.CIDR, VMs: vms, Reserved: reserved, MAC: link.GuestMAC})
@@ -422,33 +409,33 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 	p.attachSlots(d.Exposures)
 	status := make([]ExposureStatus, len(d.Exposures))
 	for i, e := range d.Exposures {
-		status[i] = ExposureStatus{Name: e.Name, State: "active"}
-		target := e.Target
-		if e.VM != "" {
-			l, ok := leases[e.VM]
+		status[i] = ExposureStatus{Name: e.Name, State: spec.StateActive}
+		target := e.Target.Addr
+		if vm := e.Target.VM; vm != "" {
+			l, ok := leases[vm]
 			switch {
 			case !ok:
-				status[i].State, status[i].Reason = "failed", fmt.Sprintf("guest %s has no address: %s", e.VM, guestErr[e.VM])
+				status[i].State, status[i].Reason = spec.StateFailed, fmt.Sprintf("guest %s has no address: %s", vm, guestErr[vm])
 				continue
-			case guestErr[e.VM] != "":
-				status[i].State, status[i].Reason = "failed", fmt.Sprintf("guest %s: %s", e.VM, guestErr[e.VM])
+			case guestErr[vm] != "":
+				status[i].State, status[i].Reason = spec.StateFailed, fmt.Sprintf("guest %s: %s", vm, guestErr[vm])
 				continue
-			case !hasAddr[e.VM]:
+			case !hasAddr[vm]:
 				// The rule is installed anyway: the address is fixed, and
 				// after a daemon restart a guest may hold its lease long
 				// before we hear from it again.
-				status[i].State, status[i].Reason = "pending", fmt.Sprintf("guest %s has not taken its address %s yet", e.VM, l.Addr)
+				status[i].State, status[i].Reason = spec.StatePending, fmt.Sprintf("guest %s has not taken its address %s yet", vm, l.Addr)
 			}
 			target = l.Addr
 		}
 		x := nft.Exposure{
-			Name: e.Name, Protocol: e.Protocol, HostAddr: e.HostAddress, HostPort: e.HostPort,
+			Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort,
 			GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
 		}
 		if rules.KernelCap {
 			f := p.feeds[e.Name]
 			if f == nil {
-				status[i].State, status[i].Reason = "failed", "no counter slot"
+				status[i].State, status[i].Reason = spec.StateFailed, "no counter slot"
 				continue
 			}
 			x.MarkID = bpf.MarkOf(f.slot.Index()) & bpf.MarkIDMask
@@ -469,8 +456,8 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 	}
 	p.feedSlots(counters)
 	for i, e := range d.Exposures {
-		if tableErr != nil && status[i].State != "failed" {
-			status[i].State, status[i].Reason = "failed", tableErr.Error()
+		if tableErr != nil && status[i].State != spec.StateFailed {
+			status[i].State, status[i].Reason = spec.StateFailed, tableErr.Error()
 		}
 		if f := p.feeds[e.Name]; f != nil {
 			status[i].Counters = f.slot.Read()
@@ -518,7 +505,7 @@ func (p *Plane) attachSlots(exps []Exposure) {
 	want := map[string]bool{}
 	for _, e := range exps {
 		want[e.Name] = true
-		proto := bpf.ProtoNumber(e.Protocol)
+		proto := bpf.ProtoNumber(string(e.Proto))
 		f := p.feeds[e.Name]
 		if f == nil || f.proto != proto || f.hostPort != e.HostPort {
 			slot, err := p.opts.Stats.Attach(e.Name, proto, e.HostPort)

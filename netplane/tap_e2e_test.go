@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // nic stands in for a hypervisor's virtio-net device: it opens brokkr's tap
@@ -122,7 +123,7 @@ func TestGuestBehindARealTap(t *testing.T) {
 	host, client := hostAndClient(t)
 	p, _ := newPlane(t, host, t.TempDir())
 	d := Desired{Network: network(), Guests: guestsOf("web"),
-		Exposures: []Exposure{{Name: "web-http", VM: "web", Protocol: "tcp", HostPort: 8080, GuestPort: 80}}}
+		Exposures: []Exposure{{Name: "web-http", Target: spec.Target{VM: "web"}, Proto: "tcp", HostPort: 8080, GuestPort: 80}}}
 	rep := p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
 	web := rep.Guests[0]
@@ -141,7 +142,7 @@ func TestGuestBehindARealTap(t *testing.T) {
 	rep = p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
 	assert.True(t, rep.Guests[0].Leased)
-	assert.Equal(t, "active", rep.Exposures[0].State)
+	assert.Equal(t, spec.StateActive, rep.Exposures[0].State)
 
 	got, err := dial(client, "10.99.0.1:8080")
 	require.NoError(t, err, "outside -> host port -> tap -> guest")

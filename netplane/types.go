@@ -9,17 +9,11 @@ import (
 	"net/netip"
 
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
-// Network is the config's `network:` section, validated.
-type Network struct {
-	Bridge        string       // e.g. brokkr0
-	CIDR          netip.Prefix // bridge address with prefix, e.g. 10.213.0.1/24
-	MTU           int
-	Masquerade    bool
-	DHCP          bool
-	IsolateGuests bool
-}
+// Network is the guest network, validated (config.Compile).
+type Network = spec.Network
 
 // Guest is a VM that needs a tap and an address.
 type Guest struct {
@@ -27,17 +21,8 @@ type Guest struct {
 	MultiQueue bool // create the tap with IFF_MULTI_QUEUE
 }
 
-// Exposure is one published port as netplane carries it.
-type Exposure struct {
-	Name        string
-	VM          string     // the guest whose leased address is the target, or ""
-	Target      netip.Addr // explicit guest address (a guest not run by brokkr), when VM == ""
-	Protocol    string     // tcp | udp
-	HostAddress netip.Addr // unspecified (0.0.0.0) = every local address
-	HostPort    uint16
-	GuestPort   uint16
-	MaxConns    int // 0 = unlimited
-}
+// Exposure is one published port, validated (config.Compile).
+type Exposure = spec.Exposure
 
 // Desired is everything netplane converges to in one call.
 type Desired struct {
@@ -57,10 +42,10 @@ type GuestStatus struct {
 	Error   string
 }
 
-// ExposureStatus is one exposure's row; State is active | pending | failed.
+// ExposureStatus is one exposure's row.
 type ExposureStatus struct {
 	Name     string
-	State    string
+	State    spec.ExposureState
 	Reason   string
 	Counters bpf.Counters
 }

@@ -1,8 +1,10 @@
 package proxy
 
 import (
+	"github.com/brokkr/brokkr/internal/spec"
 	"io"
 	"net"
+	"net/netip"
 	"strconv"
 	"testing"
 )
@@ -25,7 +27,7 @@ func direct(guestPort int) string { return net.JoinHostPort("127.0.0.1", strconv
 func proxied(b *testing.B, guestPort int) string {
 	m := NewManager(func(string) string { return "127.0.0.1" }, nil)
 	b.Cleanup(m.StopAll)
-	st := m.Converge([]Spec{{ID: "bench", VM: "vm", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: guestPort}})[0]
+	st := m.Converge([]Spec{{Exposure: spec.Exposure{Name: "bench", Target: spec.Target{VM: "vm"}, Proto: "tcp", GuestPort: uint16(guestPort)}, Listen: netip.MustParseAddr("127.0.0.1")}})[0]
 	if st.State != StateActive {
 		b.Fatal(st.Reason)
 	}

@@ -329,3 +329,39 @@ func TestFreezeHandsUDPFlowsToAnotherManager(t *testing.T) {
 	require.Eventually(t, func() bool { _, p := sl.Shares(); return p == 0 }, 5*time.Second, 20*time.Millisecond,
 		"the adopted flow still ends when idle, giving its place back")
 }
+
+// The two loopback listeners of one exposure are two entries of one
+// Manager's snapshot, named apart by their address, and the next Manager
+// binds each from its own socket.
+func TestFreezeHandsOverBothListenersOfOneName(t *testing.T) {
+	probe, err := net.Listen("tcp6", "[::1]:0")
+	if err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	}
+	probe.Close()
+	store := bpf.NewInMemory("test")
+	defer store.Close()
+	g := &guests{addrs: map[string]string{"vm1": "127.0.0.1"}}
+	v4 := tcpSpec("web", echoServer(t, "g:"))
+	v6 := v4
+	v6.Listen = netip.IPv6Loopback()
+	m1 := NewManager(g.resolve, store)
+	before := m1.Converge([]Spec{v4, v6})
+	for _, s := range before {
+		require.Equal(t, StateActive, s.State, s.Reason)
+	}
+	snap := m1.Freeze()
+	m1.StopAll()
+	require.Len(t, snap.Listeners, 2, "one listener per (name, address)")
+
+	m2 := NewManager(g.resolve, store)
+	defer m2.StopAll()
+	m2.Inherit(snap.Listeners)
+	after := m2.Converge([]Spec{v4, v6})
+	assert.Empty(t, m2.DropUnclaimed(), "each inherited listener was claimed by its own address")
+	for i, s := range after {
+		require.Equal(t, StateActive, s.State, s.Reason)
+		assert.Equal(t, before[i].BoundAddr, s.BoundAddr, "bound from the handed-over socket")
+		assert.Equal(t, "g:hi", roundTrip(t, dial(t, s.BoundAddr), "g:", "hi"))
+	}
+}

@@ -76,9 +76,9 @@ func listenConfig(pktinfo bool) *net.ListenConfig {
 // becomes a dual-stack socket and "::" never an IPv4 one.
 func family(c checked) string {
 	if c.host.Is4() {
-		return c.Protocol + "4"
+		return string(c.Proto) + "4"
 	}
-	return c.Protocol + "6"
+	return string(c.Proto) + "6"
 }
 
 func listenTCP(c checked) (net.Listener, error) {

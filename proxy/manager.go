@@ -2,8 +2,8 @@ package proxy
 
 import (
 	"net"
+	"net/netip"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,8 +16,10 @@ import (
 // answer within it costs the caller a reset, not a hang.
 const DefaultDialTimeout = 2 * time.Second
 
-// Manager runs one listener per exposure and carries connections to the
-// guests. Converge is its only input; it is safe to call from one goroutine
+// Manager runs the listeners of the exposures and carries connections to
+// the guests. An exposure may have several listeners (auto's 127.0.0.1 and
+// ::1), one per host address, keyed by (name, address); they all count into
+// the exposure's one slot, found by name. Converge is its only input; it is safe to call from one goroutine
 // at a time, and from many (they serialise on the lock).
 type Manager struct {
 	resolve Resolver
@@ -32,7 +34,7 @@ type Manager struct {
 	// serving goroutines write those under it, so a status is never a torn
 	// read of a loop that is dying at the same moment.
 	mu   sync.Mutex
-	live map[string]*exposure
+	live map[listenerKey]*exposure
 
 	// loops counts the goroutines that own a socket (accept loops, UDP read
 	// loops), so StopAll returns only once none of them is left.
@@ -79,7 +81,7 @@ type Manager struct {
 // into stats. With stats nil it counts into an in-memory store of its own.
 func NewManager(resolve Resolver, stats *bpf.Store, opts ...Option) *Manager {
 	m := &Manager{resolve: resolve, stats: stats, dialer: guestDialer(),
-		listenTCP: listenTCP, live: map[string]*exposure{}, carried: map[net.Conn]struct{}{},
+		listenTCP: listenTCP, live: map[listenerKey]*exposure{}, carried: map[net.Conn]struct{}{},
 		carriers: make(chan carryJob), quitCarriers: make(chan struct{}), logs: newLogLimiter(),
 		inherit: map[string]*os.File{}, stopping: make(chan struct{})}
 	for _, o := range opts {
@@ -105,8 +107,15 @@ func guestDialer() net.Dialer {
 // reading bpftool would otherwise see nothing and not know why.
 func (m *Manager) CountersReason() string { return m.stats.Reason() }
 
-// exposure is one published port's running state. It lives as long as its ID
-// is desired; a changed spec rebinds its socket but keeps the exposure, so the
+// listenerKey names one listener: the exposure and the host address it
+// binds (unmapped; the unspecified address of its family for "any").
+type listenerKey struct {
+	id   string
+	addr netip.Addr
+}
+
+// exposure is one listener's running state. It lives as long as its key is
+// desired; a changed spec rebinds its socket but keeps the exposure, so the
 // connections still draining through the old socket keep counting toward the
 // cap — the descriptors they hold are still spent.
 type exposure struct {
@@ -181,17 +190,21 @@ func (m *Manager) Converge(desired []Spec) []Status {
 		return nil // frozen for a hand-over: nothing is bound or unbound
 	}
 
-	wanted := make(map[string]bool, len(desired))
-	for i, s := range desired {
+	wanted := make(map[listenerKey]bool, len(desired))
+	ids := make(map[string]bool, len(desired))
+	for i, c := range checks {
 		if owners[i] {
-			wanted[s.ID] = true
+			wanted[c.key()] = true
+			ids[c.Name] = true
 		}
 	}
-	for id, ex := range m.live {
-		if !wanted[id] {
+	for k, ex := range m.live {
+		if !wanted[k] {
 			ex.closeSocket()
-			delete(m.live, id)
-			ex.ctr.deleted.Store(true)
+			delete(m.live, k)
+			// The slot is the exposure's: deleted only when no listener of
+			// the name is desired any more.
+			ex.ctr.deleted.Store(!ids[k.id])
 			ex.ctr.release()
 		}
 	}
@@ -205,8 +218,8 @@ func (m *Manager) Converge(desired []Spec) []Status {
 
 // convergeOne brings one exposure to its spec (m.mu held).
 func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
-	st := Status{ID: c.ID, State: StateFailed}
-	ex := m.live[c.ID]
+	st := Status{ID: c.Name, State: StateFailed}
+	ex := m.live[c.key()]
 	if invalid != nil {
 		st.Reason = invalid.Error()
 		if !owner {
@@ -218,21 +231,21 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 			ex.closeSocket()
 			ex.key = ""
 			st.Counters = ex.ctr.slot.Read()
-		} else if cs, ok := m.stats.Lookup(c.ID); ok {
+		} else if cs, ok := m.stats.Lookup(c.Name); ok {
 			st.Counters = cs
 		}
 		return st
 	}
 
 	if ex == nil {
-		slot, err := m.stats.Attach(c.ID, bpf.ProtoNumber(c.Protocol), uint16(c.HostPort))
+		slot, err := m.stats.Attach(c.Name, bpf.ProtoNumber(string(c.Proto)), c.HostPort)
 		if err != nil {
 			st.Reason = "counters: " + err.Error()
 			return st
 		}
-		ex = &exposure{id: c.ID, ctr: &counterRef{slot: slot}}
+		ex = &exposure{id: c.Name, ctr: &counterRef{slot: slot}}
 		ex.ctr.refs.Store(1)
-		m.live[c.ID] = ex
+		m.live[c.key()] = ex
 	}
 	ex.maxConns.Store(int64(c.MaxConns))
 	ex.ctr.slot.SetCap(uint32(c.MaxConns))
@@ -262,7 +275,7 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 	st.Counters = ex.ctr.slot.Read()
 	st.State = StateActive
 	st.Reason = join(note, ex.reason)
-	if m.resolve(c.VM) == "" {
+	if m.guestAddr(c.Target) == "" {
 		st.State = StatePending
 		st.Reason = join("guest has no address yet", st.Reason)
 	}
@@ -275,11 +288,11 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 // hold at once leaves the exposure's own.
 func (m *Manager) relabel(c checked) {
 	port := c.HostPort
-	ex := m.live[c.ID]
-	if _, p, err := net.SplitHostPort(ex.boundAddr); err == nil {
-		port, _ = strconv.Atoi(p)
+	ex := m.live[c.key()]
+	if ap, err := netip.ParseAddrPort(ex.boundAddr); err == nil {
+		port = ap.Port()
 	}
-	if sl, err := m.stats.Attach(c.ID, bpf.ProtoNumber(c.Protocol), uint16(port)); err == nil {
+	if sl, err := m.stats.Attach(c.Name, bpf.ProtoNumber(string(c.Proto)), port); err == nil {
 		sl.Release(false)
 	}
 }
@@ -288,9 +301,9 @@ func (m *Manager) relabel(c checked) {
 // (m.mu held).
 func (m *Manager) bind(ex *exposure, c checked) error {
 	stop := make(chan struct{})
-	switch c.Protocol {
+	switch c.Proto {
 	case "tcp":
-		name := listenerName(c.ID, c.listenKey())
+		name := listenerName(c.Name, c.listenKey())
 		ln, ok := m.inherited(name)
 		if !ok {
 			var err error
@@ -302,10 +315,10 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 		m.loops.Add(1)
 		go func() {
 			defer m.loops.Done()
-			m.serveTCP(ex, ln, stop, c.VM, c.GuestPort)
+			m.serveTCP(ex, ln, stop, c.Target, int(c.GuestPort))
 		}()
 	case "udp":
-		name := listenerName(c.ID, c.listenKey())
+		name := listenerName(c.Name, c.listenKey())
 		conn, flows, ok := m.inheritedUDP(name)
 		if !ok {
 			var err error
@@ -340,9 +353,9 @@ func (m *Manager) StopAll() {
 	m.carriedMu.Unlock()
 
 	m.mu.Lock()
-	for id, ex := range m.live {
+	for k, ex := range m.live {
 		ex.closeSocket()
-		delete(m.live, id)
+		delete(m.live, k)
 		ex.ctr.release()
 	}
 	for name, f := range m.inherit {

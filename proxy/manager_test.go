@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/spec"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"runtime"
 	"strconv"
@@ -97,7 +99,7 @@ func echoServer(t *testing.T, tag string) int {
 }
 
 func tcpSpec(id string, guestPort int) Spec {
-	return Spec{ID: id, VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: guestPort}
+	return Spec{Exposure: spec.Exposure{Name: id, Target: spec.Target{VM: "vm1"}, Proto: "tcp", GuestPort: uint16(guestPort)}, Listen: netip.MustParseAddr("127.0.0.1")}
 }
 
 // only converges and returns the single status, asserting there is one.
@@ -160,12 +162,23 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// liveOf is the running listener of exposure id (m.mu held); the tests
+// that use it give each exposure one host address.
+func liveOf(m *Manager, id string) *exposure {
+	for k, ex := range m.live {
+		if k.id == id {
+			return ex
+		}
+	}
+	return nil
+}
+
 // listenerOf reads an exposure's current listener under the lock the accept
 // loop writes it under.
 func listenerOf(m *Manager, id string) net.Listener {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if ex := m.live[id]; ex != nil {
+	if ex := liveOf(m, id); ex != nil {
 		return ex.ln
 	}
 	return nil
@@ -174,7 +187,7 @@ func listenerOf(m *Manager, id string) net.Listener {
 func conns(m *Manager, id string) int64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if ex := m.live[id]; ex != nil {
+	if ex := liveOf(m, id); ex != nil {
 		return ex.conns.Load()
 	}
 	return -1
@@ -245,7 +258,7 @@ func TestABindFailureCarriesTheOSErrorAndHealsWhenThePortFrees(t *testing.T) {
 	require.NoError(t, err)
 	port := squat.Addr().(*net.TCPAddr).Port
 	spec := tcpSpec("web", guest)
-	spec.HostPort = port
+	spec.HostPort = uint16(port)
 
 	st := only(t, m, spec)
 	assert.Equal(t, StateFailed, st.State)
@@ -274,7 +287,7 @@ func TestAListenerWhoseAcceptLoopDiedIsRebound(t *testing.T) {
 	eventually(t, "the dead loop gives its listener back", func() bool {
 		m.mu.Lock()
 		defer m.mu.Unlock()
-		ex := m.live["web"]
+		ex := liveOf(m, "web")
 		reason = ex.reason
 		return ex.ln == nil
 	})
@@ -410,7 +423,7 @@ func TestConnectionsDrainingThroughARebindStillCountTowardTheCap(t *testing.T) {
 	spec.MaxConns = 1
 	held := hold(t, only(t, m, spec).BoundAddr)
 
-	spec.GuestPort = two
+	spec.GuestPort = uint16(two)
 	st := only(t, m, spec) // rebinds
 	assert.EqualValues(t, 1, conns(m, "web"))
 	requireReset(t, st.BoundAddr)
@@ -506,7 +519,7 @@ func TestAFailedExposureStillReportsItsCounters(t *testing.T) {
 	squat, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	defer squat.Close()
-	spec.HostPort = squat.Addr().(*net.TCPAddr).Port
+	spec.HostPort = uint16(squat.Addr().(*net.TCPAddr).Port)
 	st := only(t, m, spec)
 	require.Equal(t, StateFailed, st.State)
 	assert.EqualValues(t, 1, st.Counters.Accepted, "what it carried before the failure is still reported")
@@ -517,7 +530,7 @@ func TestAFailedExposureStillReportsItsCounters(t *testing.T) {
 func TestStopAllClosesEveryListenerAndKeepsTheCounters(t *testing.T) {
 	m, _ := newManager(t)
 	port := echoServer(t, "g:")
-	udp := Spec{ID: "dns", VM: "vm1", Protocol: "udp", HostAddress: "127.0.0.1", GuestPort: 53}
+	udp := Spec{Exposure: spec.Exposure{Name: "dns", Target: spec.Target{VM: "vm1"}, Proto: "udp", GuestPort: 53}, Listen: netip.MustParseAddr("127.0.0.1")}
 	st := m.Converge([]Spec{tcpSpec("a", port), tcpSpec("b", port), udp})
 	for _, s := range st {
 		require.Equal(t, StateActive, s.State, s.Reason)
@@ -568,7 +581,7 @@ func TestIPv6HostAddress(t *testing.T) {
 	probe.Close()
 	m, _ := newManager(t)
 	spec := tcpSpec("web6", echoServer(t, "g:"))
-	spec.HostAddress = "::1"
+	spec.Listen = netip.MustParseAddr("::1")
 	st := only(t, m, spec)
 	require.Equal(t, StateActive, st.State, st.Reason)
 	assert.Equal(t, "g:six", roundTrip(t, dial(t, st.BoundAddr), "g:", "six"))
@@ -577,9 +590,7 @@ func TestIPv6HostAddress(t *testing.T) {
 // The proxy sets keepalive once, on the listener, and relies on accepted
 // sockets inheriting it; this checks that they do.
 func TestAcceptedCallersInheritKeepaliveFromTheListener(t *testing.T) {
-	c, err := validate(tcpSpec("web", 80))
-	require.NoError(t, err)
-	ln, err := listenTCP(c)
+	ln, err := listenTCP(fill(tcpSpec("web", 80)))
 	require.NoError(t, err)
 	defer ln.Close()
 	caller := dial(t, ln.Addr().String())
@@ -700,4 +711,111 @@ func TestTheCapIsSharedWithTheExposuresOtherPaths(t *testing.T) {
 	require.NoError(t, a.Close())
 	require.NoError(t, b.Close())
 	eventually(t, "both places given back", func() bool { return only(t, m, spec).Counters.Active == 0 })
+}
+
+// After a burst, the parked carriers and the pooled splice pipes go once the
+// proxy has been idle a while: a daemon at rest holds no goroutine or
+// descriptor for connections that have ended.
+func TestABurstLeavesNoCarrierOrPipeBehindOnceIdle(t *testing.T) {
+	carrierIdle, pipeIdle = 300*time.Millisecond, 300*time.Millisecond
+	t.Cleanup(func() { carrierIdle, pipeIdle = 30*time.Second, 30*time.Second })
+	// Earlier tests' pipes wait on a trim armed with the old pipeIdle.
+	pipePool.mu.Lock()
+	if pipePool.trim != nil {
+		pipePool.trim.Reset(0)
+	}
+	pipePool.mu.Unlock()
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("burst", echoServer(t, "g:")))
+	require.Equal(t, StateActive, st.State, st.Reason)
+	before := openFDs(t)
+	burst := make([]*net.TCPConn, 40)
+	for i := range burst {
+		burst[i] = hold(t, st.BoundAddr)
+		_, err := burst[i].Write([]byte("ping\n"))
+		require.NoError(t, err)
+	}
+	for _, c := range burst {
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err := c.Read(make([]byte, 16))
+		require.NoError(t, err, "the echo came back through a pipe")
+	}
+	for _, c := range burst {
+		require.NoError(t, c.Close())
+	}
+	eventually(t, "the burst's connections to end", func() bool { return conns(m, "burst") == 0 })
+	eventually(t, "the parked carriers to exit", func() bool { return m.idleCarriers.Load() == 0 })
+	eventually(t, "the pooled pipes to close", func() bool {
+		pipePool.mu.Lock()
+		defer pipePool.mu.Unlock()
+		return len(pipePool.free) == 0
+	})
+	eventually(t, "the descriptors to be back", func() bool { return openFDs(t) <= before })
+}
+
+// An auto exposure's loopback listeners (127.0.0.1 and ::1) live in one
+// Manager under one name: both carry, both count into the one slot, and the
+// cap holds across them. Dropping one address keeps the exposure's counters;
+// dropping the name deletes them.
+func TestOneExposureListensOnTwoAddressesUnderOneName(t *testing.T) {
+	probe, err := net.Listen("tcp6", "[::1]:0")
+	if err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	}
+	probe.Close()
+	m, _ := newManager(t)
+	port := echoServer(t, "g:")
+	v4 := tcpSpec("web", port)
+	v4.MaxConns = 1
+	v6 := v4
+	v6.Listen = netip.IPv6Loopback()
+	st := m.Converge([]Spec{v4, v6})
+	require.Len(t, st, 2)
+	for _, s := range st {
+		require.Equal(t, StateActive, s.State, s.Reason)
+	}
+	require.NotEqual(t, st[0].BoundAddr, st[1].BoundAddr)
+
+	c4 := dial(t, st[0].BoundAddr)
+	assert.Equal(t, "g:four", roundTrip(t, c4, "g:", "four"))
+	requireReset(t, st[1].BoundAddr) // the one place is taken through 127.0.0.1
+	require.NoError(t, c4.Close())
+	eventually(t, "the place is given back", func() bool { c, _ := m.stats.Lookup("web"); return c.Active == 0 })
+	c6 := dial(t, st[1].BoundAddr)
+	assert.Equal(t, "g:six", roundTrip(t, c6, "g:", "six"))
+	require.NoError(t, c6.Close())
+	eventually(t, "the place is given back", func() bool { c, _ := m.stats.Lookup("web"); return c.Active == 0 })
+
+	c, ok := m.stats.Lookup("web")
+	require.True(t, ok)
+	assert.EqualValues(t, 2, c.Accepted, "both listeners count into the one slot")
+	assert.EqualValues(t, 1, c.Refused)
+
+	only(t, m, v4) // ::1 goes; the exposure stays
+	c, ok = m.stats.Lookup("web")
+	require.True(t, ok, "the exposure is still desired: its slot stays")
+	assert.EqualValues(t, 2, c.Accepted)
+	m.Converge(nil)
+	_, ok = m.stats.Lookup("web")
+	assert.False(t, ok, "the exposure is gone: its slot is deleted")
+}
+
+// A listener that moves to another address is a new (name, address) key,
+// but the same exposure: its counters carry on.
+func TestAMovedListenerKeepsItsExposuresCounters(t *testing.T) {
+	m, _ := newManager(t)
+	port := echoServer(t, "g:")
+	a := tcpSpec("web", port)
+	st := only(t, m, a)
+	require.Equal(t, StateActive, st.State, st.Reason)
+	c := dial(t, st.BoundAddr)
+	assert.Equal(t, "g:x", roundTrip(t, c, "g:", "x"))
+	require.NoError(t, c.Close())
+
+	b := a
+	b.Listen = netip.MustParseAddr("127.0.0.2")
+	st = only(t, m, b)
+	require.Equal(t, StateActive, st.State, st.Reason)
+	assert.True(t, strings.HasPrefix(st.BoundAddr, "127.0.0.2:"), st.BoundAddr)
+	assert.EqualValues(t, 1, st.Counters.Accepted, "the exposure's slot was kept across the move")
 }

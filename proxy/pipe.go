@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -21,14 +22,38 @@ type pipe struct {
 	queued int
 }
 
+// pipeIdle is how long the pool keeps its pipes after the last one was
+// taken or given back: past it they are closed, so a daemon at rest after a
+// burst holds no extra descriptors.
+var pipeIdle = 30 * time.Second
+
 var pipePool struct {
 	mu   sync.Mutex
 	free []*pipe
+	used time.Time   // last get or put
+	trim *time.Timer // armed while free is not empty
+}
+
+// trimPipes closes the pooled pipes once the pool has been idle pipeIdle.
+func trimPipes() {
+	pipePool.mu.Lock()
+	defer pipePool.mu.Unlock()
+	if wait := pipeIdle - time.Since(pipePool.used); wait > 0 && len(pipePool.free) > 0 {
+		pipePool.trim.Reset(wait)
+		return
+	}
+	for _, p := range pipePool.free {
+		unix.Close(p.r)
+		unix.Close(p.w)
+	}
+	pipePool.free = nil
+	pipePool.trim = nil
 }
 
 // getPipe returns an empty pipe, or nil if none can be made.
 func getPipe() *pipe {
 	pipePool.mu.Lock()
+	pipePool.used = time.Now()
 	if n := len(pipePool.free); n > 0 {
 		p := pipePool.free[n-1]
 		pipePool.free = pipePool.free[:n-1]
@@ -61,8 +86,12 @@ func putPipe(p *pipe) {
 	}
 	if p.queued == 0 {
 		pipePool.mu.Lock()
+		pipePool.used = time.Now()
 		if len(pipePool.free) < idlePipes {
 			pipePool.free = append(pipePool.free, p)
+			if pipePool.trim == nil {
+				pipePool.trim = time.AfterFunc(pipeIdle, trimPipes)
+			}
 			pipePool.mu.Unlock()
 			return
 		}

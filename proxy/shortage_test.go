@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
+	"github.com/brokkr/brokkr/internal/spec"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -98,7 +100,7 @@ func TestADescriptorShortagePausesTheLoopKeepsThePortAndIsReported(t *testing.T)
 	eventually(t, "the loop dies and says why", func() bool {
 		m.mu.Lock()
 		defer m.mu.Unlock()
-		return m.live["web"].ln == nil && strings.Contains(m.live["web"].reason, "accept: ")
+		return liveOf(m, "web").ln == nil && strings.Contains(liveOf(m, "web").reason, "accept: ")
 	})
 }
 
@@ -194,8 +196,7 @@ func childShortage() int {
 	defer guest.Close()
 	m := NewManager(func(string) string { return "127.0.0.1" }, nil)
 	defer m.StopAll()
-	specs := []Spec{{ID: "web", VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1",
-		GuestPort: guest.Addr().(*net.TCPAddr).Port}}
+	specs := []Spec{{Exposure: spec.Exposure{Name: "web", Target: spec.Target{VM: "vm1"}, Proto: "tcp", GuestPort: uint16(guest.Addr().(*net.TCPAddr).Port)}, Listen: netip.MustParseAddr("127.0.0.1")}}
 	fmt.Println("bound", m.Converge(specs)[0].BoundAddr)
 
 	var spent []*os.File
@@ -403,8 +404,7 @@ func childSplice() int {
 	}()
 	m := NewManager(func(string) string { return "127.0.0.1" }, nil)
 	defer m.StopAll()
-	st := m.Converge([]Spec{{ID: "bulk", VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1",
-		GuestPort: ln.Addr().(*net.TCPAddr).Port}})[0]
+	st := m.Converge([]Spec{{Exposure: spec.Exposure{Name: "bulk", Target: spec.Target{VM: "vm1"}, Proto: "tcp", GuestPort: uint16(ln.Addr().(*net.TCPAddr).Port)}, Listen: netip.MustParseAddr("127.0.0.1")}})[0]
 	c, err := net.Dial("tcp", st.BoundAddr)
 	if err != nil {
 		fmt.Println("error", err)

@@ -4,39 +4,39 @@
 package proxy
 
 import (
+	"net/netip"
 	"time"
 
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
-// Spec is one exposure the proxy should carry. The daemon builds it from the
-// config; tests build it directly.
+// Spec is one listener the proxy should carry: the model's exposure
+// (validated by config.Compile, so trusted here; its Name names the counter
+// slot) and the address this listener binds, one of the exposure's
+// ProxyBinds. HostPort 0 lets the OS pick (tests and benchmarks;
+// Status.BoundAddr says what was picked).
 type Spec struct {
-	ID          string        // exposure name; unique; names the counter slot
-	VM          string        // passed to the Resolver to find the guest address
-	Protocol    string        // "tcp" or "udp"
-	HostAddress string        // address to bind ("" or "0.0.0.0" = any IPv4, "::" = any, "127.0.0.1", ...)
-	HostPort    int           // 1..65535; 0 lets the OS pick (tests)
-	GuestPort   int           // 1..65535
-	MaxConns    int           // 0 = unlimited; the daemon passes 256 by default
-	UDPIdle     time.Duration // idle timeout of a UDP flow; 0 = 60 s
+	spec.Exposure
+	Listen  netip.Addr    // the zero Addr = 0.0.0.0, every IPv4 address
+	UDPIdle time.Duration // idle timeout of a UDP flow; 0 = 60 s
 }
 
 // Resolver returns the guest's current address for a VM ("" = none yet).
 // It is called per connection, so it must be cheap.
 type Resolver func(vm string) string
 
-// State values of Status.State.
+// State values of Status.State (the model's set).
 const (
-	StateActive  = "active"
-	StatePending = "pending"
-	StateFailed  = "failed"
+	StateActive  = spec.StateActive
+	StatePending = spec.StatePending
+	StateFailed  = spec.StateFailed
 )
 
 // Status is one exposure's row after a Converge.
 type Status struct {
 	ID        string
-	State     string // active | pending | failed
+	State     spec.ExposureState
 	Reason    string // why failed/pending, or a warning such as "out of descriptors"
 	BoundAddr string // the address actually bound (host port 0 resolved)
 	Counters  bpf.Counters

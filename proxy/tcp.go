@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // The pause an accept loop takes while the process is out of descriptors:
@@ -28,7 +30,7 @@ const (
 // backlog keeps callers waiting instead of refused. Any other accept error is
 // a broken listener: the loop gives it back, with the reason, for the next
 // converge to rebind.
-func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, vm string, guestPort int) {
+func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, to spec.Target, guestPort int) {
 	target := strconv.Itoa(guestPort)
 	var hostPort uint16
 	if a, ok := ln.Addr().(*net.TCPAddr); ok {
@@ -74,7 +76,7 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, vm
 			m.setReason(ex, ln, "")
 			m.logs.event(slog.LevelInfo, ex.id, evRecover, "proxy: accepting again after a descriptor shortage")
 		}
-		m.admit(ex, c, vm, target, hostPort)
+		m.admit(ex, c, to, target, hostPort)
 	}
 }
 
@@ -103,7 +105,7 @@ func outOfDescriptors(err error) bool {
 // admit applies the cap. The count is taken before the decision and given
 // back on refusal, so a burst of simultaneous callers cannot all read a stale
 // count and all pass.
-func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string, hostPort uint16) {
+func (m *Manager) admit(ex *exposure, c net.Conn, to spec.Target, guestPort string, hostPort uint16) {
 	// The place is taken in the exposure's slot, against the one cap every
 	// path of the exposure shares (the kernel's and the other listeners').
 	if !ex.ctr.slot.Reserve() {
@@ -120,7 +122,7 @@ func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string, hostPort
 		return
 	}
 	ex.ctr.acquire()
-	job := carryJob{ex: ex, c: c, vm: vm, guestPort: guestPort, hostPort: hostPort}
+	job := carryJob{ex: ex, c: c, to: to, guestPort: guestPort, hostPort: hostPort}
 	select {
 	case m.carriers <- job: // a parked carrier takes it
 	default:
@@ -132,11 +134,15 @@ func (m *Manager) admit(ex *exposure, c net.Conn, vm, guestPort string, hostPort
 // maxIdleCarriers bounds the carrier goroutines parked for reuse.
 const maxIdleCarriers = 32
 
+// carrierIdle is how long a parked carrier waits for the next caller before
+// it exits, so a daemon at rest after a burst holds no extra goroutines.
+var carrierIdle = 30 * time.Second
+
 // carryJob is one admitted caller waiting to be carried.
 type carryJob struct {
 	ex        *exposure
 	c         net.Conn
-	vm        string
+	to        spec.Target
 	guestPort string
 	hostPort  uint16
 }
@@ -149,11 +155,17 @@ type carryJob struct {
 // a goroutine. At most maxIdleCarriers park; a burst's extra ones exit.
 func (m *Manager) carrier(job carryJob) {
 	defer m.carrierWG.Done()
+	var idle *time.Timer
+	defer func() {
+		if idle != nil {
+			idle.Stop()
+		}
+	}()
 	for {
 		// Called straight from this loop, not through a helper with defers:
 		// that one more frame under every held connection cost 1.3 kB per
 		// held idle connection (measured; the cause not pinned down).
-		m.carry(job.ex, job.c, job.vm, job.guestPort, job.hostPort)
+		m.carry(job.ex, job.c, job.to, job.guestPort, job.hostPort)
 		job.ex.conns.Add(-1)
 		job.ex.ctr.release()
 		m.untrack(job.c)
@@ -161,9 +173,17 @@ func (m *Manager) carrier(job carryJob) {
 			m.idleCarriers.Add(-1)
 			return
 		}
+		if idle == nil {
+			idle = time.NewTimer(carrierIdle)
+		} else {
+			idle.Reset(carrierIdle)
+		}
 		select {
 		case job = <-m.carriers:
 			m.idleCarriers.Add(-1)
+		case <-idle.C:
+			m.idleCarriers.Add(-1)
+			return
 		case <-m.quitCarriers:
 			m.idleCarriers.Add(-1)
 			return
@@ -176,10 +196,10 @@ func (m *Manager) carrier(job carryJob) {
 // guest that does not answer) is reset at once and counted as dropped. A
 // connection frozen for a hand-over keeps its place under the cap: the next
 // process takes it over (see handover.go), so Closed is not called here.
-func (m *Manager) carry(ex *exposure, c net.Conn, vm, guestPort string, hostPort uint16) {
+func (m *Manager) carry(ex *exposure, c net.Conn, to spec.Target, guestPort string, hostPort uint16) {
 	slot := ex.ctr.slot
 	client, ok := c.(*net.TCPConn)
-	addr := m.resolve(vm)
+	addr := m.guestAddr(to)
 	if !ok || addr == "" {
 		slot.AddDropped(1)
 		slot.Closed()

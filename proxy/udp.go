@@ -13,6 +13,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // udpRelay serves one UDP exposure: a socket on the host port and one flow
@@ -23,7 +25,7 @@ type udpRelay struct {
 	m         *Manager
 	ex        *exposure
 	conn      *net.UDPConn
-	vm        string
+	target    spec.Target
 	guestPort string
 	pktinfo   bool          // wildcard bind: learn each datagram's local address
 	stop      chan struct{} // the exposure's: closed when its socket is closed on purpose
@@ -49,7 +51,7 @@ type udpFlow struct {
 }
 
 func newUDPRelay(m *Manager, ex *exposure, conn *net.UDPConn, c checked, stop chan struct{}) *udpRelay {
-	return &udpRelay{m: m, ex: ex, conn: conn, vm: c.VM, guestPort: strconv.Itoa(c.GuestPort),
+	return &udpRelay{m: m, ex: ex, conn: conn, target: c.Target, guestPort: strconv.Itoa(int(c.GuestPort)),
 		pktinfo: c.host.IsUnspecified(), stop: stop, flows: map[flowKey]*udpFlow{}}
 }
 
@@ -185,7 +187,7 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 		return nil
 	}
 	ex.conns.Add(1)
-	addr := r.m.resolve(r.vm)
+	addr := r.m.guestAddr(r.target)
 	var guest *net.UDPConn
 	if addr != "" {
 		ga, err := net.ResolveUDPAddr("udp", net.JoinHostPort(addr, r.guestPort))

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"github.com/brokkr/brokkr/internal/spec"
 	"net"
 	"net/netip"
 	"strconv"
@@ -39,7 +40,7 @@ func udpEcho(t *testing.T) int {
 }
 
 func udpSpec(id string, guestPort int) Spec {
-	return Spec{ID: id, VM: "vm1", Protocol: "udp", HostAddress: "127.0.0.1", GuestPort: guestPort}
+	return Spec{Exposure: spec.Exposure{Name: id, Target: spec.Target{VM: "vm1"}, Proto: "udp", GuestPort: uint16(guestPort)}, Listen: netip.MustParseAddr("127.0.0.1")}
 }
 
 // ask sends msg from c to addr and returns the reply and where it came from,
@@ -164,10 +165,10 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 		port = probe.Addr().(*net.TCPAddr).Port
 		probe.Close()
 		st = m.Converge([]Spec{
-			{ID: "u4", VM: "vm1", Protocol: "udp", HostAddress: "0.0.0.0", GuestPort: guestUDP},
-			{ID: "u6", VM: "vm1", Protocol: "udp", HostAddress: "::", GuestPort: guestUDP},
-			{ID: "t6", VM: "vm1", Protocol: "tcp", HostAddress: "::", HostPort: port, GuestPort: guestTCP},
-			{ID: "t4", VM: "vm1", Protocol: "tcp", HostAddress: "0.0.0.0", HostPort: port, GuestPort: guestTCP},
+			{Exposure: spec.Exposure{Name: "u4", Target: spec.Target{VM: "vm1"}, Proto: "udp", GuestPort: uint16(guestUDP)}, Listen: netip.MustParseAddr("0.0.0.0")},
+			{Exposure: spec.Exposure{Name: "u6", Target: spec.Target{VM: "vm1"}, Proto: "udp", GuestPort: uint16(guestUDP)}, Listen: netip.MustParseAddr("::")},
+			{Exposure: spec.Exposure{Name: "t6", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: uint16(port), GuestPort: uint16(guestTCP)}, Listen: netip.MustParseAddr("::")},
+			{Exposure: spec.Exposure{Name: "t4", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: uint16(port), GuestPort: uint16(guestTCP)}, Listen: netip.MustParseAddr("0.0.0.0")},
 		})
 		c4 = udpClient(t, "udp4", "127.0.0.1:0")
 		c6 = udpClient(t, "udp6", "[fd00:bb::1]:0")
@@ -197,7 +198,7 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 	}
 	if r == "" {
 		m.mu.Lock()
-		ex := m.live["u6"]
+		ex := liveOf(m, "u6")
 		t.Logf("no reply over IPv6; u6 reason %q lost %q conns %d counters %+v", ex.reason, ex.lost, ex.conns.Load(), ex.ctr.slot.Read())
 		m.mu.Unlock()
 	}
@@ -220,5 +221,5 @@ func TestWildcardExposuresAnswerFromTheAddressTheClientUsed(t *testing.T) {
 	require.NoError(t, t4.SetDeadline(time.Now().Add(5*time.Second)))
 	assert.Equal(t, "g:six", roundTrip(t, t6, "g:", "six"))
 	assert.Equal(t, "g:four", roundTrip(t, t4, "g:", "four"))
-	assert.EqualValues(t, 1, only(t, m, Spec{ID: "t6", VM: "vm1", Protocol: "tcp", HostAddress: "::", HostPort: port, GuestPort: guestTCP}).Counters.Accepted)
+	assert.EqualValues(t, 1, only(t, m, Spec{Exposure: spec.Exposure{Name: "t6", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: uint16(port), GuestPort: uint16(guestTCP)}, Listen: netip.MustParseAddr("::")}).Counters.Accepted)
 }

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // ImageFetcher turns image sources into local files. The daemon wires it to
@@ -36,6 +38,9 @@ type Config struct {
 	Images               ImageFetcher
 	MaxConcurrentCreates int // 0 = unlimited
 	Logger               *slog.Logger
+	// Placer puts every VMM into a scope of its own. nil: VMMs stay in the
+	// daemon's cgroup, each in its own session.
+	Placer Placer
 
 	StartTimeout    time.Duration // one Start (launch + boot); default 2 min
 	StopGrace       time.Duration // power button to forced stop; default 30 s
@@ -300,6 +305,10 @@ func cloneSpec(s *VMSpec) *VMSpec {
 	if s.MAC != nil {
 		c.MAC = append(net.HardwareAddr(nil), s.MAC...)
 	}
+	if s.IP != nil {
+		v := *s.IP
+		c.IP = &v
+	}
 	return &c
 }
 
@@ -310,7 +319,7 @@ func specEqual(a, b *VMSpec) bool {
 	}
 	if a.Name != b.Name || a.CPUs != b.CPUs || a.MemoryMiB != b.MemoryMiB || a.Kernel != b.Kernel ||
 		a.Cmdline != b.Cmdline || a.Power != b.Power || a.Restart != b.Restart || a.Tap != b.Tap ||
-		a.IP != b.IP || string(a.MAC) != string(b.MAC) {
+		!sameIP(a.IP, b.IP) || string(a.MAC) != string(b.MAC) {
 		return false
 	}
 	if (a.Initramfs == nil) != (b.Initramfs == nil) || (a.Initramfs != nil && *a.Initramfs != *b.Initramfs) {
@@ -346,4 +355,8 @@ func (localFiles) Fetch(_ context.Context, src Source, _ func(int64, int64)) (st
 
 func (localFiles) PrepareDisk(context.Context, string, string, int64) error {
 	return errors.New("no image fetcher configured for disks")
+}
+
+func sameIP(a, b *spec.StaticIP) bool {
+	return a == b || (a != nil && b != nil && *a == *b)
 }

@@ -48,7 +48,7 @@ func FuzzValidateSpec(f *testing.F) {
 	f.Add("../etc", 1, 64, "/k", "running", "always")
 	f.Add("vm", 0, 64, "", "off", "sometimes")
 	f.Fuzz(func(t *testing.T, name string, cpus, mem int, kernel, power, restart string) {
-		s := VMSpec{Name: name, CPUs: cpus, MemoryMiB: mem, Kernel: Source{Location: kernel}, Power: power, Restart: restart}
+		s := VMSpec{Name: name, CPUs: cpus, MemoryMiB: mem, Kernel: Source{Location: kernel}, Power: Power(power), Restart: Restart(restart)}
 		if ValidateSpec(&s) == nil && (!NameRE.MatchString(name) || filepath.Base(name) != name || name == "." || name == "..") {
 			t.Fatalf("accepted name %q", name)
 		}

@@ -5,43 +5,48 @@ package supervisor
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"time"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
-// Power and restart values from the config.
-const (
-	PowerRunning = "running"
-	PowerStopped = "stopped"
-
-	RestartAlways    = "always"
-	RestartOnFailure = "on-failure"
-	RestartNever     = "never"
+// Power and Restart are the model's types (docs/ARCHITECTURE.md, "Data flow").
+type (
+	Power   = spec.Power
+	Restart = spec.Restart
 )
 
-// Phases of VMStatus.Phase (docs/ARCHITECTURE.md, "External contract").
+// Power and restart values of the model.
 const (
-	PhasePending  = "pending"
-	PhaseCreating = "creating"
-	PhaseStarting = "starting"
-	PhaseRunning  = "running"
-	PhaseStopping = "stopping"
-	PhaseStopped  = "stopped"
-	PhaseFailed   = "failed"
+	PowerRunning = spec.PowerRunning
+	PowerStopped = spec.PowerStopped
+
+	RestartAlways    = spec.RestartAlways
+	RestartOnFailure = spec.RestartOnFailure
+	RestartNever     = spec.RestartNever
+)
+
+// Phases of VMStatus.Phase: the model's set (docs/ARCHITECTURE.md,
+// "External contract").
+const (
+	PhasePending  = string(spec.PhasePending)
+	PhaseCreating = string(spec.PhaseCreating)
+	PhaseStarting = string(spec.PhaseStarting)
+	PhaseRunning  = string(spec.PhaseRunning)
+	PhaseStopping = string(spec.PhaseStopping)
+	PhaseStopped  = string(spec.PhaseStopped)
+	PhaseFailed   = string(spec.PhaseFailed)
 )
 
 // Source is a local path or an http(s) URL, with the sha256 it must have
 // (required for URLs, optional for paths).
-type Source struct {
-	Location string
-	SHA256   string
-}
+type Source = spec.Source
 
-// Disk is the VM's root disk: a per-VM sparse copy of Source grown to Size.
-type Disk struct {
-	Source Source
-	Size   int64 // bytes; 0 = the image's own size
-}
+// Disk is the VM's root disk: a per-VM sparse copy of Source grown to Size
+// (0 = the image's own size).
+type Disk = spec.Disk
 
 // VMSpec is one VM's desired state, with the network facts netplane supplied.
 type VMSpec struct {
@@ -52,14 +57,27 @@ type VMSpec struct {
 	Initramfs *Source
 	Cmdline   string
 	Disk      *Disk
-	Power     string // running | stopped
-	Restart   string // always | on-failure | never
+	Power     spec.Power
+	Restart   spec.Restart
 
 	Tap string           // tap device to attach (made by netplane)
 	MAC net.HardwareAddr // the guest's MAC (stable per VM)
-	// IP is a kernel parameter ("ip=...") appended to Cmdline at launch: a
-	// guest on a network without DHCP takes its address from it.
-	IP string
+	// IP is the address of a guest on a network without DHCP (nil with
+	// DHCP): it takes it from the kernel's ip= parameter (KernelIPParam).
+	IP *spec.StaticIP
+}
+
+// KernelIPParam is the kernel parameter that gives a guest booted without
+// DHCP its address (Documentation/admin-guide/nfs/nfsroot.rst, "ip="):
+// client, no server, the gateway, the subnet mask, the VM name as hostname,
+// eth0, no autoconfiguration. Kernels without IP autoconfiguration leave it
+// to the guest's init (the test guest reads it). "" for nil.
+func KernelIPParam(ip *spec.StaticIP, vm string) string {
+	if ip == nil {
+		return ""
+	}
+	mask := net.IP(net.CIDRMask(ip.Addr.Bits(), 32)).String()
+	return fmt.Sprintf("ip=%s::%s:%s:%s:eth0:off", ip.Addr.Addr(), ip.Gateway, mask, vm)
 }
 
 // VMStatus is one VM's row in a Report.
@@ -100,6 +118,12 @@ type LaunchConfig struct {
 	MAC         net.HardwareAddr
 	ConsoleLog  string
 	ConsoleSize int64 // cap on console.log in bytes
+	// Place, when set, moves the VMM's process into the VM's own cgroup (a
+	// systemd scope, see Placer). The backend calls it right after the
+	// process starts, before the guest boots: memory a process touched
+	// before a move stays charged to the cgroup it left. An error fails
+	// the start (the backend kills what it started).
+	Place func(pid int) error
 }
 
 // Instance is a running (or adopted) hypervisor process.
@@ -126,8 +150,19 @@ const (
 	VMPaused   VMState = "paused"
 )
 
+// Placer gives each VMM process a cgroup of its own (supervisor/scope: a
+// transient systemd scope), so it is accounted apart from the daemon and a
+// stop of the daemon's unit does not reach it.
+type Placer interface {
+	// Place moves pid into the VM's own unit; a pid already there stays.
+	Place(ctx context.Context, vm string, pid int) error
+	// Release stops the VM's unit and anything still in it (a VM destroyed).
+	Release(ctx context.Context, vm string) error
+}
+
 // Hypervisor is the seam to a VMM (cloud-hypervisor, qemu, or a test fake).
-// Processes it starts must outlive the daemon (Setsid, no Pdeathsig).
+// Processes it starts must outlive the daemon (Setsid, no Pdeathsig) and
+// call LaunchConfig.Place, when set, as soon as they exist.
 //
 // Exit watching is the engine's job, not the backend's: after Start or Adopt
 // the worker opens a pidfd on Instance.PID and is woken the moment the

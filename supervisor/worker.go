@@ -41,6 +41,7 @@ type worker struct {
 	exits     chan exitEvent
 	lastExit  *exitEvent // the VM stopped on its own; restart policy decides
 	failedFor *VMSpec    // spec whose start or run failed (a new spec retries at once)
+	unplaced  string     // why the adopted VMM is not in its scope ("" = it is, or no Placer)
 	delay     time.Duration
 	nextStart time.Time
 	timer     *time.Timer
@@ -271,7 +272,10 @@ func (w *worker) pass(ctx context.Context) {
 	if w.inst != nil {
 		if !restartReq && sameMachine(&w.rec.Spec, spec) {
 			w.saveSpec(spec) // power/restart policy may have changed
-			w.publish(PhaseRunning, "")
+			if w.unplaced != "" {
+				w.placeAdopted(ctx)
+			}
+			w.publish(PhaseRunning, w.unplaced)
 			return
 		}
 		if !w.stopVM(ctx) {
@@ -298,7 +302,7 @@ func (w *worker) pass(ctx context.Context) {
 	w.create(ctx, spec, countRestart)
 }
 
-func policy(p string) string {
+func policy(p Restart) Restart {
 	if p == "" {
 		return RestartAlways
 	}
@@ -308,7 +312,7 @@ func policy(p string) string {
 // restartAllowed applies the restart policy to how the VM ended. An exit
 // status we could not read (the VM ended while the daemon was down) counts
 // as a failure.
-func restartAllowed(p string, st ExitStatus) bool {
+func restartAllowed(p Restart, st ExitStatus) bool {
 	switch policy(p) {
 	case RestartNever:
 		return false
@@ -391,13 +395,41 @@ func (w *worker) adopt(ctx context.Context, inst Instance) {
 		return
 	}
 	w.e.cfg.Logger.Info("adopted VM", "vm", w.name, "pid", inst.PID)
-	w.publish(PhaseRunning, "")
+	w.unplaced = ""
+	w.placeAdopted(ctx)
+	w.publish(PhaseRunning, w.unplaced)
 }
+
+// placeAdopted moves an adopted VMM into its scope: one an older daemon
+// started may sit in the daemon's own cgroup, where a stop of the daemon's
+// unit would reach it. A failure never stops the VM: unplaced says why in
+// its row, and a pass every placeRetry tries again.
+func (w *worker) placeAdopted(ctx context.Context) {
+	p := w.e.cfg.Placer
+	if p == nil || w.inst == nil {
+		return
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	err := p.Place(pctx, w.name, w.inst.PID)
+	cancel()
+	if err == nil {
+		w.unplaced = ""
+		return
+	}
+	if w.unplaced == "" {
+		w.e.cfg.Logger.Warn("adopted VM stays outside its scope", "vm", w.name, "pid", w.inst.PID, "err", err)
+	}
+	w.unplaced = "not in its own scope: " + err.Error()
+	w.arm(time.Now().Add(placeRetry)) // a pass, which tries again
+}
+
+// placeRetry is how often an adopted VMM outside its scope is tried again.
+const placeRetry = 5 * time.Second
 
 // publishObserved reports what is known before any Step spoke of the VM.
 func (w *worker) publishObserved() {
 	if w.inst != nil {
-		w.publish(PhaseRunning, "")
+		w.publish(PhaseRunning, w.unplaced)
 	} else if w.lastExit != nil {
 		w.publish(PhaseFailed, w.lastExit.reason)
 	} else {
@@ -467,6 +499,9 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 	w.save() // the intent survives a crash halfway through Start
 	w.publish(PhaseStarting, "starting "+w.e.cfg.Hypervisor.Kind())
 	sctx, cancel := context.WithTimeout(ctx, w.e.cfg.StartTimeout)
+	if p := w.e.cfg.Placer; p != nil {
+		lc.Place = func(pid int) error { return p.Place(sctx, w.name, pid) }
+	}
 	inst, err := w.e.cfg.Hypervisor.Start(sctx, lc)
 	timedOut := errors.Is(sctx.Err(), context.DeadlineExceeded)
 	cancel()
@@ -491,7 +526,7 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 		w.fail(spec, "exited at once: "+err.Error())
 		return
 	}
-	w.lastExit, w.failedFor = nil, nil
+	w.lastExit, w.failedFor, w.unplaced = nil, nil, ""
 	w.publish(PhaseRunning, "")
 }
 
@@ -525,7 +560,7 @@ func (w *worker) launchConfig(ctx context.Context, spec *VMSpec) (LaunchConfig, 
 	}
 	lc := LaunchConfig{
 		Name: w.name, Dir: dir, RunDir: run,
-		CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Cmdline: strings.TrimSpace(spec.Cmdline + " " + spec.IP),
+		CPUs: spec.CPUs, MemoryMiB: spec.MemoryMiB, Cmdline: strings.TrimSpace(spec.Cmdline + " " + KernelIPParam(spec.IP, spec.Name)),
 		Tap: spec.Tap, MAC: spec.MAC,
 		ConsoleLog: filepath.Join(dir, "console.log"), ConsoleSize: w.e.cfg.ConsoleMaxBytes,
 	}
@@ -715,6 +750,16 @@ func (w *worker) destroy(ctx context.Context) {
 	w.disarm()
 	if w.inst != nil && !w.stopVM(ctx) {
 		return
+	}
+	if p := w.e.cfg.Placer; p != nil {
+		// The scope goes by itself once its process is gone; this also ends
+		// whatever the VMM left behind in it.
+		pctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		err := p.Release(pctx, w.name)
+		cancel()
+		if err != nil {
+			w.e.cfg.Logger.Warn("release the VM's scope", "vm", w.name, "err", err)
+		}
 	}
 	var errs []error
 	for _, d := range []string{w.e.runDir(w.name), w.e.vmDir(w.name)} {

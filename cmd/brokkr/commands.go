@@ -15,6 +15,7 @@ import (
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/spf13/cobra"
 )
 
@@ -33,14 +34,14 @@ the daemon, on apply.`,
   generate-config | brokkr validate -f -`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			_, cfg, err := loadConfigFile(cmd, file)
+			_, _, model, err := loadConfigFile(cmd, file)
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s: valid (%d VMs, %d exposures)\n", file, len(cfg.VMs), len(cfg.Exposures))
+			fmt.Fprintf(cmd.OutOrStdout(), "%s: valid (%d VMs, %d exposures)\n", file, len(model.VMs), len(model.Exposures))
 			// Against the unit's LimitNOFILE: validate runs offline, without
 			// the daemon's own limit.
-			if w := cfg.DescriptorBudget(config.DefaultNoFile); w != "" {
+			if w := config.DescriptorBudget(model, config.DefaultNoFile); w != "" {
 				fmt.Fprintln(cmd.ErrOrStderr(), "warning:", w)
 			}
 			return nil
@@ -78,7 +79,7 @@ otherwise), exiting 2 when something stays failed or --timeout passes.`,
 			}
 			// Checked here first so a bad file is reported the same way,
 			// daemon or not.
-			b, _, err := loadConfigFile(cmd, file)
+			b, _, _, err := loadConfigFile(cmd, file)
 			if err != nil {
 				return err
 			}
@@ -173,12 +174,12 @@ does for a failed unit, so scripts and health checks need not parse the output.`
 // failedExit is status's exit 3 while anything is failed (docs/ARCHITECTURE.md, "External contract").
 func failedExit(st *api.Status) error {
 	for _, v := range st.VMs {
-		if v.Phase == "failed" {
+		if v.Phase == string(spec.PhaseFailed) {
 			return silentError{3}
 		}
 	}
 	for _, e := range st.Exposures {
-		if e.State == "failed" {
+		if e.State == string(spec.StateFailed) {
 			return silentError{3}
 		}
 	}
@@ -408,7 +409,7 @@ bpftool map dump pinned ` + config.DefaultBPFDir + `/exposure_stats prints the s
 				return userf("--config and --bpf-dir both say where the map is; give one")
 			}
 			if cfgFile != "" {
-				_, cfg, err := loadConfigFile(cmd, cfgFile)
+				_, cfg, _, err := loadConfigFile(cmd, cfgFile)
 				if err != nil {
 					return err
 				}

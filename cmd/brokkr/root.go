@@ -11,6 +11,7 @@ import (
 
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/spf13/cobra"
 )
 
@@ -140,17 +141,17 @@ func printFieldErrors(w io.Writer, name string, err error) {
 
 // loadConfigFile reads and validates a config file offline; a bad file's
 // field-named errors go to stderr and the command exits 1.
-func loadConfigFile(cmd *cobra.Command, file string) ([]byte, *config.Config, error) {
+func loadConfigFile(cmd *cobra.Command, file string) ([]byte, *config.Config, *spec.Desired, error) {
 	b, err := readConfigFile(file)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	cfg, err := config.Parse(b)
+	cfg, model, err := config.Load(b)
 	if err != nil {
 		printFieldErrors(cmd.ErrOrStderr(), file, err)
-		return nil, nil, silentError{1}
+		return nil, nil, nil, silentError{1}
 	}
-	return b, cfg, nil
+	return b, cfg, model, nil
 }
 
 func printPlan(w io.Writer, p *api.Plan) {

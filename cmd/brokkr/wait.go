@@ -11,6 +11,7 @@ import (
 
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	"golang.org/x/sys/unix"
 )
 
@@ -36,8 +37,9 @@ func bar(v api.VM) string {
 		n := int(min(p.Done, p.Total) * width / p.Total)
 		return "[" + strings.Repeat("#", n) + strings.Repeat(".", width-n) + "]"
 	}
-	steps := map[string]int{"pending": 1, "creating": 2, "starting": 3, "running": 4, "stopping": 2, "stopped": 4, "failed": 4}
-	n := steps[v.Phase] * width / 4
+	steps := map[spec.Phase]int{spec.PhasePending: 1, spec.PhaseCreating: 2, spec.PhaseStarting: 3, spec.PhaseRunning: 4,
+		spec.PhaseStopping: 2, spec.PhaseStopped: 4, spec.PhaseFailed: 4}
+	n := steps[spec.Phase(v.Phase)] * width / 4
 	return "[" + strings.Repeat("=", n) + strings.Repeat(" ", width-n) + "]"
 }
 
@@ -52,19 +54,19 @@ func converged(st *api.Status) (done bool, failed []string) {
 			continue
 		}
 		switch {
-		case v.Phase == "failed":
+		case v.Phase == string(spec.PhaseFailed):
 			failed = append(failed, fmt.Sprintf("vm %s failed: %s", v.Name, v.Detail))
-		case want == "running" && v.Phase != "running":
+		case want == string(spec.PowerRunning) && v.Phase != string(spec.PhaseRunning):
 			done = false
-		case want == "stopped" && v.Phase != "stopped":
+		case want == string(spec.PowerStopped) && v.Phase != string(spec.PhaseStopped):
 			done = false
 		}
 	}
 	for _, e := range st.Exposures {
-		switch e.State {
-		case "failed":
+		switch spec.ExposureState(e.State) {
+		case spec.StateFailed:
 			failed = append(failed, fmt.Sprintf("exposure %s failed: %s", e.Name, e.Reason))
-		case "pending":
+		case spec.StatePending:
 			done = false
 		}
 	}
@@ -168,11 +170,11 @@ func findVM(st *api.Status, name string) (api.VM, bool) {
 func vmReached(v api.VM, until string, before api.VM) bool {
 	switch until {
 	case "running":
-		return v.Phase == "running"
+		return v.Phase == string(spec.PhaseRunning)
 	case "stopped":
-		return v.Phase == "stopped"
+		return v.Phase == string(spec.PhaseStopped)
 	case "restarted":
-		return v.Phase == "running" && ((v.PID > 0 && v.PID != before.PID) || v.Restarts > before.Restarts)
+		return v.Phase == string(spec.PhaseRunning) && ((v.PID > 0 && v.PID != before.PID) || v.Restarts > before.Restarts)
 	}
 	return false
 }
@@ -223,7 +225,7 @@ func waitVM(ctx context.Context, w io.Writer, c *api.Client, name, until string,
 			fmt.Fprintf(w, "%s: %s after %s\n", name, until, time.Since(start).Round(100*time.Millisecond))
 			return nil
 		}
-		if v.Phase != "failed" {
+		if v.Phase != string(spec.PhaseFailed) {
 			failingSince = time.Time{}
 		} else if failingSince.IsZero() {
 			failingSince = time.Now()

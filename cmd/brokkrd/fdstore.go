@@ -3,7 +3,6 @@ package main
 import (
 	"errors"
 	"log/slog"
-	"net"
 	"os"
 	"strings"
 
@@ -48,24 +47,17 @@ func sdNotifyFds(state string, files []*os.File) (bool, error) {
 }
 
 // fromSystemd takes the proxy listeners systemd passed back (LISTEN_FDS,
-// named by LISTEN_FDNAMES), split into the ::1 ones and the rest, the way
-// daemon.ProxyPair splits the specs.
-func fromSystemd() (main, v6 map[string]*os.File) {
-	main, v6 = map[string]*os.File{}, map[string]*os.File{}
+// named by LISTEN_FDNAMES).
+func fromSystemd() map[string]*os.File {
+	out := map[string]*os.File{}
 	for _, f := range activation.Files(true) {
 		if !strings.HasPrefix(f.Name(), pxNamePrefix) {
 			f.Close()
 			continue
 		}
-		into := main
-		if sa, err := unix.Getsockname(int(f.Fd())); err == nil {
-			if a, ok := sa.(*unix.SockaddrInet6); ok && net.IP(a.Addr[:]).Equal(net.IPv6loopback) {
-				into = v6
-			}
-		}
-		into[f.Name()] = f
+		out[f.Name()] = f
 	}
-	return main, v6
+	return out
 }
 
 // fdStore keeps systemd's store in step with the bound listeners.

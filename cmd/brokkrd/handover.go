@@ -297,16 +297,8 @@ type upgradeReply struct {
 // and this one must exit without closing what it handed over; on error it
 // serves again (the proxy thawed, the loop restarted by the caller).
 func (s *system) handOver(req upgradeReq, apiLn, upLn, metricsLn net.Listener, log *slog.Logger) (int, error) {
-	snaps := map[string]*proxy.Snapshot{"main": s.pxMain.Freeze()}
-	if s.pxV6 != nil {
-		snaps["v6"] = s.pxV6.Freeze()
-	}
-	thaw := func() {
-		s.pxMain.Thaw(snaps["main"])
-		if s.pxV6 != nil {
-			s.pxV6.Thaw(snaps["v6"])
-		}
-	}
+	snaps := map[string]*proxy.Snapshot{"main": s.px.Freeze()}
+	thaw := func() { s.px.Thaw(snaps["main"]) }
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		thaw()

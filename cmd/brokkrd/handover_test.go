@@ -6,12 +6,14 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -44,6 +46,13 @@ func handoverRole(role string) int {
 		return 3
 	}
 	return 5
+}
+
+// loopbackSpec is a TCP proxy exposure "web" on 127.0.0.1 (a port the OS
+// picks) to guestPort of vm1.
+func loopbackSpec(guestPort int) proxy.Spec {
+	return proxy.Spec{Exposure: spec.Exposure{Name: "web", Target: spec.Target{VM: "vm1"}, Proto: "tcp",
+		GuestPort: uint16(guestPort)}, Listen: netip.MustParseAddr("127.0.0.1")}
 }
 
 // echoGuest is a guest service on loopback that sends back what it reads.
@@ -88,7 +97,7 @@ func failedHandOver(t *testing.T, role string) {
 	resolve := func(string) string { return "127.0.0.1" }
 	px := proxy.NewManager(resolve, store)
 	defer px.StopAll()
-	spec := proxy.Spec{ID: "web", VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: guest}
+	spec := loopbackSpec(guest)
 	st := px.Converge([]proxy.Spec{spec})
 	require.Len(t, st, 1)
 	require.Equal(t, proxy.StateActive, st[0].State, st[0].Reason)
@@ -103,7 +112,7 @@ func failedHandOver(t *testing.T, role string) {
 	upLn, err := net.Listen("unix", filepath.Join(dir, "up.sock"))
 	require.NoError(t, err)
 	defer upLn.Close()
-	s := &system{pxMain: px, lock: lock, store: store}
+	s := &system{px: px, lock: lock, store: store}
 	upgrades := make(chan upgradeReq)
 	upDone := make(chan struct{})
 	go func() { serveUpgrades(upLn, upgrades); close(upDone) }()
@@ -213,7 +222,7 @@ func TestTheFDStoreLeavesTheListenerClosable(t *testing.T) {
 	t.Setenv("NOTIFY_SOCKET", path)
 
 	px := proxy.NewManager(func(string) string { return "127.0.0.1" }, bpf.NewInMemory("test"))
-	spec := proxy.Spec{ID: "web", VM: "vm1", Protocol: "tcp", HostAddress: "127.0.0.1", GuestPort: echoGuest(t)}
+	spec := loopbackSpec(echoGuest(t))
 	st := px.Converge([]proxy.Spec{spec})
 	require.Equal(t, proxy.StateActive, st[0].State, st[0].Reason)
 	store := newFDStore(slog.New(slog.NewTextHandler(io.Discard, nil)))

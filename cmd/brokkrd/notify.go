@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/internal/spec"
 	sd "github.com/coreos/go-systemd/v22/daemon"
 )
 
@@ -29,19 +30,19 @@ type loopState interface {
 func statusLine(st api.Status) string {
 	vms, running, failed := len(st.VMs), 0, 0
 	for _, v := range st.VMs {
-		switch v.Phase {
-		case "running":
+		switch spec.Phase(v.Phase) {
+		case spec.PhaseRunning:
 			running++
-		case "failed":
+		case spec.PhaseFailed:
 			failed++
 		}
 	}
 	active, efailed := 0, 0
 	for _, e := range st.Exposures {
-		switch e.State {
-		case "active":
+		switch spec.ExposureState(e.State) {
+		case spec.StateActive:
 			active++
-		case "failed":
+		case spec.StateFailed:
 			efailed++
 		}
 	}

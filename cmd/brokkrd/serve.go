@@ -16,7 +16,6 @@ import (
 
 	"github.com/brokkr/brokkr/daemon"
 	"github.com/brokkr/brokkr/daemon/config"
-	"github.com/brokkr/brokkr/proxy"
 	"golang.org/x/sys/unix"
 )
 
@@ -71,14 +70,14 @@ func serve(o options, stderr io.Writer) int {
 			os.Setenv("WATCHDOG_PID", strconv.Itoa(os.Getpid()))
 		}
 	}
-	sdMain, sdV6 := fromSystemd()
-	if n := len(sdMain) + len(sdV6); n > 0 {
+	sd := fromSystemd()
+	if n := len(sd); n > 0 {
 		log.Info("proxy listeners kept by systemd's fd store", "count", n)
 	}
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	sys, err := open(ctx, cfg, log, h, sdMain, sdV6)
+	sys, err := open(ctx, cfg, log, h, sd)
 	if err != nil {
 		log.Error("starting", "err", err)
 		return 2
@@ -133,7 +132,7 @@ func serve(o options, stderr io.Writer) int {
 
 	// The control loop, stoppable for a hand-over and restartable after a
 	// failed one. The fd store follows the listeners it binds.
-	store := newFDStore(log, sdMain, sdV6)
+	store := newFDStore(log, sd)
 	var loopCancel context.CancelFunc
 	var loopDone chan struct{}
 	startLoop := func() {
@@ -156,16 +155,12 @@ func serve(o options, stderr io.Writer) int {
 					return
 				case <-first:
 					first = nil
-					for _, m := range []*proxy.Manager{sys.pxMain, sys.pxV6} {
-						if m != nil {
-							for _, name := range m.DropUnclaimed() {
-								store.remove(name)
-							}
-						}
+					for _, name := range sys.px.DropUnclaimed() {
+						store.remove(name)
 					}
-					store.sync(sys.pxMain, sys.pxV6)
+					store.sync(sys.px)
 				case <-t.C:
-					store.sync(sys.pxMain, sys.pxV6)
+					store.sync(sys.px)
 				}
 			}
 		}()
@@ -187,10 +182,7 @@ func serve(o options, stderr io.Writer) int {
 			stopLoop()
 			return 2
 		}
-		sys.pxMain.Resume()
-		if sys.pxV6 != nil {
-			sys.pxV6.Resume()
-		}
+		sys.px.Resume()
 		_ = sys.lock.Truncate(0)
 		_, _ = sys.lock.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
 		log.Info("hand-over complete; serving")

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync/atomic"
+	"time"
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon"
@@ -20,6 +21,7 @@ import (
 	"github.com/brokkr/brokkr/supervisor/chv"
 	"github.com/brokkr/brokkr/supervisor/images"
 	"github.com/brokkr/brokkr/supervisor/qemu"
+	"github.com/brokkr/brokkr/supervisor/scope"
 	"golang.org/x/sys/unix"
 )
 
@@ -30,8 +32,11 @@ type system struct {
 	sock  *bpf.SockLB // nil when the socket path is off
 	lock  *os.File
 	fleet *fleet.Agent // nil on a single host
-	// The proxy's Managers, for the hand-over; pxV6 is nil without ::1.
-	pxMain, pxV6 *proxy.Manager
+	// scopes puts VMMs into systemd scopes; nil where systemd does not run
+	// the host.
+	scopes *scope.Systemd
+	// The proxy's Manager, for the hand-over.
+	px *proxy.Manager
 }
 
 func (s *system) countersWhere() string {
@@ -48,6 +53,9 @@ func (s *system) close() {
 	if s.fleet != nil {
 		_ = s.fleet.Close()
 	}
+	if s.scopes != nil {
+		s.scopes.Close()
+	}
 	_ = s.store.Close()
 	_ = s.lock.Close()
 }
@@ -55,8 +63,8 @@ func (s *system) close() {
 // open takes the runDir lock, opens the counter map and builds the three
 // engines around one daemon. With h (a hand-over) the lock is the old
 // process's, the proxy starts from its snapshots and is held until Resume;
-// listeners systemd kept (sdMain, sdV6) are bound from instead of anew.
-func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherited, sdMain, sdV6 map[string]*os.File) (*system, error) {
+// listeners systemd kept (sd) are bound from instead of anew.
+func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherited, sd map[string]*os.File) (*system, error) {
 	var lock *os.File
 	var err error
 	var pxOpts []proxy.Option
@@ -77,8 +85,8 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 
 	var d atomic.Pointer[daemon.Daemon]
 	addrs := daemon.NewAddressBook()
-	pxMain := proxy.NewManager(addrs.Resolve, store, pxOpts...)
-	pxMain.Inherit(sdMain)
+	px := proxy.NewManager(addrs.Resolve, store, pxOpts...)
+	px.Inherit(sd)
 	plane, err := netplane.New(netplane.Options{
 		StateDir: cfg.StateDir,
 		Stats:    store,
@@ -90,7 +98,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		},
 		// Callers a capped nat exposure admits on its slow path are spliced
 		// by the proxy's code (and ended by its StopAll).
-		Overflow: pxMain.Carry,
+		Overflow: px.Carry,
 	})
 	if err != nil {
 		store.Close()
@@ -112,27 +120,35 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		store.Close()
 		return fail(err)
 	}
-	eng, err := supervisor.NewEngine(supervisor.Config{
+	scopes, warn := openScopes(ctx, log)
+	if warn != "" {
+		warnings = append(warnings, warn)
+	}
+	closeScopes := func() {
+		if scopes != nil {
+			scopes.Close()
+		}
+	}
+	supCfg := supervisor.Config{
 		StateDir:             cfg.StateDir,
 		RunDir:               cfg.RunDir,
 		Hypervisor:           hv,
 		Images:               cache,
 		MaxConcurrentCreates: *cfg.Hypervisor.MaxConcurrentCreates,
 		Logger:               log.With("engine", "supervisor"),
-	})
+	}
+	if scopes != nil {
+		supCfg.Placer = scopes // never a nil *scope.Systemd in the interface
+	}
+	eng, err := supervisor.NewEngine(supCfg)
 	if err != nil {
+		closeScopes()
 		plane.Close()
 		store.Close()
 		return fail(err)
 	}
-	var px daemon.Proxy = pxMain
-	var pxV6 *proxy.Manager
 	ipv6 := daemon.HaveIPv6Loopback()
-	if ipv6 {
-		pxV6 = proxy.NewManager(addrs.Resolve, store, pxOpts...)
-		pxV6.Inherit(sdV6)
-		px = daemon.ProxyPair{Main: px, Loopback6: pxV6}
-	} else {
+	if !ipv6 {
 		log.Info("no IPv6 loopback here: auto exposures serve local callers on 127.0.0.1 only")
 	}
 	// Fleet mode: the desired state comes from etcd (the client connects
@@ -142,6 +158,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 	if cfg.Fleet != nil {
 		if agent, err = fleet.New(cfg, log); err != nil {
 			eng.Stop()
+			closeScopes()
 			plane.Close()
 			store.Close()
 			return fail(err)
@@ -168,23 +185,44 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 			sock.Close()
 		}
 		eng.Stop()
+		closeScopes()
 		plane.Close()
 		store.Close()
 		return fail(err)
 	}
 	d.Store(dd)
-	_ = ctx
 	if h != nil {
-		for name, sn := range h.snaps {
-			m := pxMain
-			if name == "v6" && pxV6 != nil {
-				m = pxV6
-			}
-			m.Inherit(sn.Listeners)
-			m.Adopt(sn.Pairs)
+		// One Manager takes every snapshot: a process from before the
+		// listeners were keyed by (name, address) hands over a second
+		// one ("v6") for its ::1 listeners, under the same names.
+		for _, sn := range h.snaps {
+			px.Inherit(sn.Listeners)
+			px.Adopt(sn.Pairs)
 		}
 	}
-	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, pxMain: pxMain, pxV6: pxV6}, nil
+	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, px: px, scopes: scopes}, nil
+}
+
+// openScopes gives every VMM a systemd scope of its own where systemd runs
+// the host (docs/ARCHITECTURE.md, "Supervision and adoption"). Elsewhere
+// VMMs stay in brokkrd's cgroup, each in its own session, as before. Under
+// systemd with no answer on its bus the warning goes into status: a VMM in
+// brokkrd.service's cgroup dies with `systemctl stop brokkrd`.
+func openScopes(ctx context.Context, log *slog.Logger) (*scope.Systemd, string) {
+	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	s, err := scope.Detect(dctx)
+	switch {
+	case err == nil:
+		log.Info("VMs run in systemd scopes of their own", "slice", scope.Slice)
+		return s, ""
+	case errors.Is(err, scope.ErrNoSystemd):
+		log.Info("VMs stay in brokkrd's cgroup, each in its own session", "reason", err)
+		return nil, ""
+	default:
+		log.Warn("VMs stay in brokkrd's cgroup", "err", err)
+		return nil, fmt.Sprintf("VMs are not in systemd scopes of their own (%v): stopping brokkrd.service stops them", err)
+	}
 }
 
 // openSocketPath attaches the socket path to the cgroup v2 root (mounting

@@ -2,47 +2,37 @@ package config
 
 import (
 	"fmt"
-	"net/netip"
 	"strings"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // DefaultNoFile is brokkrd's descriptor limit under the shipped systemd unit
 // (LimitNOFILE in dist/brokkrd.service): what an offline check assumes.
 const DefaultNoFile = 65536
 
-// Proxied reports whether some of e's callers are carried by the userspace
-// proxy: every caller in proxy mode, loopback callers in auto mode (nftables
-// DNAT cannot serve them). It matches the daemon's choice of proxy listeners.
-func (e Exposure) Proxied() bool {
-	switch e.Mode {
-	case ModeProxy:
-		return true
-	case ModeAuto:
-		a, err := netip.ParseAddr(e.HostAddress)
-		return err == nil && (a.IsLoopback() || a.IsUnspecified())
-	}
-	return false
-}
-
 // DescriptorBudget warns when the proxied exposures' caps could take more
 // descriptors than nofile (brokkrd's RLIMIT_NOFILE): a carried connection
 // holds two, the caller's and the guest's. The caps exist so the proxy can
 // never starve the rest of the daemon; a sum of caps past the limit (or an
-// unlimited one) gives that up. "" when the budget holds. Defaults must have
-// been applied (Parse does).
-func (c *Config) DescriptorBudget(nofile uint64) string {
+// unlimited one) gives that up. "" when the budget holds.
+//
+// An exposure counts when the proxy may carry it (spec.Exposure.ProxyBinds
+// without the socket path, which may fail to attach): its listeners share
+// its one cap.
+func DescriptorBudget(m *spec.Desired, nofile uint64) string {
 	var sum uint64
 	var named, unlimited []string
-	for _, e := range c.Exposures {
-		if !e.Proxied() || e.MaxConns == nil {
+	for _, e := range m.Exposures {
+		if len(e.ProxyBinds(false, false)) == 0 {
 			continue
 		}
-		if *e.MaxConns <= 0 {
+		if e.MaxConns <= 0 {
 			unlimited = append(unlimited, e.Name)
 			continue
 		}
-		sum += uint64(*e.MaxConns)
-		named = append(named, fmt.Sprintf("%s (%d)", e.Name, *e.MaxConns))
+		sum += uint64(e.MaxConns)
+		named = append(named, fmt.Sprintf("%s (%d)", e.Name, e.MaxConns))
 	}
 	switch {
 	case len(unlimited) > 0:

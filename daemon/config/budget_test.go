@@ -8,7 +8,7 @@ import (
 )
 
 func TestDescriptorBudgetNamesTheProxiedExposures(t *testing.T) {
-	c, err := Parse([]byte(`
+	c, m, err := Load([]byte(`
 exposures:
   - {name: px, target: 10.213.0.200, guestPort: 80, hostPort: 80, mode: proxy, maxConns: 200}
   - {name: auto-any, target: 10.213.0.200, guestPort: 80, hostPort: 81, maxConns: 150}
@@ -17,15 +17,17 @@ exposures:
 `))
 	require.NoError(t, err)
 	// 2 × (200 + 150 + 100) = 900: nat's cap costs the daemon nothing.
-	assert.Empty(t, c.DescriptorBudget(900))
-	w := c.DescriptorBudget(899)
+	assert.Empty(t, DescriptorBudget(m, 900))
+	w := DescriptorBudget(m, 899)
 	assert.Contains(t, w, "2 × 450 = 900")
 	assert.Contains(t, w, "899")
 	assert.Contains(t, w, "px (200), auto-any (150), auto-lo (100)")
 	assert.NotContains(t, w, "nat")
 
 	c.Exposures[1].MaxConns = intp(0)
-	w = c.DescriptorBudget(DefaultNoFile)
+	m, errs := Compile(c)
+	require.Empty(t, errs)
+	w = DescriptorBudget(m, DefaultNoFile)
 	assert.Contains(t, w, "without a cap")
 	assert.Contains(t, w, "auto-any")
 	assert.NotContains(t, w, "px")

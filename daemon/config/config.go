@@ -12,6 +12,8 @@ import (
 	"strings"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // Defaults of the contract (docs/ARCHITECTURE.md, "External contract").
@@ -27,17 +29,15 @@ const (
 	DefaultCPUs            = 1
 	DefaultMemory          = "256M"
 	DefaultCmdline         = "console=ttyS0"
-	DefaultPower           = "running"
-	DefaultRestart         = "always"
-	DefaultProtocol        = "tcp"
+	DefaultPower           = string(spec.PowerRunning)
+	DefaultRestart         = string(spec.RestartAlways)
+	DefaultProtocol        = string(spec.TCP)
 	DefaultHostAddress     = "0.0.0.0"
-	DefaultMode            = "auto"
+	DefaultMode            = string(spec.ModeAuto)
 	DefaultMaxConns        = 256
 	MaxExposureNameLen     = 63
 	HypervisorCHV          = "cloud-hypervisor"
 	HypervisorQEMU         = "qemu"
-	ModeAuto, ModeNAT      = "auto", "nat"
-	ModeProxy              = "proxy"
 	minMTU, maxMTU         = 576, 65535
 	maxConfigBytes         = 4 << 20
 	maxConcurrentCreatesUp = 1024
@@ -58,6 +58,21 @@ type Config struct {
 	// holds the etcd password.
 	Fleet   *Fleet  `yaml:"fleet" json:"-"`
 	Metrics Metrics `yaml:"metrics" json:"metrics"`
+}
+
+// WithPower returns a copy of c with VM name's desired power set; false when
+// there is no such VM. The copy is a changed desired state: Compile it.
+func (c *Config) WithPower(name string, power spec.Power) (*Config, bool) {
+	cp := *c
+	cp.VMs = append([]VM(nil), c.VMs...)
+	found := false
+	for i := range cp.VMs {
+		if cp.VMs[i].Name == name {
+			cp.VMs[i].Power = string(power)
+			found = true
+		}
+	}
+	return &cp, found
 }
 
 // Metrics is where else /metrics is served. The listener is opened when
@@ -152,11 +167,32 @@ func Defaults() *Config {
 	return c
 }
 
-// Parse decodes YAML (or JSON, which the YAML decoder reads too) and
-// validates it as a whole. An empty document is the defaults. Unknown keys are
+// Parse decodes and validates a config as a whole (Load without the
+// model, for callers that need only the file).
+func Parse(data []byte) (*Config, error) {
+	c, _, err := Load(data)
+	return c, err
+}
+
+// Load decodes YAML (or JSON, which the YAML decoder reads too) and
+// validates it as a whole into the typed model (Compile).
+func Load(data []byte) (*Config, *spec.Desired, error) {
+	c, err := Decode(data)
+	if err != nil {
+		return nil, nil, err
+	}
+	m, errs := Compile(c)
+	if len(errs) > 0 {
+		return nil, nil, errs
+	}
+	return c, m, nil
+}
+
+// Decode reads a config's shape and fills in its defaults; its values are
+// checked by Compile. An empty document is the defaults. Unknown keys are
 // errors: a misspelt key ("maxconns") silently falling back to a default is
 // exactly the kind of surprise a config file must not hold.
-func Parse(data []byte) (*Config, error) {
+func Decode(data []byte) (*Config, error) {
 	if len(data) > maxConfigBytes {
 		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), maxConfigBytes)}}
 	}
@@ -196,9 +232,6 @@ func Parse(data []byte) (*Config, error) {
 		return nil, Errors{{Msg: "not valid: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
 	}
 	c.applyDefaults()
-	if errs := c.Validate(); len(errs) > 0 {
-		return nil, errs
-	}
 	return c, nil
 }
 

@@ -107,6 +107,20 @@ var documentKeys = map[string]bool{"network": true, "vms": true, "exposures": tr
 // JSON): the config schema's network, vms and exposures, validated as a
 // whole like a config file, with the same field-named errors.
 func ParseDocument(data []byte) (*Config, error) {
+	c, err := DecodeDocument(data)
+	if err != nil {
+		return nil, err
+	}
+	if errs := c.Validate(); len(errs) > 0 {
+		return nil, errs
+	}
+	return c, nil
+}
+
+// DecodeDocument is ParseDocument without the validation of the values:
+// for a node that applies the document, whose Apply validates it (Compile)
+// together with the node's own keys.
+func DecodeDocument(data []byte) (*Config, error) {
 	var root yaml.Node
 	if err := yaml.NewDecoder(bytes.NewReader(data)).Decode(&root); err == nil {
 		doc := &root
@@ -125,6 +139,6 @@ func ParseDocument(data []byte) (*Config, error) {
 			}
 		}
 	}
-	// Parse reports everything else (syntax, types, unknown keys, values).
-	return Parse(data)
+	// Decode reports the rest of the shape (syntax, types, unknown keys).
+	return Decode(data)
 }

@@ -8,6 +8,8 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 var (
@@ -21,7 +23,21 @@ var (
 // Validate checks the whole config (defaults applied) and returns every
 // problem, in file order. An empty result means valid.
 func (c *Config) Validate() Errors {
+	_, errs := Compile(c)
+	return errs
+}
+
+// Compile is the one validation of desired state: it checks the whole
+// config (defaults applied) and returns every problem, in file order, or
+// the typed model the engines run from. It runs where desired state enters:
+// Load and Parse (a config file, desired.json), the daemon's Apply (the API,
+// a fleet document) and SetPower; nothing downstream checks again what it
+// checked.
+func Compile(c *Config) (*spec.Desired, Errors) {
 	var errs Errors
+	m := &spec.Desired{Network: spec.Network{Bridge: c.Network.Bridge, MTU: *c.Network.MTU,
+		Masquerade: *c.Network.Masquerade, DHCP: *c.Network.DHCP, IsolateGuests: c.Network.IsolateGuests},
+		VMs: make([]spec.VM, 0, len(c.VMs)), Exposures: make([]spec.Exposure, 0, len(c.Exposures))}
 	add := func(path, format string, a ...any) {
 		errs = append(errs, FieldError{Path: path, Msg: fmt.Sprintf(format, a...)})
 	}
@@ -68,6 +84,12 @@ func (c *Config) Validate() Errors {
 		add("network.cidr", "%q: the prefix must be between /8 and /29", n.CIDR)
 	case cidr.Addr() == cidr.Masked().Addr():
 		add("network.cidr", "%q is the network address; give the bridge's own address (like 10.213.0.1/24)", n.CIDR)
+	case cidr.Addr() == broadcast(cidr):
+		add("network.cidr", "%s is the broadcast address", cidr)
+	case cidr.Addr().IsLoopback() || cidr.Addr().IsMulticast():
+		add("network.cidr", "%s is not a unicast address", cidr)
+	default:
+		m.Network.CIDR = cidr
 	}
 	if *n.MTU < minMTU || *n.MTU > maxMTU {
 		add("network.mtu", "%d is out of range (%d..%d)", *n.MTU, minMTU, maxMTU)
@@ -99,6 +121,8 @@ func (c *Config) Validate() Errors {
 				vms[v.Name] = i
 			}
 		}
+		mv := spec.VM{Name: v.Name, CPUs: *v.CPUs, Kernel: spec.Source{Location: v.Kernel, SHA256: v.KernelSHA256},
+			Cmdline: v.Cmdline, Power: spec.Power(v.Power), Restart: spec.Restart(v.Restart)}
 		if *v.CPUs < 1 || *v.CPUs > 256 {
 			add(p+".cpus", "%d is out of range (1..256)", *v.CPUs)
 		}
@@ -106,6 +130,8 @@ func (c *Config) Validate() Errors {
 			add(p+".memory", "%q is not a size (like 256M or 2G)", v.Memory)
 		} else if mem < 16<<20 || mem%(1<<20) != 0 {
 			add(p+".memory", "%q must be a whole number of MiB, at least 16M", v.Memory)
+		} else {
+			mv.MemoryMiB = int(mem >> 20)
 		}
 		if v.Kernel == "" {
 			add(p+".kernel", "is required")
@@ -113,6 +139,7 @@ func (c *Config) Validate() Errors {
 			checkSource(add, p+".kernel", v.Kernel, p+".kernelSha256", v.KernelSHA256)
 		}
 		if v.Initramfs != "" {
+			mv.Initramfs = &spec.Source{Location: v.Initramfs, SHA256: v.InitramfsSHA256}
 			checkSource(add, p+".initramfs", v.Initramfs, p+".initramfsSha256", v.InitramfsSHA256)
 		} else if v.InitramfsSHA256 != "" {
 			add(p+".initramfsSha256", "is set but initramfs is not")
@@ -126,18 +153,22 @@ func (c *Config) Validate() Errors {
 			} else {
 				checkSource(add, p+".disk.source", v.Disk.Source, p+".disk.sha256", v.Disk.SHA256)
 			}
+			mv.Disk = &spec.Disk{Source: spec.Source{Location: v.Disk.Source, SHA256: v.Disk.SHA256}}
 			if v.Disk.Size != "" {
-				if _, err := ParseSize(v.Disk.Size); err != nil {
+				if size, err := ParseSize(v.Disk.Size); err != nil {
 					add(p+".disk.size", "%q is not a size (like 2G)", v.Disk.Size)
+				} else {
+					mv.Disk.Size = size
 				}
 			}
 		}
-		if v.Power != "running" && v.Power != "stopped" {
+		if mv.Power != spec.PowerRunning && mv.Power != spec.PowerStopped {
 			add(p+".power", "%q is not one of running, stopped", v.Power)
 		}
-		if v.Restart != "always" && v.Restart != "on-failure" && v.Restart != "never" {
+		if mv.Restart != spec.RestartAlways && mv.Restart != spec.RestartOnFailure && mv.Restart != spec.RestartNever {
 			add(p+".restart", "%q is not one of always, on-failure, never", v.Restart)
 		}
+		m.VMs = append(m.VMs, mv)
 	}
 
 	names := map[string]int{}
@@ -155,6 +186,8 @@ func (c *Config) Validate() Errors {
 	binds := map[portKey][]bind{}
 	for i, e := range c.Exposures {
 		p := fmt.Sprintf("exposures[%d]", i)
+		me := spec.Exposure{Name: e.Name, Target: spec.Target{VM: e.VM}, Proto: spec.Proto(e.Protocol),
+			HostPort: uint16(e.HostPort), GuestPort: uint16(e.GuestPort), Mode: spec.Mode(e.Mode), MaxConns: *e.MaxConns}
 		switch {
 		case e.Name == "":
 			add(p+".name", "is required")
@@ -187,9 +220,11 @@ func (c *Config) Validate() Errors {
 				add(p+".target", "%q is not inside network.cidr %s", e.Target, n.CIDR)
 			case cidr.IsValid() && (t == cidr.Addr() || t == cidr.Masked().Addr() || t == broadcast(cidr)):
 				add(p+".target", "%q is the bridge, network or broadcast address of network.cidr", e.Target)
+			default:
+				me.Target.Addr = t
 			}
 		}
-		if e.Protocol != "tcp" && e.Protocol != "udp" {
+		if me.Proto != spec.TCP && me.Proto != spec.UDP {
 			add(p+".protocol", "%q is not one of tcp, udp", e.Protocol)
 		}
 		if e.GuestPort < 1 || e.GuestPort > 65535 {
@@ -204,20 +239,27 @@ func (c *Config) Validate() Errors {
 			add(p+".hostAddress", "%q is not an IP address", e.HostAddress)
 		} else if ha.IsMulticast() {
 			add(p+".hostAddress", "%q is a multicast address", e.HostAddress)
+		} else {
+			me.HostAddr = ha
 		}
-		if e.Mode != ModeAuto && e.Mode != ModeNAT && e.Mode != ModeProxy {
+		if me.Mode != spec.ModeAuto && me.Mode != spec.ModeNAT && me.Mode != spec.ModeProxy {
 			add(p+".mode", "%q is not one of auto, nat, proxy", e.Mode)
-		} else if e.Mode == ModeNAT && err == nil && ha.IsLoopback() {
+		} else if me.Mode == spec.ModeNAT && err == nil && ha.IsLoopback() {
 			add(p+".mode", "nat cannot publish on loopback %s (brokkr never sets route_localnet); use proxy or auto", e.HostAddress)
+		} else if me.HostAddr.IsValid() && me.UsesKernel() && !me.HostAddr.Is4() {
+			// The kernel path publishes IPv4 only: the guests have no IPv6.
+			add(p+".hostAddress", "%s is not IPv4 (guests are IPv4-only)", me.HostAddr)
 		}
 		if *e.MaxConns < 0 {
 			add(p+".maxConns", "%d is negative (0 = unlimited)", *e.MaxConns)
+		} else if *e.MaxConns > spec.MaxConnsLimit {
+			add(p+".maxConns", "%d is outside 0 (unlimited)..%d", *e.MaxConns, spec.MaxConnsLimit)
 		}
 		if err == nil && portOK && (e.Protocol == "tcp" || e.Protocol == "udp") {
 			ha = ha.Unmap()
 			// auto on 0.0.0.0 also listens on ::1 for IPv6 loopback callers.
 			claims := []netip.Addr{ha}
-			if e.Mode == ModeAuto && ha == netip.IPv4Unspecified() {
+			if me.Mode == spec.ModeAuto && ha == netip.IPv4Unspecified() {
 				claims = append(claims, netip.IPv6Loopback())
 			}
 			k := portKey{e.Protocol, e.HostPort}
@@ -235,8 +277,12 @@ func (c *Config) Validate() Errors {
 				binds[k] = append(binds[k], bind{a, i})
 			}
 		}
+		m.Exposures = append(m.Exposures, me)
 	}
-	return append(errs, c.Fleet.validate()...)
+	if errs = append(errs, c.Fleet.validate()...); len(errs) > 0 {
+		return nil, errs
+	}
+	return m, nil
 }
 
 // addrsOverlap: the same address, or either is the unspecified address of

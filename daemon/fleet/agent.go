@@ -173,7 +173,10 @@ func (a *Agent) keepAlive(ctx context.Context) {
 	var lease clientv3.LeaseID
 	alive, _ := json.Marshal(map[string]any{"node": a.cfg.Node, "pid": os.Getpid(), "since": time.Now().UTC().Format(time.RFC3339)})
 	for ctx.Err() == nil {
-		cctx, cancel := context.WithTimeout(ctx, every)
+		// A renewal slower than its period (a loaded host, a TLS handshake
+		// after a reconnect) is not a partition: wait for the answer up to
+		// the TTL, past which the lease would be gone anyway.
+		cctx, cancel := context.WithTimeout(ctx, a.ttl)
 		var err error
 		if lease == 0 {
 			var g *clientv3.LeaseGrantResponse
@@ -253,6 +256,11 @@ func (a *Agent) watch(ctx context.Context, t daemon.Target) {
 					a.log.Debug("watch ended; resuming", "err", err, "rev", rev)
 					break stream
 				}
+				// An answer on the watch is etcd answering: without this a
+				// node whose lease renewals kept timing out stayed
+				// "disconnected", and wrote no status, while it applied
+				// the documents the watch brought.
+				a.setConnected(nil)
 				for _, ev := range wr.Events {
 					if ev.Type == mvccpb.DELETE {
 						a.absent(ev.Kv.ModRevision)
@@ -289,7 +297,7 @@ func (a *Agent) handle(t daemon.Target, kv *mvccpb.KeyValue) {
 	if rev == cur.Revision || rev == cur.Rejected || rev == pendingRev {
 		return // seen already (a relist after reconnecting)
 	}
-	doc, err := config.ParseDocument(kv.Value)
+	doc, err := config.DecodeDocument(kv.Value) // Apply validates it, once
 	var plan api.Plan
 	if err == nil {
 		next := *t.Host()

@@ -12,6 +12,7 @@ import (
 	"github.com/brokkr/brokkr/daemon"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/spec"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.yaml.in/yaml/v3"
 )
@@ -250,18 +251,18 @@ func List(ctx context.Context, cli *clientv3.Client, prefix string) ([]NodeState
 		if st := r.Status; st != nil {
 			r.VMs, r.Exposures = len(st.VMs), len(st.Exposures)
 			for _, v := range st.VMs {
-				if v.Phase == "running" {
+				if v.Phase == string(spec.PhaseRunning) {
 					r.VMsRunning++
 				}
-				if v.Phase == "failed" {
+				if v.Phase == string(spec.PhaseFailed) {
 					r.Errors = append(r.Errors, fmt.Sprintf("vm %s failed: %s", v.Name, v.Detail))
 				}
 			}
 			for _, e := range st.Exposures {
-				if e.State == "active" {
+				if e.State == string(spec.StateActive) {
 					r.ExposuresActive++
 				}
-				if e.State == "failed" {
+				if e.State == string(spec.StateFailed) {
 					r.Errors = append(r.Errors, fmt.Sprintf("exposure %s failed: %s", e.Name, e.Reason))
 				}
 			}

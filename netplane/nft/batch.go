@@ -6,6 +6,8 @@ import (
 	"io"
 	"time"
 
+	"github.com/brokkr/brokkr/netplane/nft/compile"
+
 	"github.com/google/nftables"
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
@@ -55,12 +57,12 @@ const batchTimeout = 60 * time.Second
 // addRule queues one rule (appended to its chain) from the expressions the
 // rule's fingerprint was computed from: google/nftables would marshal every
 // expression a second time (~60 ms CPU for 10,000 exposures).
-func (b *batchConn) addRule(tab *nftables.Table, chain string, r ruleSpec, userData []byte) error {
+func (b *batchConn) addRule(tab *nftables.Table, chain string, r compile.RuleSpec, userData []byte) error {
 	if err := b.Conn.Flush(); err != nil { // what was queued before goes first
 		return err
 	}
-	list := make([]netlink.Attribute, len(r.raw))
-	for i, x := range r.raw {
+	list := make([]netlink.Attribute, len(r.Raw))
+	for i, x := range r.Raw {
 		list[i] = netlink.Attribute{Type: unix.NLA_F_NESTED | unix.NFTA_LIST_ELEM, Data: x}
 	}
 	exprs, err := netlink.MarshalAttributes(list)

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/brokkr/brokkr/netplane/nft/compile"
+
 	"github.com/google/nftables"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -54,14 +56,18 @@ func TestCountSetElemsMatchesKernel(t *testing.T) {
 		exps = append(exps, Exposure{Name: fmt.Sprintf("c%04d", i), Protocol: "tcp", HostPort: uint16(30000 + i), GuestAddr: guestAddr(0), GuestPort: 80})
 	}
 	tp.converge(t, tp.rules(exps...))
-	n, err := countSetElems(tp.table.raw, nftables.TableFamilyINet, mapExpAny)
+	n, err := countSetElems(tp.table.raw, nftables.TableFamilyINet, compile.MapExpAny)
 	require.NoError(t, err)
 	assert.Equal(t, 1500, n)
-	got, err := tp.table.conn.GetSetElements(&nftables.Set{Table: &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}, Name: mapExpAny})
+	var got []nftables.SetElement
+	err = tp.table.nl(func() (err error) {
+		got, err = tp.table.conn.GetSetElements(&nftables.Set{Table: &nftables.Table{Name: compile.TableName, Family: nftables.TableFamilyINet}, Name: compile.MapExpAny})
+		return err
+	})
 	require.NoError(t, err)
 	assert.Len(t, got, n)
-	tp.host.MustRun(t, "nft", "delete", "element", "inet", "brokkr", mapExpAny, "{ tcp . 30007 }")
-	n, err = countSetElems(tp.table.raw, nftables.TableFamilyINet, mapExpAny)
+	tp.host.MustRun(t, "nft", "delete", "element", "inet", "brokkr", compile.MapExpAny, "{ tcp . 30007 }")
+	n, err = countSetElems(tp.table.raw, nftables.TableFamilyINet, compile.MapExpAny)
 	require.NoError(t, err)
 	assert.Equal(t, 1499, n)
 }

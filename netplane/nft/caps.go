@@ -3,10 +3,13 @@ package nft
 import (
 	"encoding/binary"
 	"errors"
+	"maps"
 	"net/netip"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/brokkr/brokkr/netplane/nft/compile"
 
 	"github.com/brokkr/brokkr/netplane/conntrack"
 	"github.com/google/nftables"
@@ -51,10 +54,12 @@ import (
 //     entries carrying the exposure's mark.
 
 type capWatcher struct {
-	t     *Table
-	w     *conntrack.Watcher
-	done  chan struct{}
-	wg    sync.WaitGroup
+	t    *Table
+	w    *conntrack.Watcher
+	done chan struct{}
+	wg   sync.WaitGroup
+
+	mu    sync.Mutex           // ended: written by the watcher, read by Counters
 	ended map[string][2]uint64 // bytes in/out of ended connections, per exposure
 
 	kick     chan struct{}     // a full sweep is due (first converge)
@@ -65,7 +70,7 @@ type capWatcher struct {
 const sweepEvery = 5 * time.Second
 
 func startCapWatcher(t *Table) (*capWatcher, error) {
-	w, err := conntrack.Watch(t.nsPath, MarkOwned, MarkOwned)
+	w, err := conntrack.Watch(t.nsPath, compile.MarkOwned, compile.MarkOwned)
 	if err != nil {
 		return nil, err
 	}
@@ -117,28 +122,30 @@ func (c *capWatcher) run() {
 }
 
 func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
-	id := e.Mark & MarkIDMask
+	id := e.Mark & compile.MarkIDMask
 	if id == 0 {
 		return
 	}
 	t := c.t
-	t.mu.Lock()
+	t.idxMu.RLock()
 	exp, ok := t.byID[id]
+	t.idxMu.RUnlock()
 	if ok && e.Destroyed {
+		c.mu.Lock()
 		b := c.ended[exp.Name]
 		b[0] += e.BytesOrig
 		b[1] += e.BytesRepl
 		c.ended[exp.Name] = b
+		c.mu.Unlock()
 	}
-	t.mu.Unlock()
 	if !ok || exp.MaxConns <= 0 {
 		return
 	}
-	closed := e.Destroyed || !e.Open() || e.Mark&MarkClosed == MarkClosed
+	closed := e.Destroyed || !e.Open() || e.Mark&compile.MarkClosed == compile.MarkClosed
 	if !closed {
 		return
 	}
-	k := connKey(e.Orig, e.OrigDst)
+	k := compile.ConnKey(e.Orig, e.OrigDst)
 	if c.released[string(k)] {
 		if e.Destroyed {
 			delete(c.released, string(k))
@@ -157,43 +164,51 @@ func (c *capWatcher) release(pending map[string][][]byte) {
 	if len(pending) == 0 {
 		return
 	}
-	c.t.mu.Lock()
+	c.t.capMu.Lock()
 	c.t.releaseLocked(pending)
-	c.t.mu.Unlock()
-	if c.t.ov != nil {
-		c.t.ov.signalFreed() // callers waiting in the slow path look again
+	c.t.capMu.Unlock()
+	if o := c.t.ov.Load(); o != nil {
+		o.signalFreed() // callers waiting in the slow path look again
 	}
 }
 
-// releaseLocked deletes connections from cap sets (t.mu held).
+// capped reports whether name is an applied exposure with a cap.
+func (t *Table) capped(name string) bool {
+	t.idxMu.RLock()
+	defer t.idxMu.RUnlock()
+	id, ok := t.ids[name]
+	return ok && t.applied && t.byID[id].MaxConns > 0
+}
+
+// releaseLocked deletes connections from cap sets (capMu held).
 func (t *Table) releaseLocked(pending map[string][][]byte) {
 	if len(pending) == 0 {
 		return
 	}
-	if t.conn == nil || !t.applied {
-		return
-	}
 	inet, _ := t.tables()
 	send := func(set string, keys [][]byte) error {
-		// The lasting socket: SetDeleteElements only fails before queuing.
-		conn := t.conn
 		els := make([]nftables.SetElement, len(keys))
 		for i, k := range keys {
 			els[i] = nftables.SetElement{Key: k}
 		}
-		if err := conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
+		return t.nl(func() error {
+			// The lasting socket: SetDeleteElements only fails before
+			// queuing.
+			if err := t.conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
+				return err
+			}
+			err := t.conn.Flush()
+			if err == nil {
+				// Each successful batch moves the ruleset generation by
+				// one; Converge discounts these so its fast path stays
+				// valid.
+				t.ownCommits++
+			}
 			return err
-		}
-		err := conn.Flush()
-		if err == nil {
-			// Each successful batch moves the ruleset generation by one;
-			// Converge discounts these so its fast path stays valid.
-			t.ownCommits++
-		}
-		return err
+		})
 	}
 	for name, keys := range pending {
-		if u, ok := t.units[name]; !ok || u.key.e.MaxConns <= 0 {
+		if !t.capped(name) {
 			continue
 		}
 		// A key the slow path deleted already would fail the batch, and a
@@ -209,9 +224,9 @@ func (t *Table) releaseLocked(pending map[string][][]byte) {
 		if keys = keep; len(keys) == 0 {
 			continue
 		}
-		if err := send(connsSet(name), keys); err != nil && len(keys) > 1 {
+		if err := send(compile.ConnsSet(name), keys); err != nil && !errors.Is(err, errClosed) && len(keys) > 1 {
 			for _, k := range keys {
-				_ = send(connsSet(name), [][]byte{k})
+				_ = send(compile.ConnsSet(name), [][]byte{k})
 			}
 		}
 	}
@@ -222,45 +237,37 @@ func (t *Table) releaseLocked(pending map[string][][]byte) {
 // refused someone since the last sweep (a leaked slot only matters then).
 func (c *capWatcher) sweep(all bool) {
 	t := c.t
-	t.mu.Lock()
-	if !t.applied {
-		t.mu.Unlock()
-		return
-	}
 	var capped []Exposure
-	for _, e := range t.byID {
-		if e.MaxConns > 0 {
-			capped = append(capped, e)
+	t.idxMu.RLock()
+	if t.applied {
+		for _, e := range t.byID {
+			if e.MaxConns > 0 {
+				capped = append(capped, e)
+			}
 		}
 	}
-	t.mu.Unlock()
+	t.idxMu.RUnlock()
 	if len(capped) == 0 {
 		return
 	}
-	counters, err := func() (map[string]counterValue, error) {
-		t.mu.Lock()
-		defer t.mu.Unlock()
-		if t.conn == nil {
-			return nil, nil
-		}
-		return t.readCounters()
-	}()
-	if err != nil || counters == nil {
+	var counters map[string]counterValue
+	if err := t.nl(func() (err error) { counters, err = t.readCounters(); return err }); err != nil {
 		return
 	}
 	pending := map[string][][]byte{}
+	ov := t.ov.Load()
 	for _, e := range capped {
-		r := counters[refusedCounter(e.Name)].packets
-		if t.ov != nil {
-			r += t.ov.countsOf(e.Name).refused
+		r := counters[compile.RefusedCounter(e.Name)].packets
+		if ov != nil {
+			r += ov.countsOf(e.Name).refused
 		}
 		if !all && r == c.refused[e.Name] {
 			continue
 		}
 		c.refused[e.Name] = r
-		t.mu.Lock()
+		t.capMu.Lock()
 		stale, _, err := t.staleLocked(e)
-		t.mu.Unlock()
+		t.capMu.Unlock()
 		if err != nil {
 			continue
 		}
@@ -272,14 +279,15 @@ func (c *capWatcher) sweep(all bool) {
 }
 
 // staleLocked lists the members of e's cap set whose connection has no
-// conntrack entry or has closed: one GET per member, no dump (t.mu held).
+// conntrack entry or has closed: one GET per member, no dump (capMu held).
 // members is how many the set holds.
 func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error) {
-	if t.conn == nil {
-		return nil, 0, errors.New("closed")
-	}
 	inet, _ := t.tables()
-	els, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: connsSet(e.Name), KeyType: connKeyType})
+	var els []nftables.SetElement
+	err = t.nl(func() (err error) {
+		els, err = t.conn.GetSetElements(&nftables.Set{Table: inet, Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType})
+		return err
+	})
 	if err != nil {
 		return nil, 0, err
 	}
@@ -287,11 +295,11 @@ func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error)
 	check := func(k []byte) (gone, closed bool, err error) {
 		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
 		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
-		en, ok, err := t.ct.Get(protoNum(e.Protocol), src, dst)
+		en, ok, err := t.ct.Get(compile.ProtoNum(e.Protocol), src, dst)
 		if err != nil {
 			return false, false, err
 		}
-		return !ok, ok && (!en.Open() || en.Mark&MarkClosed == MarkClosed), nil
+		return !ok, ok && (!en.Open() || en.Mark&compile.MarkClosed == compile.MarkClosed), nil
 	}
 	for _, el := range els {
 		if len(el.Key) != 12 {
@@ -325,6 +333,8 @@ func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error)
 
 // endedBytes returns (and keeps) the bytes of ended connections.
 func (c *capWatcher) endedBytes(name string) (uint64, uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	b := c.ended[name]
 	return b[0], b[1]
 }
@@ -340,43 +350,46 @@ type ExposureCounters struct {
 
 // Counters reads every exposure's counters.
 func (t *Table) Counters() (map[string]ExposureCounters, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	out := make(map[string]ExposureCounters, len(t.byID))
-	if !t.applied {
+	t.idxMu.RLock()
+	applied := t.applied
+	byID := maps.Clone(t.byID) // a snapshot: the reads below take other locks
+	t.idxMu.RUnlock()
+	out := make(map[string]ExposureCounters, len(byID))
+	if !applied {
 		return out, nil
 	}
-	cv, err := t.readCounters()
-	if err != nil {
+	var cv map[string]counterValue
+	if err := t.nl(func() (err error) { cv, err = t.readCounters(); return err }); err != nil {
 		return nil, err
 	}
-	for _, e := range t.byID {
-		ec := ExposureCounters{Accepted: cv[acceptedCounter(e.Name)].packets, Refused: cv[refusedCounter(e.Name)].packets}
-		if t.ov != nil {
+	ov, w := t.ov.Load(), t.caps.Load()
+	for _, e := range byID {
+		ec := ExposureCounters{Accepted: cv[compile.AcceptedCounter(e.Name)].packets, Refused: cv[compile.RefusedCounter(e.Name)].packets}
+		if ov != nil {
 			// The slow path decides in userspace: a named counter cannot
 			// be bumped from there.
-			oc := t.ov.countsOf(e.Name)
+			oc := ov.countsOf(e.Name)
 			ec.Accepted += oc.accepted
 			ec.Refused += oc.refused
 		}
-		if t.caps != nil {
-			ec.BytesIn, ec.BytesOut = t.caps.endedBytes(e.Name)
+		if w != nil {
+			ec.BytesIn, ec.BytesOut = w.endedBytes(e.Name)
 		}
 		out[e.Name] = ec
 	}
-	entries, err := t.ct.ByMark(MarkOwned, MarkOwned) // brokkr's entries only, filtered in the kernel
+	entries, err := t.ct.ByMark(compile.MarkOwned, compile.MarkOwned) // brokkr's entries only, filtered in the kernel
 	if err != nil {
 		return nil, err
 	}
 	for _, en := range entries {
-		e, ok := t.byID[en.Mark&MarkIDMask]
+		e, ok := byID[en.Mark&compile.MarkIDMask]
 		if !ok {
 			continue
 		}
 		ec := out[e.Name]
 		ec.BytesIn += en.BytesOrig
 		ec.BytesOut += en.BytesRepl
-		if en.Open() && en.Mark&MarkClosed != MarkClosed {
+		if en.Open() && en.Mark&compile.MarkClosed != compile.MarkClosed {
 			ec.Active++
 		}
 		out[e.Name] = ec
@@ -385,6 +398,8 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 	// briefly in neither (its destroy event not yet counted). Never report
 	// less than before: a reader taking the difference would read a drop as
 	// a reset.
+	t.hwMu.Lock()
+	defer t.hwMu.Unlock()
 	hw := make(map[string][2]uint64, len(out))
 	for n, ec := range out {
 		prev := t.bytesHW[n]
@@ -398,18 +413,18 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 
 // flushChanged deletes the conntrack entries of every exposure host side
 // that a change (not a repair) created, changed or removed.
-func (t *Table) flushChanged(p *plan, changed []string, keys map[string]unitKey) map[string]int {
+func (t *Table) flushChanged(p *compile.Plan, changed []string, keys map[string]compile.UnitKey) map[string]int {
 	isChange := map[string]bool{}
 	for _, c := range changed {
 		isChange[c] = true
 	}
 	type side = hostSide
 	sides := map[side]string{}
-	for _, set := range []string{mapExpAny, mapExpAddr} {
-		for _, es := range [][]elemSpec{p.delElems[set], p.addElems[set]} {
+	for _, set := range []string{compile.MapExpAny, compile.MapExpAddr} {
+		for _, es := range [][]compile.ElemSpec{p.DelElems[set], p.AddElems[set]} {
 			for _, e := range es {
-				if sd, ok := decodeHostSide(set, e.key); ok {
-					sides[sd] = e.comment
+				if sd, ok := decodeHostSide(set, e.Key); ok {
+					sides[sd] = e.Comment
 				}
 			}
 		}
@@ -418,9 +433,9 @@ func (t *Table) flushChanged(p *plan, changed []string, keys map[string]unitKey)
 	// themselves, so a Converge with one change does not walk every
 	// exposure.
 	for _, c := range changed {
-		rest, ok := strings.CutPrefix(c, "chain "+expChain(""))
+		rest, ok := strings.CutPrefix(c, "chain "+compile.ExpChain(""))
 		if !ok {
-			rest, ok = strings.CutPrefix(c, "rules of chain "+expChain(""))
+			rest, ok = strings.CutPrefix(c, "rules of chain "+compile.ExpChain(""))
 		}
 		if !ok {
 			continue
@@ -431,22 +446,22 @@ func (t *Table) flushChanged(p *plan, changed []string, keys map[string]unitKey)
 				continue
 			}
 			if k, ok := keys[name]; ok {
-				e := k.e
+				e := k.Exp
 				a := e.HostAddr
-				if e.wildcard() {
+				if e.Wildcard() {
 					a = netip.Addr{}
 				}
-				sides[side{protoNum(e.Protocol), a, e.HostPort}] = e.Name
+				sides[side{compile.ProtoNum(e.Protocol), a, e.HostPort}] = e.Name
 			}
 		}
 	}
 	// Elements repaired (not changed) are dropped from the list: a repair
 	// restores what was there, the flows are still right.
-	for _, d := range p.diffs {
-		if strings.HasPrefix(d.object, "element ") && !isChange[d.String()] {
-			for _, set := range []string{mapExpAny, mapExpAddr} {
-				if strings.HasPrefix(d.object, "element "+set+"[") {
-					name := strings.TrimSuffix(strings.TrimPrefix(d.object, "element "+set+"["), "]")
+	for _, d := range p.Diffs {
+		if strings.HasPrefix(d.Object, "element ") && !isChange[d.String()] {
+			for _, set := range []string{compile.MapExpAny, compile.MapExpAddr} {
+				if strings.HasPrefix(d.Object, "element "+set+"[") {
+					name := strings.TrimSuffix(strings.TrimPrefix(d.Object, "element "+set+"["), "]")
 					for k, v := range sides {
 						if v == name {
 							delete(sides, k)
@@ -484,9 +499,9 @@ type hostSide struct {
 
 func decodeHostSide(set string, k []byte) (hostSide, bool) {
 	switch {
-	case set == mapExpAny && len(k) == 8:
+	case set == compile.MapExpAny && len(k) == 8:
 		return hostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
-	case set == mapExpAddr && len(k) == 12:
+	case set == compile.MapExpAddr && len(k) == 12:
 		return hostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
 	}
 	return hostSide{}, false

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/brokkr/brokkr/netplane/nft/compile"
+
 	"github.com/google/nftables"
 	"github.com/google/nftables/userdata"
 	"github.com/mdlayher/netlink"
@@ -104,7 +106,7 @@ func dump(c *netlink.Conn, msgType int, family nftables.TableFamily, attrs []net
 // dumpRules returns, per chain of the table, the fingerprints of its rules
 // in order ("" for a rule without one).
 func dumpRules(c *netlink.Conn, family nftables.TableFamily) (map[string][]string, error) {
-	msgs, err := dump(c, unix.NFT_MSG_GETRULE, family, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: []byte(TableName + "\x00")}})
+	msgs, err := dump(c, unix.NFT_MSG_GETRULE, family, []netlink.Attribute{{Type: unix.NFTA_RULE_TABLE, Data: []byte(compile.TableName + "\x00")}})
 	if err != nil {
 		return nil, fmt.Errorf("dump rules: %w", err)
 	}
@@ -121,7 +123,7 @@ func dumpRules(c *netlink.Conn, family nftables.TableFamily) (map[string][]strin
 				fp, _ = userdata.GetString(ad.Bytes(), udataFingerprint)
 			}
 		}
-		if table == TableName {
+		if table == compile.TableName {
 			out[chain] = append(out[chain], fp)
 		}
 		return nil
@@ -130,15 +132,15 @@ func dumpRules(c *netlink.Conn, family nftables.TableFamily) (map[string][]strin
 }
 
 // dumpSets returns the shape of every set of the table.
-func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]setShape, error) {
-	msgs, err := dump(c, unix.NFT_MSG_GETSET, family, []netlink.Attribute{{Type: unix.NFTA_SET_TABLE, Data: []byte(TableName + "\x00")}})
+func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]compile.SetShape, error) {
+	msgs, err := dump(c, unix.NFT_MSG_GETSET, family, []netlink.Attribute{{Type: unix.NFTA_SET_TABLE, Data: []byte(compile.TableName + "\x00")}})
 	if err != nil {
 		return nil, fmt.Errorf("dump sets: %w", err)
 	}
-	out := map[string]setShape{}
+	out := map[string]compile.SetShape{}
 	err = eachMessage(msgs, func(ad *netlink.AttributeDecoder) error {
 		var name, table string
-		var sh setShape
+		var sh compile.SetShape
 		for ad.Next() {
 			switch ad.Type() {
 			case unix.NFTA_SET_TABLE:
@@ -147,26 +149,26 @@ func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]setShape
 				name = ad.String()
 			case unix.NFTA_SET_FLAGS:
 				f := ad.Uint32()
-				sh.isMap = f&unix.NFT_SET_MAP != 0
-				sh.dynamic = f&unix.NFT_SET_EVAL != 0
+				sh.IsMap = f&unix.NFT_SET_MAP != 0
+				sh.Dynamic = f&unix.NFT_SET_EVAL != 0
 			case unix.NFTA_SET_KEY_TYPE:
-				sh.keyType = ad.Uint32()
+				sh.KeyType = ad.Uint32()
 			case unix.NFTA_SET_KEY_LEN:
-				sh.keyLen = ad.Uint32()
+				sh.KeyLen = ad.Uint32()
 			case unix.NFTA_SET_DATA_TYPE:
-				sh.dataType = ad.Uint32()
+				sh.DataType = ad.Uint32()
 			case unix.NFTA_SET_DESC:
 				ad.Nested(func(nd *netlink.AttributeDecoder) error {
 					for nd.Next() {
 						if nd.Type() == unix.NFTA_SET_DESC_SIZE {
-							sh.size = nd.Uint32()
+							sh.Size = nd.Uint32()
 						}
 					}
 					return nil
 				})
 			}
 		}
-		if table == TableName {
+		if table == compile.TableName {
 			out[name] = sh
 		}
 		return nil
@@ -179,7 +181,7 @@ func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]setShape
 // through google/nftables was ~40 ms of a 10,000-exposure apply).
 func countSetElems(c *netlink.Conn, family nftables.TableFamily, set string) (int, error) {
 	msgs, err := dump(c, unix.NFT_MSG_GETSETELEM, family, []netlink.Attribute{
-		{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: []byte(TableName + "\x00")},
+		{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: []byte(compile.TableName + "\x00")},
 		{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: []byte(set + "\x00")},
 	})
 	if err != nil {

@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/brokkr/brokkr/netplane/nft/compile"
+
 	"github.com/brokkr/brokkr/internal/nlsafe"
 	"github.com/google/nftables"
 	"golang.org/x/sys/unix"
@@ -184,7 +186,7 @@ func (o *overflow) handle(c *net.TCPConn) {
 		reset(c)
 		return
 	}
-	key := connKey(src, dst)
+	key := compile.ConnKey(src, dst)
 	if !o.admit(e, key, src, dst, t0) {
 		o.t.notMember(e.Name, key)
 		o.count(e.Name, false)
@@ -224,7 +226,7 @@ func (o *overflow) admit(e Exposure, key []byte, src, dst netip.AddrPort, arrive
 		if added {
 			// A caller that already closed (its close event came before its
 			// member existed) must not keep the slot.
-			if en, ok, err := o.t.ct.Get(unix.IPPROTO_TCP, src, dst); err == nil && (!ok || !en.Open() || en.Mark&MarkClosed == MarkClosed) {
+			if en, ok, err := o.t.ct.Get(unix.IPPROTO_TCP, src, dst); err == nil && (!ok || !en.Open() || en.Mark&compile.MarkClosed == compile.MarkClosed) {
 				o.t.dropMember(e.Name, key)
 			}
 			return true
@@ -259,19 +261,23 @@ func (o *overflow) admit(e Exposure, key []byte, src, dst netip.AddrPort, arrive
 // last slot between the read and the add: then it fails with ENFILE).
 func (o *overflow) tryAdd(e Exposure, key []byte, since time.Time) (bool, error) {
 	t := o.t
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.conn == nil || !t.applied {
+	t.capMu.Lock()
+	defer t.capMu.Unlock()
+	t.idxMu.RLock()
+	applied := t.applied
+	t.idxMu.RUnlock()
+	if !applied {
 		return false, errors.New("table not applied")
 	}
 	o.mu.Lock()
 	checked := o.sweptAt[e.Name].After(since)
 	o.mu.Unlock()
 	inet, _ := t.tables()
-	set := &nftables.Set{Table: inet, Name: connsSet(e.Name), KeyType: connKeyType, Concatenation: true}
+	set := &nftables.Set{Table: inet, Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType, Concatenation: true}
 	var members int
 	if checked {
-		els, err := t.conn.GetSetElements(set)
+		var els []nftables.SetElement
+		err := t.nl(func() (err error) { els, err = t.conn.GetSetElements(set); return err })
 		if err != nil {
 			return false, err
 		}
@@ -294,13 +300,18 @@ func (o *overflow) tryAdd(e Exposure, key []byte, since time.Time) (bool, error)
 	if members >= e.MaxConns {
 		return false, nil
 	}
-	if err := t.conn.SetAddElements(set, []nftables.SetElement{{Key: key}}); err != nil {
-		return false, err
-	}
-	err := t.conn.Flush()
+	err := t.nl(func() error {
+		if err := t.conn.SetAddElements(set, []nftables.SetElement{{Key: key}}); err != nil {
+			return err
+		}
+		err := t.conn.Flush()
+		if err == nil {
+			t.ownCommits++
+		}
+		return err
+	})
 	switch {
 	case err == nil:
-		t.ownCommits++
 		delete(t.dropped, e.Name+"\x00"+string(key))
 		return true, nil
 	case errors.Is(err, unix.ENFILE):
@@ -349,7 +360,7 @@ func (o *overflow) countsOf(name string) ovCount {
 
 // forget drops the counts of exposures that are gone (a new exposure of the
 // same name starts from zero, like its kernel counters).
-func (o *overflow) forget(keep map[string]unitKey) {
+func (o *overflow) forget(keep map[string]compile.UnitKey) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	for n := range o.counts {
@@ -424,8 +435,8 @@ func origTuple(c *net.TCPConn) (src, dst netip.AddrPort, err error) {
 // exposureAt finds the TCP exposure published at dst: one bound to that
 // address first, then one bound to every address.
 func (t *Table) exposureAt(dst netip.AddrPort) (Exposure, bool) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.idxMu.RLock()
+	defer t.idxMu.RUnlock()
 	if name, ok := t.byHost[hostSide{unix.IPPROTO_TCP, dst.Addr(), dst.Port()}]; ok {
 		return t.byID[t.ids[name]], true
 	}
@@ -437,11 +448,11 @@ func (t *Table) exposureAt(dst netip.AddrPort) (Exposure, bool) {
 
 // dropMember deletes one member of an exposure's cap set from the slow path.
 func (t *Table) dropMember(name string, key []byte) {
-	t.mu.Lock()
+	t.capMu.Lock()
 	t.dropLocked(name, [][]byte{key})
-	t.mu.Unlock()
-	if t.ov != nil {
-		t.ov.signalFreed()
+	t.capMu.Unlock()
+	if o := t.ov.Load(); o != nil {
+		o.signalFreed()
 	}
 }
 
@@ -449,14 +460,15 @@ func (t *Table) dropMember(name string, key []byte) {
 // exposure's mark, so its close event reaches the watcher, which must not try
 // to delete a member that never was.
 func (t *Table) notMember(name string, key []byte) {
-	t.mu.Lock()
+	t.capMu.Lock()
 	t.noteDroppedLocked(name, [][]byte{key})
-	t.mu.Unlock()
+	t.capMu.Unlock()
 }
 
 // noteDroppedLocked remembers keys the watcher must not delete. Their close
 // (or destroy) event removes them; those whose event never comes (no entry
-// left, a connection older than the watcher) are forgotten after a minute.
+// left, a connection older than the watcher) are forgotten after a minute
+// (capMu held).
 func (t *Table) noteDroppedLocked(name string, keys [][]byte) {
 	now := time.Now()
 	if now.Sub(t.droppedPruned) > 10*time.Second {
@@ -473,7 +485,7 @@ func (t *Table) noteDroppedLocked(name string, keys [][]byte) {
 }
 
 // dropLocked deletes members the slow path found closed (they are in the
-// set: t.mu is held since they were read) and remembers them, so the
+// set: capMu is held since they were read) and remembers them, so the
 // watcher does not delete them again when their close event arrives.
 func (t *Table) dropLocked(name string, keys [][]byte) {
 	for _, k := range keys {
@@ -485,18 +497,46 @@ func (t *Table) dropLocked(name string, keys [][]byte) {
 
 // overflowPort is the port the overflow map points at (0: no slow path).
 func (t *Table) overflowPort() uint16 {
-	if t.ov == nil {
-		return 0
+	if o := t.ov.Load(); o != nil {
+		return o.port
 	}
-	return t.ov.port
+	return 0
+}
+
+// startOverflowFor starts the slow path the first time r has a capped TCP
+// exposure on the set-based cap: without one nothing is ever redirected to
+// it, and it would hold a port for nothing (applyMu held).
+func (t *Table) startOverflowFor(r Rules) error {
+	if t.ov.Load() != nil || !t.opts.capWatcher || r.KernelCap || !hasCappedTCP(r.Exposures) {
+		return nil
+	}
+	o, err := startOverflow(t, t.readOverflowPort(), t.opts.carrier, t.opts.overflowWait)
+	if err != nil {
+		return err
+	}
+	t.ov.Store(o)
+	return nil
+}
+
+func hasCappedTCP(exps []Exposure) bool {
+	for _, e := range exps {
+		if e.MaxConns > 0 && e.Protocol == "tcp" && !e.LoopbackOnly() {
+			return true
+		}
+	}
+	return false
 }
 
 // readOverflowPort reads the port the overflow map of an existing table
 // points at (a previous process's listener), 0 if none.
 func (t *Table) readOverflowPort() uint16 {
 	inet, _ := t.tables()
-	els, err := t.conn.GetSetElements(&nftables.Set{Table: inet, Name: mapOverflow, IsMap: true,
-		KeyType: nftables.TypeInetProto, DataType: nftables.TypeInetService})
+	var els []nftables.SetElement
+	err := t.nl(func() (err error) {
+		els, err = t.conn.GetSetElements(&nftables.Set{Table: inet, Name: compile.MapOverflow, IsMap: true,
+			KeyType: nftables.TypeInetProto, DataType: nftables.TypeInetService})
+		return err
+	})
 	if err != nil {
 		return 0
 	}

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/netplane/nft/compile"
+
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/google/nftables"
 	"github.com/stretchr/testify/assert"
@@ -152,7 +154,7 @@ func TestCapSequentialShortConnections(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1000), c["web"].Accepted)
 	assert.Zero(t, c["web"].Refused)
-	ov := tp.table.ov
+	ov := tp.table.ov.Load()
 	n := ov.decisions.Load()
 	var mean time.Duration
 	if n > 0 {
@@ -184,18 +186,15 @@ func TestCapBurstAndSurvivesConverge(t *testing.T) {
 	assert.Zero(t, ok, "after an incremental change")
 
 	// Whole-table replace (the fallback path) re-seeds the set from conntrack.
-	tp.table.mu.Lock()
-	counters, err := tp.table.readCounters()
+	tp.table.applyMu.Lock()
+	var counters map[string]counterValue
+	require.NoError(t, tp.table.nl(func() (err error) { counters, err = tp.table.readCounters(); return err }))
+	ids := compile.AssignIDs(r.Exposures, tp.table.ids)
+	dI, dB, err := compile.Desired(r, ids, tp.table.overflowPort())
 	require.NoError(t, err)
-	ids := assignIDs(r.Exposures, tp.table.ids)
-	tp.table.pendingIDs = ids
-	rr := r
-	rr.overflowPort = tp.table.overflowPort()
-	dI, dB := desired(rr, ids)
-	require.NoError(t, tp.table.applyPlans(makePlan(dI, emptyObserved()), makePlan(dB, emptyObserved()), counters))
-	tp.table.pendingIDs = nil
+	require.NoError(t, tp.table.applyPlans(compile.MakePlan(dI, compile.EmptyObserved()), compile.MakePlan(dB, compile.EmptyObserved()), ids, counters))
 	tp.table.genValid = false
-	tp.table.mu.Unlock()
+	tp.table.applyMu.Unlock()
 	ok, _, cl = openConns(t, tp.client, dst, 3)
 	cl()
 	assert.Zero(t, ok, "after a whole-table replace")
@@ -249,9 +248,9 @@ func TestDriftRepaired(t *testing.T) {
 		assert.Empty(t, res.Repaired, tc.name+": second converge")
 		// The same, read back from the kernel instead of trusted: the
 		// repaired tables compare equal object by object.
-		tp.table.mu.Lock()
+		tp.table.applyMu.Lock()
 		tp.table.genValid = false
-		tp.table.mu.Unlock()
+		tp.table.applyMu.Unlock()
 		res = tp.converge(t, r)
 		assert.Empty(t, res.Repaired, tc.name+": full re-read")
 		assert.Empty(t, res.Changed, tc.name+": full re-read")
@@ -266,10 +265,9 @@ func TestBadRulesRejectedNothingApplied(t *testing.T) {
 	before := tp.host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
 	bad := tp.rules(web(0), Exposure{Name: "x", Protocol: "sctp", HostPort: 0, GuestAddr: guestAddr(0), GuestPort: 80, MaxConns: -1})
 	_, err := tp.table.Converge(bad)
-	require.Error(t, err)
-	for _, f := range []string{"exposures[x].protocol", "exposures[x].hostPort", "exposures[x].maxConns"} {
-		assert.Contains(t, err.Error(), f)
-	}
+	// The desired state is validated where it enters; the compiler names
+	// the first field it cannot express and applies nothing.
+	require.ErrorContains(t, err, "exposures[x].protocol")
 	assert.Equal(t, before, tp.host.MustRun(t, "nft", "list", "table", "inet", "brokkr"))
 }
 
@@ -289,14 +287,14 @@ func TestGoldenJSON(t *testing.T) {
 	// Printed back, the tables parse and would load again (nft -c, check
 	// only, in a namespace that does not have them).
 	for _, fam := range []string{"inet", "bridge"} {
-		text := tp.host.MustRun(t, "nft", "list", "table", fam, TableName)
+		text := tp.host.MustRun(t, "nft", "list", "table", fam, compile.TableName)
 		f := t.TempDir() + "/" + fam + ".nft"
 		require.NoError(t, os.WriteFile(f, []byte(text), 0o644))
 		tp.client.MustRun(t, "nft", "-c", "-f", f) // a namespace without the tables
 	}
 	var got bytes.Buffer
 	for _, fam := range []string{"inet", "bridge"} {
-		out := tp.host.MustRun(t, "nft", "-j", "list", "table", fam, TableName)
+		out := tp.host.MustRun(t, "nft", "-j", "list", "table", fam, compile.TableName)
 		var v any
 		require.NoError(t, json.Unmarshal([]byte(out), &v), "nft -j must print valid JSON")
 		got.WriteString(normalizeJSON(t, out))
@@ -491,9 +489,9 @@ func TestCountersActiveAndBytes(t *testing.T) {
 	// A flow brokkr did not mark, whose mark another tool set to the same
 	// low bits as web's id, is not web's: counters ask the kernel for
 	// brokkr's entries only (MarkOwned), not for every flow of the host.
-	tp.table.mu.Lock()
+	tp.table.idxMu.RLock()
 	id := tp.table.ids["web"]
-	tp.table.mu.Unlock()
+	tp.table.idxMu.RUnlock()
 	tp.host.MustRun(t, "conntrack", "-I", "-p", "tcp", "-s", "10.99.0.7", "-d", "10.99.0.1", "--sport", "40000",
 		"--dport", "8080", "-t", "120", "--state", "ESTABLISHED", "--mark", strconv.FormatUint(uint64(id), 10))
 	require.Eventually(t, func() bool {
@@ -555,11 +553,12 @@ func TestCapAfterRestart(t *testing.T) {
 // membersOf counts the cap set's members.
 func membersOf(t *testing.T, tb *Table, name string) int {
 	t.Helper()
-	tb.mu.Lock()
-	defer tb.mu.Unlock()
 	inet, _ := tb.tables()
-	els, err := tb.conn.GetSetElements(&nftables.Set{Table: inet, Name: connsSet(name), KeyType: connKeyType})
-	require.NoError(t, err)
+	var els []nftables.SetElement
+	require.NoError(t, tb.nl(func() (err error) {
+		els, err = tb.conn.GetSetElements(&nftables.Set{Table: inet, Name: compile.ConnsSet(name), KeyType: compile.ConnKeyType})
+		return err
+	}))
 	return len(els)
 }
 
@@ -575,10 +574,7 @@ func TestCapSlowPathAlone(t *testing.T) {
 	tp := newTopo(t, 2)
 	serveTCP(t, tp.guests[0], ":80", "g1")
 	tp.converge(t, tp.rules(web(1)))
-	tp.table.caps.stop()
-	tp.table.mu.Lock()
-	tp.table.caps = nil
-	tp.table.mu.Unlock()
+	tp.table.caps.Swap(nil).stop()
 
 	require.NoError(t, tp.client.Do(func() error {
 		for i := 0; i < 20; i++ {
@@ -627,7 +623,7 @@ func TestCapSlowPathAlone(t *testing.T) {
 	assert.GreaterOrEqual(t, c["web"].Accepted, uint64(20+2+1+1))
 	assert.LessOrEqual(t, membersOf(t, tp.table, "web"), 1)
 
-	ov := tp.table.ov
+	ov := tp.table.ov.Load()
 	t.Logf("%d admitted by the slow path alone: accept to guest dialed mean %v, max %v", ov.decisions.Load(),
 		time.Duration(ov.decideNs.Load()/max(1, ov.decisions.Load())), time.Duration(ov.maxNs.Load()))
 	_, err = dialTag(tp.client, fmt.Sprintf("10.99.0.1:%d", tp.table.overflowPort()))
@@ -648,18 +644,13 @@ func TestCapSlowPathSlotReleasedOnClose(t *testing.T) {
 	// A lives and closes while no watcher listens: its slot stays taken in
 	// the kernel. (The kernel only gives a connection conntrack events if a
 	// listener existed when it was created.)
-	tp.table.caps.stop()
-	tp.table.mu.Lock()
-	tp.table.caps = nil
-	tp.table.mu.Unlock()
+	tp.table.caps.Swap(nil).stop()
 	ok, _, closeA := openConns(t, tp.client, dst, 1)
 	require.Equal(t, 1, ok)
 	closeA()
 	w, err := startCapWatcher(tp.table)
 	require.NoError(t, err)
-	tp.table.mu.Lock()
-	tp.table.caps = w
-	tp.table.mu.Unlock()
+	tp.table.caps.Store(w)
 
 	var closeB func()
 	require.Eventually(t, func() bool {
@@ -671,7 +662,7 @@ func TestCapSlowPathSlotReleasedOnClose(t *testing.T) {
 		closeB = cl
 		return true
 	}, 2*time.Second, 10*time.Millisecond)
-	require.Equal(t, uint64(1), tp.table.ov.countsOf("web").accepted, "B came through the slow path")
+	require.Equal(t, uint64(1), tp.table.ov.Load().countsOf("web").accepted, "B came through the slow path")
 	ok, refused, cl := openConns(t, tp.client, dst, 1)
 	cl()
 	assert.Equal(t, 0, ok, "B holds the only slot")
@@ -702,10 +693,7 @@ func TestCapSlowPathCarrier(t *testing.T) {
 	defer tb.Close()
 	tp.table = tb
 	tp.converge(t, tp.rules(web(1)))
-	tb.caps.stop() // nothing frees slots in the kernel: every caller after the first takes the slow path
-	tb.mu.Lock()
-	tb.caps = nil
-	tb.mu.Unlock()
+	tb.caps.Swap(nil).stop() // nothing frees slots in the kernel: every caller after the first takes the slow path
 	for i := 0; i < 3; i++ {
 		var tag string
 		require.Eventually(t, func() bool {
@@ -718,4 +706,87 @@ func TestCapSlowPathCarrier(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	assert.Equal(t, []string{"web -> 10.213.0.11:80", "web -> 10.213.0.11:80"}, got)
+}
+
+// The cap's slow-path listener exists only once a capped TCP exposure does:
+// no caps, a capped UDP exposure or the kernel cap (BPF) bind nothing and
+// leave the overflow map empty.
+func TestOverflowListenerOnlyWithCappedTCP(t *testing.T) {
+	tp := newTopo(t, 1)
+	listening := func() string { return tp.host.MustRun(t, "ss", "-Hltn") }
+	overflowMap := func() string {
+		return tp.host.MustRun(t, "nft", "list", "map", "inet", compile.TableName, compile.MapOverflow)
+	}
+	udpCapped := Exposure{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: guestAddr(0), GuestPort: 53, MaxConns: 4}
+	kernel := tp.rules(web(3))
+	kernel.KernelCap = true
+	kernel.Exposures[0].MarkID = 1
+	for name, r := range map[string]Rules{"no exposures": tp.rules(), "uncapped": tp.rules(web(0)),
+		"capped udp": tp.rules(udpCapped), "kernel cap": kernel} {
+		tp.converge(t, r)
+		assert.Nil(t, tp.table.ov.Load(), name)
+		assert.Empty(t, strings.TrimSpace(listening()), name+": no TCP listener in the namespace")
+		if !r.KernelCap {
+			assert.NotContains(t, overflowMap(), "elements", name)
+		}
+	}
+
+	tp.converge(t, tp.rules(web(3)))
+	o := tp.table.ov.Load()
+	require.NotNil(t, o, "a capped TCP exposure starts the slow path")
+	port := strconv.Itoa(int(o.port))
+	assert.Contains(t, listening(), ":"+port)
+	assert.Contains(t, overflowMap(), `tcp comment "cap slow path" : `+port)
+	// It stays while the table is open: a cap that comes back finds the
+	// same port.
+	tp.converge(t, tp.rules(web(0)))
+	assert.Same(t, o, tp.table.ov.Load())
+}
+
+// Converge, Counters, the watcher and the slow path run at once without
+// sharing one lock: under -race, with callers over the cap (the slow path
+// deciding) while exposures come and go and counters are read, the cap
+// still holds exactly.
+func TestConcurrentConvergeCountersAndSlowPath(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	r := tp.rules(web(2))
+	tp.converge(t, r)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_, err := tp.table.Counters()
+			assert.NoError(t, err)
+		}
+	})
+	wg.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			rr := r
+			rr.Exposures = append([]Exposure{}, r.Exposures...)
+			rr.Exposures = append(rr.Exposures, Exposure{Name: "x" + strconv.Itoa(i%3), Protocol: "tcp", HostPort: uint16(9000 + i%3), GuestAddr: guestAddr(0), GuestPort: 80})
+			_, err := tp.table.Converge(rr)
+			assert.NoError(t, err)
+		}
+	})
+	dst := netip.MustParseAddrPort("10.99.0.1:8080")
+	for i := 0; i < 5; i++ {
+		ok, _, cl := openConns(t, tp.client, dst, 6)
+		assert.LessOrEqual(t, ok, 2, "round %d: the cap admits at most 2", i)
+		cl()
+		require.NoError(t, tp.client.Do(func() error { return shortConn("10.99.0.1:8080") }), "round %d", i)
+	}
+	close(stop)
+	wg.Wait()
+	assert.LessOrEqual(t, membersOf(t, tp.table, "web"), 2)
 }

@@ -124,6 +124,11 @@ func (b *Backend) Start(ctx context.Context, lc supervisor.LaunchConfig) (inst s
 			killAndReap(pid)
 		}
 	}()
+	if lc.Place != nil {
+		if err = lc.Place(pid); err != nil {
+			return inst, err
+		}
+	}
 	inst, err = supervisor.Identify(pid)
 	if err != nil {
 		return inst, fmt.Errorf("identify pid %d: %w", pid, err)

@@ -90,7 +90,13 @@ func New(stateDir string, opts ...Option) (*Cache, error) {
 	for _, o := range opts {
 		o(c)
 	}
-	if err := os.MkdirAll(c.dir, 0o755); err != nil {
+	// Cached images are guests' kernels and disks: root's only, like the
+	// rest of stateDir, whatever the source file's mode was. Chmod also
+	// tightens a directory an older brokkr made 0755.
+	if err := os.MkdirAll(c.dir, 0o700); err != nil {
+		return nil, fmt.Errorf("images: %w", err)
+	}
+	if err := os.Chmod(c.dir, 0o700); err != nil {
 		return nil, fmt.Errorf("images: %w", err)
 	}
 	// Partial downloads of a previous run are worthless.
@@ -289,7 +295,7 @@ func (c *Cache) fetch(ctx context.Context, loc, want string, progress Progress) 
 	if err := tmp.Sync(); err != nil {
 		return "", fmt.Errorf("image %s: %w", loc, err)
 	}
-	if err := tmp.Chmod(0o444); err != nil {
+	if err := tmp.Chmod(0o400); err != nil {
 		return "", fmt.Errorf("image %s: %w", loc, err)
 	}
 	dst := filepath.Join(c.dir, got)

@@ -322,3 +322,23 @@ func FuzzValidate(f *testing.F) {
 		}
 	})
 }
+
+// A guest's kernel or disk copied from a world-readable source is root's
+// only in the cache, and so is the cache directory, even one made 0755 by an
+// older brokkr.
+func TestCachedImagesAreRootOnly(t *testing.T) {
+	src := filepath.Join(t.TempDir(), "vmlinuz")
+	require.NoError(t, os.WriteFile(src, payload(1000), 0o644))
+	state := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(state, "images"), 0o755))
+	c, err := New(state)
+	require.NoError(t, err)
+	p, err := c.Fetch(t.Context(), supervisor.Source{Location: src}, nil)
+	require.NoError(t, err)
+	fi, err := os.Stat(p)
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o400), fi.Mode().Perm(), "cached image mode")
+	di, err := os.Stat(c.Dir())
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o700), di.Mode().Perm(), "cache directory mode")
+}

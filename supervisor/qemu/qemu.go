@@ -257,6 +257,11 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		}
 		return supervisor.Instance{}, err
 	}
+	if cfg.Place != nil {
+		if err := cfg.Place(pid); err != nil {
+			return fail(fmt.Errorf("qemu: vm %s: %w", cfg.Name, err))
+		}
+	}
 	st, err := supervisor.ReadProcStat(pid)
 	var exe string
 	if err == nil {

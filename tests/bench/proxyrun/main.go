@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"os/signal"
 	"runtime/pprof"
@@ -17,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/proxy"
 )
 
@@ -57,8 +59,14 @@ func main() {
 		ga, gp := split(guest)
 		vm := "g" + strconv.Itoa(i)
 		guests[vm] = ga
-		specs = append(specs, proxy.Spec{ID: fmt.Sprintf("bench-%d", i), VM: vm, Protocol: proto,
-			HostAddress: ha, HostPort: hp, GuestPort: gp, MaxConns: *maxConns})
+		var addr netip.Addr // "" (":PORT") is every IPv4 address
+		if ha != "" {
+			addr, _ = netip.ParseAddr(ha)
+		}
+		if ha != "" && !addr.IsValid() {
+			fail("-e %q: %q is not an IP address", e, ha)
+		}
+		specs = append(specs, proxy.Spec{Exposure: spec.Exposure{Name: fmt.Sprintf("bench-%d", i), Target: spec.Target{VM: vm}, Proto: spec.Proto(proto), HostPort: uint16(hp), GuestPort: uint16(gp), MaxConns: *maxConns}, Listen: addr})
 	}
 	m := proxy.NewManager(func(vm string) string { return guests[vm] }, nil)
 	defer m.StopAll()

@@ -187,14 +187,29 @@ func (x *h) load() {
 	// when conntrack forgets them (its timeouts reach 120 s), so wait that long.
 	t0 := time.Now()
 	end := t0.Add(150 * time.Second)
+	// The kernel's part (nat_flows, active) is timed on its own: the
+	// daemon's fds and goroutines may keep the whole from the baseline.
+	kernelBack := -1.0
 	for {
 		after, err = x.measure(names)
+		if err == nil && kernelBack < 0 && after.flows == base.flows && after.active == base.active {
+			kernelBack = time.Since(t0).Seconds()
+		}
 		if err == nil && after == base || time.Now().After(end) {
 			break
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
 	x.figure("load.after.seconds_to_baseline", fmt.Sprintf("%.1f", time.Since(t0).Seconds()), "s, after the last wave closed")
+	if kernelBack >= 0 {
+		x.figure("load.after.nat_flows_seconds_to_baseline", fmt.Sprintf("%.1f", kernelBack), "s until nat_flows and active were at the baseline")
+	} else {
+		x.figure("load.after.nat_flows_seconds_to_baseline", "never", fmt.Sprintf("within %.0f s", time.Since(t0).Seconds()))
+	}
+	if after.flows != base.flows {
+		kinds, detail := x.natFlowsLeft()
+		x.figure("load.after.nat_flows_left", kinds, detail)
+	}
 	if after.fds != base.fds {
 		x.figure("load.after.fd_kinds", fdKinds(x.daemonPID()), "")
 	}
@@ -207,7 +222,10 @@ func (x *h) load() {
 		x.fail("load: %v", err)
 		return
 	}
+	var socketDropped int64
 	for _, e := range d.Exposures[len(stableExposures):] {
+		// Each gauge on its own: a gauge below zero would hide in the sum.
+		x.check("load."+e.Name+".active_after", int64(c[e.Name].Active), 0, "")
 		addr := fmt.Sprintf("%s:%d", hostIP, e.Port)
 		if e.Mode == "auto" {
 			addr = fmt.Sprintf("127.0.0.1:%d", e.Port)
@@ -228,7 +246,11 @@ func (x *h) load() {
 		x.check(p+".bytes_out_minus_client", int64(a.BytesOut-b.BytesOut)-t.BytesOut, 0, "")
 		x.check(p+".dropped", dr, 0, "admitted but not carried to a live guest under its cap")
 		x.check(p+".client_errors", t.Errors, 0, "neither carried nor refused")
+		if e.Mode == "auto" {
+			socketDropped += dr
+		}
 	}
+	x.check("load.socket_path.dropped", socketDropped, 0, "auto exposures' host callers admitted and then refused at connect, against a live guest")
 }
 
 func offered(d desired) int {

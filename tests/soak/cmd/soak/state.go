@@ -81,23 +81,44 @@ func (d desired) key() string {
 	return strings.Join(d.names(), ",") + "|" + strings.Join(vms, ",")
 }
 
+// statusKey is the desired state status reports: its exposures and the VMs
+// it has a desired power for. A VM deleted from the desired state stays in
+// status, without a power, until its destroy has finished; it is not part of
+// the desired state, so a restart in the middle of that destroy must not
+// look like a lost apply.
 func statusKey(st *api.Status) string {
 	var n, v []string
 	for _, e := range st.Exposures {
 		n = append(n, e.Name)
 	}
 	for _, m := range st.VMs {
-		v = append(v, m.Name)
+		if m.Power != "" {
+			v = append(v, m.Name)
+		}
 	}
 	sort.Strings(n)
 	sort.Strings(v)
 	return strings.Join(n, ",") + "|" + strings.Join(v, ",")
 }
 
+// leaving lists the VMs status shows on their way out (no desired power).
+func leaving(st *api.Status) []string {
+	var v []string
+	for _, m := range st.VMs {
+		if m.Power == "" {
+			v = append(v, m.Name)
+		}
+	}
+	return v
+}
+
 // converged: status lists exactly d, every exposure active, every VM running.
 func converged(st *api.Status, d desired) (bool, string) {
 	if statusKey(st) != d.key() {
 		return false, "status lists another set of VMs or exposures"
+	}
+	if l := leaving(st); len(l) > 0 {
+		return false, fmt.Sprintf("vms %v are still being destroyed", l)
 	}
 	for _, e := range st.Exposures {
 		if e.State != "active" {

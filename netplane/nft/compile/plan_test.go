@@ -1,7 +1,8 @@
-package nft
+package compile
 
 import (
 	"net/netip"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -20,43 +21,50 @@ func refRules() Rules {
 		}}
 }
 
+func mustDesired(t *testing.T, r Rules, ids map[string]uint32) (inet, bridge *TableSpec) {
+	t.Helper()
+	inet, bridge, err := Desired(r, ids, 0)
+	require.NoError(t, err)
+	return inet, bridge
+}
+
 func TestPlanNothingWhenEqual(t *testing.T) {
 	r := refRules()
-	ids := assignIDs(r.Exposures, nil)
-	d, _ := desired(r, ids)
-	assert.True(t, makePlan(d, observedFrom(d)).empty())
+	ids := AssignIDs(r.Exposures, nil)
+	d, _ := mustDesired(t, r, ids)
+	assert.True(t, MakePlan(d, ObservedFrom(d)).Empty())
 }
 
 func TestPlanOneExposureAdded(t *testing.T) {
 	r := refRules()
-	ids := assignIDs(r.Exposures, nil)
-	d0, _ := desired(r, ids)
+	ids := AssignIDs(r.Exposures, nil)
+	d0, _ := mustDesired(t, r, ids)
 	r.Exposures = append(r.Exposures, Exposure{Name: "ssh", Protocol: "tcp", HostPort: 2222, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 22})
-	ids = assignIDs(r.Exposures, ids)
-	d1, _ := desired(r, ids)
-	p := makePlan(d1, observedFrom(d0))
-	assert.Len(t, p.addChains, 1)
-	assert.Equal(t, "exp-ssh", p.addChains[0].name)
-	assert.Len(t, p.addElems[mapExpAny], 1)
-	assert.Empty(t, p.flushChains, "no other chain is rewritten")
-	assert.Empty(t, p.delChains)
-	assert.ElementsMatch(t, []string{"ssh-accepted"}, p.addCounters, "uncapped: no refused counter")
+	ids = AssignIDs(r.Exposures, ids)
+	d1, _ := mustDesired(t, r, ids)
+	p := MakePlan(d1, ObservedFrom(d0))
+	assert.Len(t, p.AddChains, 1)
+	assert.Equal(t, "exp-ssh", p.AddChains[0].Name)
+	assert.Len(t, p.AddElems[MapExpAny], 1)
+	assert.Empty(t, p.FlushChains, "no other chain is rewritten")
+	assert.Empty(t, p.DelChains)
+	assert.ElementsMatch(t, []string{"ssh-accepted"}, p.AddCounters, "uncapped: no refused counter")
 }
 
 func TestPlanRemovedAndDrift(t *testing.T) {
 	r := refRules()
-	ids := assignIDs(r.Exposures, nil)
-	d0, _ := desired(r, ids)
-	obs := observedFrom(d0)
-	delete(obs.chains, "dispatch")       // drift: a chain deleted
-	obs.chains["prerouting"].rules = nil // drift: a flushed chain
+	ids := AssignIDs(r.Exposures, nil)
+	d0, _ := mustDesired(t, r, ids)
+	obs := ObservedFrom(d0)
+	delete(obs.Chains, "dispatch")       // drift: a chain deleted
+	obs.Chains["prerouting"].Rules = nil // drift: a flushed chain
 	r.Exposures = r.Exposures[:1]        // change: dns removed
-	d1, _ := desired(r, assignIDs(r.Exposures, ids))
-	p := makePlan(d1, obs)
-	assert.Contains(t, p.delChains, "exp-dns")
-	assert.Contains(t, p.delCounters, "dns-accepted")
-	assert.Len(t, p.delElems[mapExpAny], 1)
-	repaired, changed := split(p, fingerprints(d0), fingerprints(d1))
+	d1, _ := mustDesired(t, r, AssignIDs(r.Exposures, ids))
+	p := MakePlan(d1, obs)
+	assert.Contains(t, p.DelChains, "exp-dns")
+	assert.Contains(t, p.DelCounters, "dns-accepted")
+	assert.Len(t, p.DelElems[MapExpAny], 1)
+	repaired, changed := Split(p, Fingerprints(d0), Fingerprints(d1))
 	assert.Contains(t, repaired, "chain dispatch missing")
 	assert.Contains(t, repaired, "rules of chain prerouting differ")
 	assert.Contains(t, changed, "chain exp-dns unexpected")
@@ -64,14 +72,14 @@ func TestPlanRemovedAndDrift(t *testing.T) {
 
 func TestPlanCapChangeRecreatesSetAndRewritesChain(t *testing.T) {
 	r := refRules()
-	ids := assignIDs(r.Exposures, nil)
-	d0, _ := desired(r, ids)
+	ids := AssignIDs(r.Exposures, nil)
+	d0, _ := mustDesired(t, r, ids)
 	r.Exposures[0].MaxConns = 5
-	d1, _ := desired(r, ids)
-	p := makePlan(d1, observedFrom(d0))
-	assert.Contains(t, p.delSets, "conns-web")
-	require.Len(t, p.seed, 1, "a recreated cap set is seeded from conntrack")
-	assert.Contains(t, p.flushChains, "exp-web")
+	d1, _ := mustDesired(t, r, ids)
+	p := MakePlan(d1, ObservedFrom(d0))
+	assert.Contains(t, p.DelSets, "conns-web")
+	require.Len(t, p.Seed, 1, "a recreated cap set is seeded from conntrack")
+	assert.Contains(t, p.FlushChains, "exp-web")
 }
 
 func TestIDsStableAndDistinct(t *testing.T) {
@@ -79,7 +87,7 @@ func TestIDsStableAndDistinct(t *testing.T) {
 	for i := 0; i < 5000; i++ {
 		exps = append(exps, Exposure{Name: "e" + strings.Repeat("x", i%7) + string(rune('a'+i%26)) + itoa(i)})
 	}
-	ids := assignIDs(exps, nil)
+	ids := AssignIDs(exps, nil)
 	seen := map[uint32]bool{}
 	for _, id := range ids {
 		assert.NotZero(t, id)
@@ -87,7 +95,7 @@ func TestIDsStableAndDistinct(t *testing.T) {
 		assert.False(t, seen[id])
 		seen[id] = true
 	}
-	again := assignIDs(append(exps, Exposure{Name: "new"}), ids)
+	again := AssignIDs(append(exps, Exposure{Name: "new"}), ids)
 	for n, id := range ids {
 		assert.Equal(t, id, again[n])
 	}
@@ -106,47 +114,32 @@ func fmtInt(i int) string {
 	return string(b)
 }
 
-func TestValidateNamesFields(t *testing.T) {
-	r := refRules()
-	r.Bridge = ""
-	r.Subnet = netip.Prefix{}
-	r.Exposures = append(r.Exposures,
-		Exposure{Name: "web", Protocol: "tcp", HostPort: 8080, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 80},
-		Exposure{Name: "lo", Protocol: "tcp", HostAddr: netip.MustParseAddr("127.0.0.1"), HostPort: 1, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 1})
-	var msgs []string
-	for _, e := range r.Validate() {
-		msgs = append(msgs, e.Error())
-	}
-	all := strings.Join(msgs, "\n")
-	for _, f := range []string{"bridge:", "subnet:", "exposures[web].name: duplicate", "exposures[web].hostPort:"} {
-		assert.Contains(t, all, f)
-	}
-	assert.NotContains(t, all, "exposures[lo]", "loopback-bound exposures are valid (the proxy serves them)")
-}
-
 func TestLoopbackExposureGetsNoRules(t *testing.T) {
 	r := refRules()
 	r.Exposures = append(r.Exposures, Exposure{Name: "lo", Protocol: "tcp", HostAddr: netip.MustParseAddr("127.0.0.1"), HostPort: 1,
 		GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 1})
-	require.Empty(t, r.Validate())
-	d, _ := desired(r, assignIDs(r.Exposures, nil))
-	assert.NotContains(t, d.chains, "exp-lo")
-	assert.Nil(t, unitOf(&unitKey{e: r.Exposures[2], id: 1}).chains["exp-lo"])
+	d, _ := mustDesired(t, r, AssignIDs(r.Exposures, nil))
+	assert.NotContains(t, d.Chains, "exp-lo")
+	u, err := UnitOf(&UnitKey{Exp: r.Exposures[2], ID: 1})
+	require.NoError(t, err)
+	assert.Nil(t, u.Chains["exp-lo"])
 }
 
-func FuzzValidate(f *testing.F) {
+// Any input either builds or is refused with an error: the compiler never
+// panics, whatever reaches it.
+func FuzzDesired(f *testing.F) {
 	f.Add("web", "tcp", uint16(8080), uint16(80), 3, "10.213.0.11")
 	f.Add("", "udp", uint16(0), uint16(0), -1, "::1")
 	f.Fuzz(func(t *testing.T, name, proto string, hp, gp uint16, max int, guest string) {
 		r := refRules()
 		ga, _ := netip.ParseAddr(guest)
 		r.Exposures = append(r.Exposures, Exposure{Name: name, Protocol: proto, HostPort: hp, GuestPort: gp, MaxConns: max, GuestAddr: ga})
-		if len(r.Validate()) == 0 {
-			// Valid rules must build without panicking.
-			desired(r, assignIDs(r.Exposures, nil))
-		}
+		_, _, _ = Desired(r, AssignIDs(r.Exposures, nil), 0)
 	})
 }
+
+// nameRE is what validName accepts, as a regexp.
+var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$`)
 
 // validName accepts exactly what nameRE accepts.
 func FuzzValidNameMatchesNameRE(f *testing.F) {
@@ -169,15 +162,17 @@ func BenchmarkWholeTable10000(b *testing.B) {
 		r.Exposures = append(r.Exposures, Exposure{Name: "x" + strconv.Itoa(i), Protocol: "tcp", HostPort: uint16(20000 + i),
 			GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 7000})
 	}
-	ids := assignIDs(r.Exposures, nil)
-	keys := map[string]unitKey{}
+	ids := AssignIDs(r.Exposures, nil)
+	var keys []UnitKey
 	for _, e := range r.Exposures {
-		keys[e.Name] = unitKey{e: e, id: ids[e.Name]}
+		keys = append(keys, UnitKey{Exp: e, ID: ids[e.Name]})
 	}
-	g, _ := desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: true, DHCP: true}, nil)
+	g, _, err := Desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: true, DHCP: true}, nil, 0)
+	require.NoError(b, err)
 	b.ReportAllocs()
 	for b.Loop() {
-		w := desiredFrom(g, keys, nil, map[string]*tableSpec{})
-		makePlan(w, emptyObserved())
+		units, err := BuildUnits(keys)
+		require.NoError(b, err)
+		MakePlan(Assemble(g, units), EmptyObserved())
 	}
 }

@@ -1,10 +1,13 @@
-package nft
+package compile
 
 import (
 	"encoding/binary"
+	"errors"
 	"hash/fnv"
 	"net/netip"
+	"runtime"
 	"sort"
+	"sync"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
@@ -41,10 +44,10 @@ const (
 	chainFromGuests  = "from-guests" // what a guest may send to the host itself
 	chainClosePre    = "close-pre"   // FIN/RST bookkeeping for the cap (prerouting)
 	chainCloseOut    = "close-out"   // the same for host-local callers (output)
-	mapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : goto exp-NAME
-	mapExpAny        = "exp-any"     // l4proto . dport : goto exp-NAME
-	mapClosers       = "closers"     // mark id : goto close-NAME
-	mapOverflow      = "overflow"    // l4proto : port of the cap's slow-path listener
+	MapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : goto exp-NAME
+	MapExpAny        = "exp-any"     // l4proto . dport : goto exp-NAME
+	MapClosers       = "closers"     // mark id : goto close-NAME
+	MapOverflow      = "overflow"    // l4proto : port of the cap's slow-path listener
 	setGuestPorts    = "guest-ports" // bridge table: ports under anti-spoof
 	setGuestAddrs    = "guest-addrs" // bridge table: port . mac . ipv4
 	setGuestMACs     = "guest-macs"  // bridge table: port . mac
@@ -54,17 +57,17 @@ const (
 )
 
 // Per-exposure object names.
-func expChain(name string) string   { return "exp-" + name }
+func ExpChain(name string) string   { return "exp-" + name }
 func closeChain(name string) string { return "close-" + name }
-func connsSet(name string) string   { return "conns-" + name }
-func acceptedCounter(name string) string {
+func ConnsSet(name string) string   { return "conns-" + name }
+func AcceptedCounter(name string) string {
 	return name + "-accepted"
 }
-func refusedCounter(name string) string { return name + "-refused" }
+func RefusedCounter(name string) string { return name + "-refused" }
 
-// assignIDs gives every exposure a mark id: a hash of its name, probed
+// AssignIDs gives every exposure a mark id: a hash of its name, probed
 // linearly on collision. prev keeps ids already in use stable.
-func assignIDs(exps []Exposure, prev map[string]uint32) map[string]uint32 {
+func AssignIDs(exps []Exposure, prev map[string]uint32) map[string]uint32 {
 	ids := make(map[string]uint32, len(exps))
 	used := make(map[uint32]bool, len(exps))
 	// Ids in prev are distinct, so keeping them needs no order; only the
@@ -93,50 +96,56 @@ func assignIDs(exps []Exposure, prev map[string]uint32) map[string]uint32 {
 	return ids
 }
 
-// desired computes the whole desired content of both tables.
-func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
-	inet = newTableSpec(nftables.TableFamilyINet)
+// Desired computes the whole desired content of both tables from validated
+// rules: ids are the exposures' mark ids (AssignIDs, or the counter slots
+// with KernelCap) and overflowPort the cap slow path's listener (0: none).
+// Input no table can express is an error naming the field, not a panic.
+func Desired(r Rules, ids map[string]uint32, overflowPort uint16) (inet, bridge *TableSpec, err error) {
+	if err := r.buildable(); err != nil {
+		return nil, nil, err
+	}
+	inet = NewTableSpec(nftables.TableFamilyINet)
 	fam := nftables.TableFamilyINet
 	subnet := r.Subnet.Masked()
 
 	// Remote loopback guard: never let a packet from outside reach 127/8.
-	inet.addChain(&chainSpec{name: chainGuard, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -300},
-		rules: []ruleSpec{rule(fam, "drop remote packets to loopback",
+	inet.addChain(&ChainSpec{Name: chainGuard, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -300},
+		Rules: []RuleSpec{rule(fam, "drop remote packets to loopback",
 			append(append(ipDaddrIn(netip.MustParsePrefix("127.0.0.0/8")), ifname(unix.NFT_META_IIFNAME, "lo", expr.CmpOpNeq)...), &expr.Counter{}, drop())...)}})
 
 	// DNAT dispatch: only for local destinations, never for 127/8.
-	entry := func(comment string) ruleSpec {
+	entry := func(comment string) RuleSpec {
 		return rule(fam, comment, append(append(ipDaddrNotIn(netip.MustParsePrefix("127.0.0.0/8")), fibDaddrLocal()...),
 			&expr.Verdict{Kind: expr.VerdictJump, Chain: chainDispatch})...)
 	}
-	inet.addChain(&chainSpec{name: chainPrerouting, hook: &hookSpec{nftables.ChainTypeNAT, *nftables.ChainHookPrerouting, -100},
-		rules: []ruleSpec{entry("published ports")}})
-	inet.addChain(&chainSpec{name: chainOutput, hook: &hookSpec{nftables.ChainTypeNAT, *nftables.ChainHookOutput, -100},
-		rules: []ruleSpec{entry("published ports, host-local callers")}})
-	inet.addChain(&chainSpec{name: chainDispatch, rules: []ruleSpec{
-		rule(fam, "exposures bound to one address", append(loadAddrProtoPort(), lookupVmap(mapExpAddr))...),
-		rule(fam, "exposures bound to every local address", append(loadProtoPort(), lookupVmap(mapExpAny))...),
+	inet.addChain(&ChainSpec{Name: chainPrerouting, Hook: &HookSpec{nftables.ChainTypeNAT, *nftables.ChainHookPrerouting, -100},
+		Rules: []RuleSpec{entry("published ports")}})
+	inet.addChain(&ChainSpec{Name: chainOutput, Hook: &HookSpec{nftables.ChainTypeNAT, *nftables.ChainHookOutput, -100},
+		Rules: []RuleSpec{entry("published ports, host-local callers")}})
+	inet.addChain(&ChainSpec{Name: chainDispatch, Rules: []RuleSpec{
+		rule(fam, "exposures bound to one address", append(loadAddrProtoPort(), lookupVmap(MapExpAddr))...),
+		rule(fam, "exposures bound to every local address", append(loadProtoPort(), lookupVmap(MapExpAny))...),
 	}})
 	addSharedMaps(inet)
 	if !r.KernelCap {
-		desiredSetCap(inet, r)
+		desiredSetCap(inet, overflowPort)
 	}
 
 	// Masquerade: hairpin (a guest reaching a published port through the
 	// host) and egress.
-	post := []ruleSpec{rule(fam, "hairpin", append(append(append(ctStatusDNAT(), ifname(unix.NFT_META_OIFNAME, r.Bridge, expr.CmpOpEq)...),
+	post := []RuleSpec{rule(fam, "hairpin", append(append(append(ctStatusDNAT(), ifname(unix.NFT_META_OIFNAME, r.Bridge, expr.CmpOpEq)...),
 		ipSaddrIn(subnet)...), &expr.Masq{})...)}
 	if r.Masquerade {
 		post = append(post, rule(fam, "egress", append(append(ipSaddrIn(subnet), ifname(unix.NFT_META_OIFNAME, r.Bridge, expr.CmpOpNeq)...), &expr.Masq{})...))
 	}
-	inet.addChain(&chainSpec{name: chainPostrouting, hook: &hookSpec{nftables.ChainTypeNAT, *nftables.ChainHookPostrouting, 100}, rules: post})
+	inet.addChain(&ChainSpec{Name: chainPostrouting, Hook: &HookSpec{nftables.ChainTypeNAT, *nftables.ChainHookPostrouting, 100}, Rules: post})
 
 	// Host isolation: a guest reaches the host itself only for DHCP, DNS
 	// and replies.
-	inet.addChain(&chainSpec{name: chainInput, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookInput, 0},
-		rules: []ruleSpec{rule(fam, "from guests", append(ifname(unix.NFT_META_IIFNAME, r.Bridge, expr.CmpOpEq),
+	inet.addChain(&ChainSpec{Name: chainInput, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookInput, 0},
+		Rules: []RuleSpec{rule(fam, "from guests", append(ifname(unix.NFT_META_IIFNAME, r.Bridge, expr.CmpOpEq),
 			&expr.Verdict{Kind: expr.VerdictJump, Chain: chainFromGuests})...)}})
-	fg := []ruleSpec{rule(fam, "replies", append(ctStateAny(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), accept())...)}
+	fg := []RuleSpec{rule(fam, "replies", append(ctStateAny(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), accept())...)}
 	if r.DHCP {
 		fg = append(fg, rule(fam, "dhcp", append(l4Dport(unix.IPPROTO_UDP, 67), accept())...))
 	}
@@ -151,30 +160,34 @@ func desired(r Rules, ids map[string]uint32) (inet, bridge *tableSpec) {
 		fg = append(fg, rule(fam, "redirected to the cap slow path", append(append(l4proto(unix.IPPROTO_TCP), ctStatusDNAT()...), accept())...))
 	}
 	fg = append(fg, rule(fam, "nothing else reaches the host", drop()))
-	inet.addChain(&chainSpec{name: chainFromGuests, rules: fg})
+	inet.addChain(&ChainSpec{Name: chainFromGuests, Rules: fg})
 
 	for _, e := range r.Exposures {
-		if !e.loopbackOnly() {
-			addExposure(inet, e, ids[e.Name], r.KernelCap)
+		if e.LoopbackOnly() {
+			continue
 		}
+		if err := e.buildable(r.KernelCap, ids[e.Name]); err != nil {
+			return nil, nil, err
+		}
+		addExposure(inet, e, ids[e.Name], r.KernelCap)
 	}
 
-	return inet, desiredBridge(r)
+	return inet, desiredBridge(r), nil
 }
 
 // desiredSetCap adds the objects of the set-based cap (the fallback when the
 // BPF nat path cannot load): the slow path's port map and the FIN/RST
 // bookkeeping chains.
-func desiredSetCap(inet *tableSpec, r Rules) {
-	fam := inet.family
+func desiredSetCap(inet *TableSpec, overflowPort uint16) {
+	fam := inet.Family
 	// The cap's slow path: one element, the listener's port, so a new port
 	// (a restart that could not get the old one) is one element, not every
 	// capped chain.
-	ov := &setSpec{name: mapOverflow, key: nftables.TypeInetProto, data: nftables.TypeInetService, isMap: true,
-		comment: "cap slow path: listener port", elems: map[string]elemSpec{}}
-	if r.overflowPort != 0 {
+	ov := &SetSpec{Name: MapOverflow, Key: nftables.TypeInetProto, Data: nftables.TypeInetService, IsMap: true,
+		Comment: "cap slow path: listener port", Elems: map[string]ElemSpec{}}
+	if overflowPort != 0 {
 		k := []byte{unix.IPPROTO_TCP}
-		ov.elems[string(k)] = elemSpec{key: k, val: binaryutil.BigEndian.PutUint16(r.overflowPort), comment: "cap slow path"}
+		ov.Elems[string(k)] = ElemSpec{Key: k, Val: binaryutil.BigEndian.PutUint16(overflowPort), Comment: "cap slow path"}
 	}
 	inet.addSet(ov)
 
@@ -182,11 +195,11 @@ func desiredSetCap(inet *tableSpec, r Rules) {
 	// and, once closed, frees its slot. Only FIN/RST packets get past the
 	// first comparison, so established traffic pays one load and compare.
 	closeRule := rule(fam, "cap: closing connections",
-		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(MarkIDMask)...), lookupVmap(mapClosers))...)
-	inet.addChain(&chainSpec{name: chainClosePre, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -150},
-		rules: []ruleSpec{closeRule}})
-	inet.addChain(&chainSpec{name: chainCloseOut, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookOutput, -150},
-		rules: []ruleSpec{closeRule}})
+		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(MarkIDMask)...), lookupVmap(MapClosers))...)
+	inet.addChain(&ChainSpec{Name: chainClosePre, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -150},
+		Rules: []RuleSpec{closeRule}})
+	inet.addChain(&ChainSpec{Name: chainCloseOut, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookOutput, -150},
+		Rules: []RuleSpec{closeRule}})
 }
 
 // Key types of the two exposure maps (built once: every unit has the maps).
@@ -196,64 +209,120 @@ var (
 )
 
 // addSharedMaps adds the verdict maps every exposure has an element in.
-func addSharedMaps(inet *tableSpec) {
-	inet.addSet(&setSpec{name: mapExpAddr, key: expAddrKey,
-		data: nftables.TypeVerdict, isMap: true, comment: "exposures by address, protocol, port", elems: map[string]elemSpec{}})
-	inet.addSet(&setSpec{name: mapExpAny, key: expAnyKey,
-		data: nftables.TypeVerdict, isMap: true, comment: "exposures by protocol, port", elems: map[string]elemSpec{}})
-	inet.addSet(&setSpec{name: mapClosers, key: nftables.TypeMark, data: nftables.TypeVerdict, isMap: true,
-		comment: "capped tcp exposures by mark", elems: map[string]elemSpec{}})
+func addSharedMaps(inet *TableSpec) {
+	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey,
+		Data: nftables.TypeVerdict, IsMap: true, Comment: "exposures by address, protocol, port", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey,
+		Data: nftables.TypeVerdict, IsMap: true, Comment: "exposures by protocol, port", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: MapClosers, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true,
+		Comment: "capped tcp exposures by mark", Elems: map[string]ElemSpec{}})
 
 }
 
-// unitKey is everything one exposure's objects are built from.
-type unitKey struct {
-	e      Exposure
-	id     uint32
-	kernel bool // Rules.KernelCap
+// UnitKey is everything one exposure's objects are built from.
+type UnitKey struct {
+	Exp    Exposure
+	ID     uint32
+	Kernel bool // Rules.KernelCap
 }
 
-// unitOf is one exposure's objects alone: its chains, counters and cap set,
+// UnitOf is one exposure's objects alone: its chains, counters and cap set,
 // and its elements in otherwise empty shared maps. Planning two units
 // against each other yields exactly the batch for that exposure.
-func unitOf(k *unitKey) *tableSpec {
-	t := newTableSpec(nftables.TableFamilyINet)
-	addSharedMaps(t)
-	if k != nil && !k.e.loopbackOnly() {
-		addExposure(t, k.e, k.id, k.kernel)
+func UnitOf(k *UnitKey) (*TableSpec, error) {
+	t := EmptyUnit()
+	if !k.Exp.LoopbackOnly() {
+		if err := k.Exp.buildable(k.Kernel, k.ID); err != nil {
+			return nil, err
+		}
+		addExposure(t, k.Exp, k.ID, k.Kernel)
 	}
+	return t, nil
+}
+
+// EmptyUnit is the unit of no exposure: the shared maps, empty.
+func EmptyUnit() *TableSpec {
+	t := NewTableSpec(nftables.TableFamilyINet)
+	addSharedMaps(t)
 	return t
 }
 
-// mergeUnit adds a unit's objects into a whole table.
-func mergeUnit(dst, u *tableSpec) {
-	for n, c := range u.counters {
-		dst.counters[n] = c
+// Assemble is the whole inet table: the global part and one unit per
+// exposure.
+func Assemble(global *TableSpec, units []*TableSpec) *TableSpec {
+	n := len(units)
+	// Sized for every exposure up front: growing these maps was a sixth of
+	// building a 10,000-exposure table.
+	whole := &TableSpec{Family: global.Family, Counters: make(map[string]CounterSpec, n+len(global.Counters)),
+		Sets: make(map[string]*SetSpec, len(global.Sets)), Chains: make(map[string]*ChainSpec, n+len(global.Chains))}
+	MergeUnit(whole, global)
+	// The shared maps must not be the global's own (they get elements).
+	for _, name := range []string{MapExpAddr, MapExpAny, MapClosers} {
+		s := *global.Sets[name]
+		s.Elems = make(map[string]ElemSpec, n)
+		whole.Sets[name] = &s
 	}
-	for n, c := range u.chains {
-		dst.chains[n] = c
+	for _, u := range units {
+		MergeUnit(whole, u)
 	}
-	for n, s := range u.sets {
-		ds, ok := dst.sets[n]
+	return whole
+}
+
+// BuildUnits builds the units of ks, on every CPU when there are many (a
+// first 10,000-exposure Converge): units are independent of each other.
+func BuildUnits(ks []UnitKey) ([]*TableSpec, error) {
+	out := make([]*TableSpec, len(ks))
+	errs := make([]error, len(ks))
+	workers := runtime.GOMAXPROCS(0)
+	if len(ks) < 512 || workers < 2 {
+		for i := range ks {
+			out[i], errs[i] = UnitOf(&ks[i])
+		}
+		return out, errors.Join(errs...)
+	}
+	var wg sync.WaitGroup
+	per := (len(ks) + workers - 1) / workers
+	for lo := 0; lo < len(ks); lo += per {
+		hi := min(lo+per, len(ks))
+		wg.Go(func() {
+			for i := lo; i < hi; i++ {
+				out[i], errs[i] = UnitOf(&ks[i])
+			}
+		})
+	}
+	wg.Wait()
+	return out, errors.Join(errs...)
+}
+
+// MergeUnit adds a unit's objects into a whole table.
+func MergeUnit(dst, u *TableSpec) {
+	for n, c := range u.Counters {
+		dst.Counters[n] = c
+	}
+	for n, c := range u.Chains {
+		dst.Chains[n] = c
+	}
+	for n, s := range u.Sets {
+		ds, ok := dst.Sets[n]
 		if !ok {
-			dst.sets[n] = s
+			dst.Sets[n] = s
 			continue
 		}
-		for k, e := range s.elems {
-			ds.elems[k] = e
+		for k, e := range s.Elems {
+			ds.Elems[k] = e
 		}
 	}
 }
 
 // addExposure adds everything one exposure needs: its chain, counters, map
 // element, and for a cap its slot set (and close chain for TCP).
-func addExposure(t *tableSpec, e Exposure, id uint32, kernelCap bool) {
-	fam := t.family
-	proto := protoNum(e.Protocol)
+func addExposure(t *TableSpec, e Exposure, id uint32, kernelCap bool) {
+	fam := t.Family
+	proto := ProtoNum(e.Protocol)
 	inet := func(exprs ...expr.Any) []expr.Any { return exprs }
 	if kernelCap {
 		// The BPF nat path reads the mark and does the rest.
-		t.addChain(&chainSpec{name: expChain(e.Name), owner: e.Name, rules: []ruleSpec{rule(fam, e.Name, append(l4proto(proto),
+		t.addChain(&ChainSpec{Name: ExpChain(e.Name), Owner: e.Name, Rules: []RuleSpec{rule(fam, e.Name, append(l4proto(proto),
 			&expr.Immediate{Register: 1, Data: connMark(id)},
 			&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
 			&expr.Immediate{Register: 1, Data: e.GuestAddr.AsSlice()},
@@ -262,51 +331,51 @@ func addExposure(t *tableSpec, e Exposure, id uint32, kernelCap bool) {
 		addDispatch(t, e, proto)
 		return
 	}
-	t.counters[acceptedCounter(e.Name)] = counterSpec{name: acceptedCounter(e.Name), exposure: e.Name}
+	t.Counters[AcceptedCounter(e.Name)] = CounterSpec{Name: AcceptedCounter(e.Name), Exposure: e.Name}
 	if e.MaxConns > 0 {
 		// Only a cap refuses: an uncapped exposure has no refused counter
 		// (one object less per exposure in a 10,000-exposure batch).
-		t.counters[refusedCounter(e.Name)] = counterSpec{name: refusedCounter(e.Name), exposure: e.Name}
+		t.Counters[RefusedCounter(e.Name)] = CounterSpec{Name: RefusedCounter(e.Name), Exposure: e.Name}
 	}
 
 	admit := l4proto(proto)
 	if e.MaxConns > 0 {
-		t.addSet(&setSpec{name: connsSet(e.Name), key: connKeyType, dynamic: true, size: uint32(e.MaxConns),
-			comment: "open connections of " + e.Name, stateful: true, owner: e.Name})
+		t.addSet(&SetSpec{Name: ConnsSet(e.Name), Key: ConnKeyType, Dynamic: true, Size: uint32(e.MaxConns),
+			Comment: "open connections of " + e.Name, Stateful: true, Owner: e.Name})
 		// The add fails (and the rule stops) once the set holds MaxConns
 		// connections.
 		admit = append(append(nfprotoIPv4(), admit...),
 			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
 			&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4},
 			&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 2},
-			&expr.Dynset{SrcRegKey: 1, SetName: connsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
+			&expr.Dynset{SrcRegKey: 1, SetName: ConnsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
 	}
 	admit = append(admit,
 		&expr.Immediate{Register: 1, Data: connMark(id)},
 		&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
-		&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: acceptedCounter(e.Name)},
+		&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: AcceptedCounter(e.Name)},
 		&expr.Immediate{Register: 1, Data: e.GuestAddr.AsSlice()},
 		&expr.Immediate{Register: 2, Data: binaryutil.BigEndian.PutUint16(e.GuestPort)},
 		&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegProtoMin: 2, Specified: true})
-	rules := []ruleSpec{rule(fam, e.Name, admit...)}
+	rules := []RuleSpec{rule(fam, e.Name, admit...)}
 	if e.MaxConns > 0 {
 		rej := &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}
 		if proto != unix.IPPROTO_TCP {
 			rej = &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_PORT_UNREACH}
 		}
-		refuse := func(comment string, pre ...expr.Any) ruleSpec {
+		refuse := func(comment string, pre ...expr.Any) RuleSpec {
 			return rule(fam, e.Name+": "+comment, append(append(l4proto(proto), pre...),
-				&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: refusedCounter(e.Name)}, rej)...)
+				&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: RefusedCounter(e.Name)}, rej)...)
 		}
 		if proto == unix.IPPROTO_TCP {
-			// Full in the kernel: let the slow path decide exactly (see
-			// overflow.go). Without a listener (no element) the lookup fails
+			// Full in the kernel: let package nft's slow path decide
+			// exactly. Without a listener (no element) the lookup fails
 			// and the next rule refuses.
 			rules = append(rules, rule(fam, e.Name+": full in the kernel, to the slow path", append(l4proto(proto),
 				&expr.Immediate{Register: 1, Data: connMark(id)},
 				&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
 				&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
-				&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: mapOverflow},
+				&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapOverflow},
 				&expr.Redir{RegisterProtoMin: 1, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED})...))
 		}
 		rules = append(rules, refuse("over the cap"))
@@ -317,57 +386,57 @@ func addExposure(t *tableSpec, e Exposure, id uint32, kernelCap bool) {
 						Mask: binaryutil.NativeEndian.PutUint32(^bits), Xor: binaryutil.NativeEndian.PutUint32(bits)},
 					&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true})
 			}
-			t.addChain(&chainSpec{name: closeChain(e.Name), owner: e.Name, rules: []ruleSpec{
+			t.addChain(&ChainSpec{Name: closeChain(e.Name), Owner: e.Name, Rules: []RuleSpec{
 				rule(fam, e.Name+": reset", append(tcpFlagsAny(0x04), setBits(MarkClosed)...)...),
 				rule(fam, e.Name+": fin from caller", append(ctDirection(0), setBits(MarkFINOrig)...)...),
 				rule(fam, e.Name+": fin from guest", append(ctDirection(1), setBits(MarkFINRepl)...)...),
 			}})
 			k := binaryutil.NativeEndian.PutUint32(id)
-			t.sets[mapClosers].elems[string(k)] = elemSpec{key: k, verdict: closeChain(e.Name), comment: e.Name}
+			t.Sets[MapClosers].Elems[string(k)] = ElemSpec{Key: k, Verdict: closeChain(e.Name), Comment: e.Name}
 		}
 	}
-	t.addChain(&chainSpec{name: expChain(e.Name), owner: e.Name, rules: rules})
+	t.addChain(&ChainSpec{Name: ExpChain(e.Name), Owner: e.Name, Rules: rules})
 	addDispatch(t, e, proto)
 }
 
 // addDispatch adds the exposure's element in the dispatch map for its host
 // side.
-func addDispatch(t *tableSpec, e Exposure, proto byte) {
-	if e.wildcard() {
+func addDispatch(t *TableSpec, e Exposure, proto byte) {
+	if e.Wildcard() {
 		k := append(pad4([]byte{proto}), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...)
-		t.sets[mapExpAny].elems[string(k)] = elemSpec{key: k, verdict: expChain(e.Name), comment: e.Name}
+		t.Sets[MapExpAny].Elems[string(k)] = ElemSpec{Key: k, Verdict: ExpChain(e.Name), Comment: e.Name}
 	} else {
 		k := append(append(e.HostAddr.AsSlice(), pad4([]byte{proto})...), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...)
-		t.sets[mapExpAddr].elems[string(k)] = elemSpec{key: k, verdict: expChain(e.Name), comment: e.Name}
+		t.Sets[MapExpAddr].Elems[string(k)] = ElemSpec{Key: k, Verdict: ExpChain(e.Name), Comment: e.Name}
 	}
 }
 
 // desiredBridge: anti-spoof per guest port and guest isolation.
-func desiredBridge(r Rules) *tableSpec {
-	t := newTableSpec(nftables.TableFamilyBridge)
-	fam := t.family
-	ports := &setSpec{name: setGuestPorts, key: nftables.TypeIFName, comment: "guest ports under anti-spoof", elems: map[string]elemSpec{}}
-	addrs := &setSpec{name: setGuestAddrs, key: nftables.MustConcatSetType(nftables.TypeIFName, nftables.TypeEtherAddr, nftables.TypeIPAddr),
-		comment: "port, mac and address of each guest", elems: map[string]elemSpec{}}
-	macs := &setSpec{name: setGuestMACs, key: nftables.MustConcatSetType(nftables.TypeIFName, nftables.TypeEtherAddr),
-		comment: "port and mac of each guest", elems: map[string]elemSpec{}}
+func desiredBridge(r Rules) *TableSpec {
+	t := NewTableSpec(nftables.TableFamilyBridge)
+	fam := t.Family
+	ports := &SetSpec{Name: setGuestPorts, Key: nftables.TypeIFName, Comment: "guest ports under anti-spoof", Elems: map[string]ElemSpec{}}
+	addrs := &SetSpec{Name: setGuestAddrs, Key: nftables.MustConcatSetType(nftables.TypeIFName, nftables.TypeEtherAddr, nftables.TypeIPAddr),
+		Comment: "port, mac and address of each guest", Elems: map[string]ElemSpec{}}
+	macs := &SetSpec{Name: setGuestMACs, Key: nftables.MustConcatSetType(nftables.TypeIFName, nftables.TypeEtherAddr),
+		Comment: "port and mac of each guest", Elems: map[string]ElemSpec{}}
 	for _, g := range r.Guests {
 		p := ifnameKey(g.Tap)
-		ports.elems[string(p)] = elemSpec{key: p, comment: g.Name}
+		ports.Elems[string(p)] = ElemSpec{Key: p, Comment: g.Name}
 		pm := append(append([]byte{}, p...), pad4(g.MAC)...)
-		macs.elems[string(pm)] = elemSpec{key: pm, comment: g.Name}
+		macs.Elems[string(pm)] = ElemSpec{Key: pm, Comment: g.Name}
 		if g.Addr.IsValid() {
 			pma := append(append([]byte{}, pm...), g.Addr.AsSlice()...)
-			addrs.elems[string(pma)] = elemSpec{key: pma, comment: g.Name}
+			addrs.Elems[string(pma)] = ElemSpec{Key: pma, Comment: g.Name}
 		}
 	}
 	t.addSet(ports)
 	t.addSet(addrs)
 	t.addSet(macs)
-	t.addChain(&chainSpec{name: chainBrPre, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -200},
-		rules: []ruleSpec{rule(fam, "guest ports", append(ifnameInSet(unix.NFT_META_IIFNAME, setGuestPorts),
+	t.addChain(&ChainSpec{Name: chainBrPre, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -200},
+		Rules: []RuleSpec{rule(fam, "guest ports", append(ifnameInSet(unix.NFT_META_IIFNAME, setGuestPorts),
 			&expr.Verdict{Kind: expr.VerdictJump, Chain: chainAntiSpoof})...)}})
-	as := []ruleSpec{
+	as := []RuleSpec{
 		rule(fam, "own mac and address", append(append(etherType(0x0800),
 			&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
 			&expr.Payload{DestRegister: 12, Base: expr.PayloadBaseLLHeader, Offset: 6, Len: 6},
@@ -393,21 +462,21 @@ func desiredBridge(r Rules) *tableSpec {
 			&expr.Lookup{SourceRegister: 1, SetName: setGuestMACs}), accept())...),
 		rule(fam, "spoofed or not ipv4", &expr.Counter{}, drop()),
 	}
-	t.addChain(&chainSpec{name: chainAntiSpoof, rules: as})
+	t.addChain(&ChainSpec{Name: chainAntiSpoof, Rules: as})
 	if r.IsolateGuests {
-		t.addChain(&chainSpec{name: chainBrForward, hook: &hookSpec{nftables.ChainTypeFilter, *nftables.ChainHookForward, -200},
-			rules: []ruleSpec{rule(fam, "isolate guests", append(append(ifnameInSet(unix.NFT_META_IIFNAME, setGuestPorts),
+		t.addChain(&ChainSpec{Name: chainBrForward, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookForward, -200},
+			Rules: []RuleSpec{rule(fam, "isolate guests", append(append(ifnameInSet(unix.NFT_META_IIFNAME, setGuestPorts),
 				ifnameInSet(unix.NFT_META_OIFNAME, setGuestPorts)...), drop())...)}})
 	}
 	return t
 }
 
-// connKeyType: original source address, destination address, source port.
-var connKeyType = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeIPAddr, nftables.TypeInetService)
+// ConnKeyType: original source address, destination address, source port.
+var ConnKeyType = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeIPAddr, nftables.TypeInetService)
 
 // connKey is a cap-set element: the connection's original source address,
 // destination address and source port.
-func connKey(src, dst netip.AddrPort) []byte {
+func ConnKey(src, dst netip.AddrPort) []byte {
 	k := make([]byte, 12)
 	a, b := src.Addr().As4(), dst.Addr().As4()
 	copy(k, a[:])
@@ -418,7 +487,7 @@ func connKey(src, dst netip.AddrPort) []byte {
 
 // --- expression helpers (each in the form `nft` prints back) ---
 
-func protoNum(p string) byte {
+func ProtoNum(p string) byte {
 	if p == "udp" {
 		return unix.IPPROTO_UDP
 	}

@@ -1,0 +1,138 @@
+package config
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/brokkr/brokkr/internal/spec"
+)
+
+// The rules the network plane used to check on its own copy of the state
+// are checked here, once, with the messages it gave.
+func TestRulesOnceCheckedByTheEnginesNameTheirField(t *testing.T) {
+	cases := []struct{ in, want string }{
+		{"network: {cidr: 10.213.0.255/24}", "network.cidr: 10.213.0.255/24 is the broadcast address"},
+		{"network: {cidr: 127.0.0.1/8}", "network.cidr: 127.0.0.1/8 is not a unicast address"},
+		{"network: {cidr: 224.0.0.1/24}", "network.cidr: 224.0.0.1/24 is not a unicast address"},
+		{"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, maxConns: 1048577}]",
+			"exposures[0].maxConns: 1048577 is outside 0 (unlimited)..1048576"},
+		{"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::'}]",
+			"exposures[0].hostAddress: :: is not IPv4 (guests are IPv4-only)"},
+		{"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '2001:db8::1', mode: nat}]",
+			"exposures[0].hostAddress: 2001:db8::1 is not IPv4 (guests are IPv4-only)"},
+		{"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::ffff:192.0.2.1'}]",
+			"exposures[0].hostAddress: ::ffff:192.0.2.1 is not IPv4 (guests are IPv4-only)"},
+	}
+	for _, c := range cases {
+		assert.Equal(t, []string{c.want}, errorsOf(t, c.in), c.in)
+	}
+	// The proxy alone may publish on IPv6, and auto on ::1 is the proxy's.
+	for _, ok := range []string{
+		"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::', mode: proxy}]",
+		"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::1'}]",
+		"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, maxConns: 1048576}]",
+	} {
+		_, err := Parse([]byte(ok))
+		assert.NoError(t, err, ok)
+	}
+}
+
+func TestCompileBuildsTheTypedModel(t *testing.T) {
+	c, m, err := Load([]byte(`
+network: {cidr: 10.9.0.1/16, mtu: 9000, dhcp: false, isolateGuests: true}
+vms:
+  - {name: web, cpus: 2, memory: 1G, kernel: /k, initramfs: /i, disk: {source: /d, size: 2G}, power: stopped, restart: never}
+exposures:
+  - {name: a, vm: web, guestPort: 80, hostPort: 8080}
+  - {name: b, target: 10.9.3.4, protocol: udp, guestPort: 53, hostPort: 5353, hostAddress: 127.0.0.1, mode: proxy, maxConns: 0}
+`))
+	require.NoError(t, err)
+	require.NotNil(t, c)
+	assert.Equal(t, spec.Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.9.0.1/16"), MTU: 9000,
+		Masquerade: true, IsolateGuests: true}, m.Network)
+	assert.Equal(t, []spec.VM{{Name: "web", CPUs: 2, MemoryMiB: 1024, Kernel: spec.Source{Location: "/k"},
+		Initramfs: &spec.Source{Location: "/i"}, Cmdline: DefaultCmdline,
+		Disk:  &spec.Disk{Source: spec.Source{Location: "/d"}, Size: 2 << 30},
+		Power: spec.PowerStopped, Restart: spec.RestartNever}}, m.VMs)
+	assert.Equal(t, []spec.Exposure{
+		{Name: "a", Target: spec.Target{VM: "web"}, Proto: spec.TCP, HostAddr: netip.IPv4Unspecified(),
+			HostPort: 8080, GuestPort: 80, Mode: spec.ModeAuto, MaxConns: DefaultMaxConns},
+		{Name: "b", Target: spec.Target{Addr: netip.MustParseAddr("10.9.3.4")}, Proto: spec.UDP,
+			HostAddr: netip.MustParseAddr("127.0.0.1"), HostPort: 5353, GuestPort: 53, Mode: spec.ModeProxy},
+	}, m.Exposures)
+}
+
+// Whatever Compile accepts is something every engine can take without a
+// check of its own: the rules netplane, the nft table and the proxy used to
+// apply to their copies hold for every accepted model.
+func FuzzCompile(f *testing.F) {
+	f.Add([]byte(designExample))
+	f.Add([]byte("network: {cidr: 10.0.0.1/8}\nvms: [{name: a, kernel: /k}]\nexposures: [{name: e, vm: a, guestPort: 1, hostPort: 2}]"))
+	f.Add([]byte("exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::', mode: proxy}]"))
+	f.Add([]byte("network: {cidr: 10.213.0.254/29}\nexposures: [{name: e, target: 10.213.0.253, guestPort: 65535, hostPort: 1, mode: nat}]"))
+	f.Add([]byte("exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2}, {name: f, target: 10.213.0.9, guestPort: 1, hostPort: 2, protocol: udp}]"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		_, m, err := Load(data)
+		if err != nil {
+			return
+		}
+		p := m.Network.CIDR
+		if !p.Addr().Is4() || p.Bits() < 8 || p.Bits() > 29 || p.Addr() == p.Masked().Addr() || p.Addr() == broadcast(p) ||
+			p.Addr().IsLoopback() || p.Addr().IsMulticast() {
+			t.Fatalf("accepted network.cidr %s", p)
+		}
+		if l := len(m.Network.Bridge); l < 1 || l > 15 || m.Network.MTU < 68 {
+			t.Fatalf("accepted network %+v", m.Network)
+		}
+		vms := map[string]bool{}
+		for _, v := range m.VMs {
+			if vms[v.Name] || v.MemoryMiB < 16 || v.CPUs < 1 {
+				t.Fatalf("accepted VM %+v", v)
+			}
+			vms[v.Name] = true
+		}
+		names := map[string]bool{}
+		type bind struct {
+			proto spec.Proto
+			addr  netip.Addr
+			port  uint16
+		}
+		binds := map[bind]string{}
+		for _, e := range m.Exposures {
+			if names[e.Name] || len(e.Name) == 0 || len(e.Name) > MaxExposureNameLen {
+				t.Fatalf("accepted exposure name %q", e.Name)
+			}
+			names[e.Name] = true
+			if (e.Proto != spec.TCP && e.Proto != spec.UDP) || e.HostPort == 0 || e.GuestPort == 0 ||
+				e.MaxConns < 0 || e.MaxConns > spec.MaxConnsLimit || !e.HostAddr.IsValid() {
+				t.Fatalf("accepted exposure %+v", e)
+			}
+			switch {
+			case e.Target.IsVM() == e.Target.Addr.IsValid():
+				t.Fatalf("target is not exactly one of a VM and an address: %+v", e.Target)
+			case e.Target.IsVM() && !vms[e.Target.VM]:
+				t.Fatalf("accepted target VM %q that is not in vms", e.Target.VM)
+			case !e.Target.IsVM() && (!p.Masked().Contains(e.Target.Addr) || e.Target.Addr == p.Addr()):
+				t.Fatalf("accepted target %s for %s", e.Target.Addr, p)
+			}
+			if e.UsesKernel() && (!e.HostAddr.Is4() || e.HostAddr.IsLoopback()) {
+				t.Fatalf("the kernel path was given host address %s", e.HostAddr)
+			}
+			// One bind per (protocol, address, port) across every path.
+			claims := e.ProxyBinds(true, false)
+			if e.UsesKernel() {
+				claims = append(claims, e.HostAddr)
+			}
+			for _, a := range claims {
+				k := bind{e.Proto, a.Unmap(), e.HostPort}
+				if other, ok := binds[k]; ok && other != e.Name {
+					t.Fatalf("exposures %s and %s both bind %v", other, e.Name, k)
+				}
+				binds[k] = e.Name
+			}
+		}
+	})
+}

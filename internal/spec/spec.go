@@ -1,0 +1,231 @@
+// Package spec is brokkr's desired state as the engines use it: typed,
+// defaults filled in, and valid as a whole. Only daemon/config builds one
+// (config.Compile, the single validation of a config file, an apply and a
+// fleet document; docs/ARCHITECTURE.md, "Data flow"), so nothing downstream
+// parses a string of it again or checks what Compile already checked; the
+// engines check only facts of their environment.
+package spec
+
+import "net/netip"
+
+// Mode says which paths carry an exposure.
+type Mode string
+
+// Modes of an exposure.
+const (
+	ModeAuto  Mode = "auto"
+	ModeNAT   Mode = "nat"
+	ModeProxy Mode = "proxy"
+)
+
+// Proto is an exposure's transport protocol.
+type Proto string
+
+// Protocols an exposure may have.
+const (
+	TCP Proto = "tcp"
+	UDP Proto = "udp"
+)
+
+// Power is a VM's desired power.
+type Power string
+
+// Power values.
+const (
+	PowerRunning Power = "running"
+	PowerStopped Power = "stopped"
+)
+
+// Restart is a VM's restart policy.
+type Restart string
+
+// Restart policies.
+const (
+	RestartAlways    Restart = "always"
+	RestartOnFailure Restart = "on-failure"
+	RestartNever     Restart = "never"
+)
+
+// Phase is where a VM is in its life (status "phase").
+type Phase string
+
+// Phases of a VM.
+const (
+	PhasePending  Phase = "pending"
+	PhaseCreating Phase = "creating"
+	PhaseStarting Phase = "starting"
+	PhaseRunning  Phase = "running"
+	PhaseStopping Phase = "stopping"
+	PhaseStopped  Phase = "stopped"
+	PhaseFailed   Phase = "failed"
+)
+
+// ExposureState is an exposure's status "state", and the state each path
+// (netplane, the socket path, the proxy) reports for its part of one.
+type ExposureState string
+
+// Exposure states, best first.
+const (
+	StateActive  ExposureState = "active"
+	StatePending ExposureState = "pending"
+	StateFailed  ExposureState = "failed"
+)
+
+// Rank orders states for merging the parts of one exposure: failed beats
+// pending beats active.
+func (s ExposureState) Rank() int {
+	switch s {
+	case StateActive:
+		return 0
+	case StatePending:
+		return 1
+	}
+	return 2
+}
+
+// MaxConnsLimit is the largest cap an exposure may have: the nft set that
+// enforces a cap in the kernel fallback is sized to it.
+const MaxConnsLimit = 1 << 20
+
+// Desired is the whole desired state. VMs and Exposures are in the
+// config's order: index i is the config's vms[i] / exposures[i].
+type Desired struct {
+	Network   Network
+	VMs       []VM
+	Exposures []Exposure
+}
+
+// Network is the guest network.
+type Network struct {
+	Bridge        string
+	CIDR          netip.Prefix // the bridge's own address with the subnet's bits
+	MTU           int
+	Masquerade    bool
+	DHCP          bool
+	IsolateGuests bool
+}
+
+// Source is a local path or an http(s) URL with the sha256 it must have.
+type Source struct {
+	Location string
+	SHA256   string
+}
+
+// Disk is a VM's root disk.
+type Disk struct {
+	Source Source
+	Size   int64 // bytes; 0 = the image's own size
+}
+
+// VM is one guest.
+type VM struct {
+	Name      string
+	CPUs      int
+	MemoryMiB int
+	Kernel    Source
+	Initramfs *Source
+	Cmdline   string
+	Disk      *Disk
+	Power     Power
+	Restart   Restart
+}
+
+// Target is where an exposure sends callers: a VM brokkr runs (its leased
+// address) or a fixed address on the bridge's subnet. Exactly one is set.
+type Target struct {
+	VM   string
+	Addr netip.Addr
+}
+
+// IsVM reports whether the target is a VM (its address comes from a lease).
+func (t Target) IsVM() bool { return t.VM != "" }
+
+// String is the VM name or the address.
+func (t Target) String() string {
+	if t.IsVM() {
+		return t.VM
+	}
+	return t.Addr.String()
+}
+
+// Exposure is one published guest port.
+type Exposure struct {
+	Name      string
+	Target    Target
+	Proto     Proto
+	HostAddr  netip.Addr // as given; the unspecified address of a family is every address
+	HostPort  uint16
+	GuestPort uint16
+	Mode      Mode
+	MaxConns  int // 0 = unlimited
+}
+
+// UsesKernel reports whether nftables DNAT (and the nat path) carries the
+// exposure. auto on a loopback address cannot be: brokkr never sets
+// route_localnet.
+func (e Exposure) UsesKernel() bool {
+	switch e.Mode {
+	case ModeNAT:
+		return true
+	case ModeAuto:
+		return !e.HostAddr.IsLoopback()
+	}
+	return false
+}
+
+// UsesSocketPath reports whether the socket path serves the exposure's
+// host-local callers when it is attached: every auto exposure.
+func (e Exposure) UsesSocketPath() bool { return e.Mode == ModeAuto }
+
+// ProxyBinds lists the addresses the userspace proxy binds for the
+// exposure: proxy mode binds hostAddress; auto binds the loopback that DNAT
+// cannot serve when hostAddress covers it: 127.0.0.1, and ::1 when the host
+// has IPv6 loopback (ipv6). With the socket path attached (sock) auto binds
+// nothing: the socket path serves loopback callers.
+func (e Exposure) ProxyBinds(ipv6, sock bool) []netip.Addr {
+	switch e.Mode {
+	case ModeProxy:
+		return []netip.Addr{e.HostAddr}
+	case ModeAuto:
+		a := e.HostAddr
+		switch {
+		case sock:
+			return nil
+		case a.IsLoopback():
+			return []netip.Addr{a}
+		case a.IsUnspecified() && ipv6:
+			return []netip.Addr{netip.AddrFrom4([4]byte{127, 0, 0, 1}), netip.IPv6Loopback()}
+		case a.IsUnspecified():
+			return []netip.Addr{netip.AddrFrom4([4]byte{127, 0, 0, 1})}
+		}
+	}
+	return nil
+}
+
+// KernelExposures are the exposures nftables carries, in order.
+func (d *Desired) KernelExposures() []Exposure {
+	var out []Exposure
+	for _, e := range d.Exposures {
+		if e.UsesKernel() {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// VM returns the named VM.
+func (d *Desired) VM(name string) (VM, bool) {
+	for _, v := range d.VMs {
+		if v.Name == name {
+			return v, true
+		}
+	}
+	return VM{}, false
+}
+
+// StaticIP is a guest's address on a network without DHCP: the address
+// with the subnet's bits, and the gateway (the bridge).
+type StaticIP struct {
+	Addr    netip.Prefix
+	Gateway netip.Addr
+}

@@ -1,0 +1,14 @@
+package nft
+
+import "github.com/brokkr/brokkr/netplane/nft/compile"
+
+// The desired state is the compiler's input; the aliases keep callers
+// writing nft.Rules, nft.Exposure and nft.Guest.
+type (
+	Rules    = compile.Rules
+	Exposure = compile.Exposure
+	Guest    = compile.Guest
+)
+
+// MaxConnsLimit bounds a cap (the cap set is sized to it).
+const MaxConnsLimit = compile.MaxConnsLimit

@@ -1,0 +1,169 @@
+package compile
+
+import (
+	"flag"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/nftables/expr"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files under testdata/")
+
+type goldenCase struct {
+	name         string
+	rules        Rules
+	overflowPort uint16
+}
+
+var (
+	g1 = Guest{Name: "g1", Tap: "tap-g1", MAC: net.HardwareAddr{0x52, 0x54, 0, 0, 0, 1}, Addr: netip.MustParseAddr("10.213.0.11")}
+	g2 = Guest{Name: "g2", Tap: "tap-g2", MAC: net.HardwareAddr{0x52, 0x54, 0, 0, 0, 2}, Addr: netip.MustParseAddr("10.213.0.12")}
+	// Not leased yet: only DHCP and ARP probes from its MAC pass.
+	g3 = Guest{Name: "g3", Tap: "tap-g3", MAC: net.HardwareAddr{0x52, 0x54, 0, 0, 0, 3}}
+)
+
+func baseRules(exps ...Exposure) Rules {
+	return Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Gateway: netip.MustParseAddr("10.213.0.1"),
+		Masquerade: true, DHCP: true, DNS: true, Guests: []Guest{g1, g2}, Exposures: exps}
+}
+
+func tcpTo(name string, hostPort uint16, guest Guest, guestPort uint16) Exposure {
+	return Exposure{Name: name, Protocol: "tcp", HostPort: hostPort, GuestAddr: guest.Addr, GuestPort: guestPort}
+}
+
+// goldenCases: one configuration per feature of the tables, each small
+// enough to read in its golden file.
+func goldenCases() []goldenCase {
+	capped := tcpTo("web", 8080, g1, 80)
+	capped.MaxConns = 3
+	bound := tcpTo("admin", 2222, g2, 22)
+	bound.HostAddr = netip.MustParseAddr("192.0.2.1")
+	udp := Exposure{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: g2.Addr, GuestPort: 53}
+	udpCapped := udp
+	udpCapped.Name, udpCapped.HostPort, udpCapped.MaxConns = "dns-capped", 5354, 8
+	target := Exposure{Name: "db", Protocol: "tcp", HostPort: 15432, GuestAddr: netip.MustParseAddr("198.51.100.7"), GuestPort: 5432}
+	loop := tcpTo("local", 9000, g1, 9000)
+	loop.HostAddr = netip.MustParseAddr("127.0.0.1")
+
+	kernel := baseRules(capped, bound, udp)
+	kernel.KernelCap = true
+	for i := range kernel.Exposures {
+		kernel.Exposures[i].MarkID = uint32(i + 1)
+	}
+	noMasq := baseRules(tcpTo("web", 8080, g1, 80))
+	noMasq.Masquerade, noMasq.DHCP, noMasq.DNS = false, false, false
+	isolated := baseRules(tcpTo("web", 8080, g1, 80))
+	isolated.IsolateGuests = true
+	antiSpoof := baseRules()
+	antiSpoof.Guests = []Guest{g1, g3}
+	return []goldenCase{
+		{name: "empty", rules: Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Gateway: netip.MustParseAddr("10.213.0.1")}},
+		{name: "wildcard", rules: baseRules(tcpTo("web", 8080, g1, 80))},
+		{name: "specific-address", rules: baseRules(bound)},
+		{name: "wildcard-and-specific-same-port", rules: baseRules(tcpTo("web", 2222, g1, 80), bound)},
+		{name: "cap-tcp-set", rules: baseRules(capped), overflowPort: 40001},
+		{name: "cap-tcp-set-no-listener", rules: baseRules(capped)},
+		{name: "cap-kernel", rules: kernel},
+		{name: "udp", rules: baseRules(udp, udpCapped)},
+		{name: "hairpin-two-guests", rules: baseRules(tcpTo("web1", 8081, g1, 80), tcpTo("web2", 8082, g2, 80))},
+		{name: "isolate-guests", rules: isolated},
+		{name: "no-masquerade-no-dhcp-dns", rules: noMasq},
+		{name: "anti-spoof-leased-and-not", rules: antiSpoof},
+		{name: "several-exposures-one-guest", rules: baseRules(tcpTo("http", 80, g1, 8080), tcpTo("https", 443, g1, 8443),
+			tcpTo("ssh", 2201, g1, 22), Exposure{Name: "syslog", Protocol: "udp", HostPort: 5514, GuestAddr: g1.Addr, GuestPort: 514})},
+		{name: "target-address", rules: baseRules(target)},
+		{name: "loopback-only", rules: baseRules(loop)},
+	}
+}
+
+// renderCase is the case's two tables in `nft -f` syntax.
+func renderCase(t *testing.T, c goldenCase) string {
+	t.Helper()
+	ids := AssignIDs(c.rules.Exposures, nil)
+	if c.rules.KernelCap {
+		for _, e := range c.rules.Exposures {
+			ids[e.Name] = e.MarkID
+		}
+	}
+	inet, bridge, err := Desired(c.rules, ids, c.overflowPort)
+	require.NoError(t, err, c.name)
+	var out []string
+	for _, tab := range []*TableSpec{inet, bridge} {
+		s, err := Render(tab)
+		require.NoError(t, err, c.name)
+		out = append(out, s)
+	}
+	return strings.Join(out, "\n")
+}
+
+func goldenPath(name string) string { return filepath.Join("testdata", name+".nft") }
+
+// The compiled tables, rendered, match the golden files (go test -update
+// rewrites them).
+func TestGolden(t *testing.T) {
+	want := map[string]bool{}
+	for _, c := range goldenCases() {
+		want[goldenPath(c.name)] = true
+		got := renderCase(t, c)
+		if *update {
+			require.NoError(t, os.MkdirAll("testdata", 0o755))
+			require.NoError(t, os.WriteFile(goldenPath(c.name), []byte(got), 0o644))
+		}
+		b, err := os.ReadFile(goldenPath(c.name))
+		require.NoError(t, err, "run with -update to create it")
+		assert.Equal(t, string(b), got, c.name)
+	}
+	files, err := filepath.Glob("testdata/*.nft")
+	require.NoError(t, err)
+	for _, f := range files {
+		assert.True(t, want[f], "%s belongs to no case: delete it", f)
+	}
+}
+
+// An expression the renderer does not know fails the render, naming it.
+func TestRenderRefusesUnknownExpression(t *testing.T) {
+	inet, _, err := Desired(baseRules(), nil, 0)
+	require.NoError(t, err)
+	inet.addChain(&ChainSpec{Name: "x", Rules: []RuleSpec{rule(inet.Family, "log", &expr.Log{})}})
+	_, err = Render(inet)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "*expr.Log")
+	assert.Contains(t, err.Error(), "chain x")
+}
+
+// Input Validate refuses but that reaches the compiler anyway is an error
+// naming the field, never a panic.
+func TestDesiredRefusesImpossibleInput(t *testing.T) {
+	for field, mutate := range map[string]func(*Rules){
+		"exposures[web].guestAddr": func(r *Rules) { r.Exposures[0].GuestAddr = netip.Addr{} },
+		"exposures[web].hostAddr":  func(r *Rules) { r.Exposures[0].HostAddr = netip.MustParseAddr("2001:db8::1") },
+		"exposures[web].protocol":  func(r *Rules) { r.Exposures[0].Protocol = "sctp" },
+		"exposures[web].markID":    func(r *Rules) { r.KernelCap = true },
+		"subnet":                   func(r *Rules) { r.Subnet = netip.Prefix{} },
+		"bridge":                   func(r *Rules) { r.Bridge = "a-name-longer-than-ifnamsiz" },
+		"guests[0].mac":            func(r *Rules) { r.Guests[0].MAC = nil },
+		"guests[0].addr":           func(r *Rules) { r.Guests[0].Addr = netip.MustParseAddr("2001:db8::2") },
+	} {
+		r := baseRules(tcpTo("web", 8080, g1, 80))
+		r.Guests = []Guest{g1}
+		mutate(&r)
+		ids := AssignIDs(r.Exposures, nil)
+		if r.KernelCap {
+			ids = map[string]uint32{}
+		}
+		_, _, err := Desired(r, ids, 0)
+		require.Error(t, err, field)
+		assert.Contains(t, err.Error(), field+":")
+		_, err = UnitOf(&UnitKey{Exp: r.Exposures[0], ID: ids[r.Exposures[0].Name], Kernel: r.KernelCap})
+		if strings.HasPrefix(field, "exposures") {
+			assert.ErrorContains(t, err, field+":")
+		}
+	}
+}

@@ -1,0 +1,136 @@
+// Package compile is the pure half of brokkr's nftables tables: the desired
+// state (Rules), the table spec built from it (Desired, one unit per
+// exposure), the plan that turns one spec into another (MakePlan), and the
+// spec printed in `nft -f` syntax (Render). It touches no kernel and needs
+// no root: package nft applies what it builds and runs the cap around it.
+//
+// The tables are `table inet brokkr` (map-dispatched DNAT for exposures with
+// an honest per-exposure connection cap, named counters, the remote-loopback
+// guard, host isolation, hairpin and egress masquerade) and `table bridge
+// brokkr` (anti-spoof per guest port and guest-to-guest isolation).
+package compile
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+)
+
+// Rules is the whole desired state of brokkr's tables.
+type Rules struct {
+	Bridge        string       // the guest bridge (host isolation, anti-spoof, hairpin)
+	Subnet        netip.Prefix // guest subnet: bridge address + prefix, e.g. 10.213.0.1/24
+	Gateway       netip.Addr   // the bridge's own address
+	Masquerade    bool         // egress NAT for the subnet leaving through any other interface
+	IsolateGuests bool         // drop guest-to-guest frames across the bridge
+	DHCP          bool         // guests may reach udp/67 on the host
+	DNS           bool         // guests may reach udp+tcp/53 on the host
+	Guests        []Guest      // ports under anti-spoof
+	Exposures     []Exposure
+	// KernelCap: the cap, its release and the counters are the BPF nat
+	// path's (bpf.NatPath); exposures carry only their mark and DNAT, and
+	// each Exposure's MarkID is its counter slot's.
+	KernelCap bool
+}
+
+// Guest is one bridge port that may only send frames from its own MAC and
+// IPv4 address (plus the DHCP discover/request from 0.0.0.0).
+type Guest struct {
+	Name string
+	Tap  string // bridge port name (a tap, or a veth in tests)
+	MAC  net.HardwareAddr
+	Addr netip.Addr // invalid = not leased yet: only DHCP and ARP probes pass
+}
+
+// Exposure is one published port.
+type Exposure struct {
+	Name      string
+	Protocol  string     // tcp | udp
+	HostAddr  netip.Addr // unspecified (0.0.0.0) or invalid = every local address
+	HostPort  uint16
+	GuestAddr netip.Addr
+	GuestPort uint16
+	MaxConns  int    // 0 = unlimited
+	MarkID    uint32 // with Rules.KernelCap: the ct mark id (counter slot + 1)
+}
+
+// loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
+// alone (DNAT from loopback would need route_localnet, which brokkr never
+// sets); it is valid and gets no rules here.
+func (e Exposure) LoopbackOnly() bool { return e.HostAddr.IsValid() && e.HostAddr.IsLoopback() }
+
+// wildcard reports whether the exposure answers on every local address.
+func (e Exposure) Wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
+
+// fieldErr names the field of Rules the builder cannot express. The
+// desired state was validated where it entered (config.Compile); this only
+// keeps the compiler total on input that did not.
+func fieldErr(field, format string, a ...any) error {
+	return fmt.Errorf("%s: %s", field, fmt.Sprintf(format, a...))
+}
+
+// validName: names usable inside nft object names (chains, sets, counters)
+// that `nft` prints back and parses again: [a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}.
+func validName(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		alnum := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9'
+		if !alnum && (i == 0 || c != '_' && c != '.' && c != '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// MaxConnsLimit bounds a cap; the set that enforces it is sized to it.
+const MaxConnsLimit = 1 << 20
+
+// buildable reports input the builder cannot turn into expressions.
+func (r Rules) buildable() error {
+	if len(r.Bridge) == 0 || len(r.Bridge) > 15 {
+		return fieldErr("bridge", "%q is not an interface name", r.Bridge)
+	}
+	if !r.Subnet.IsValid() || !r.Subnet.Addr().Is4() {
+		return fieldErr("subnet", "%q is not an IPv4 prefix", r.Subnet)
+	}
+	for i, g := range r.Guests {
+		f := "guests[" + strconv.Itoa(i) + "]"
+		switch {
+		case len(g.Tap) == 0 || len(g.Tap) > 15:
+			return fieldErr(f+".tap", "%q is not an interface name", g.Tap)
+		case len(g.MAC) != 6:
+			return fieldErr(f+".mac", "%q is not a 6-byte MAC", g.MAC)
+		case g.Addr.IsValid() && !g.Addr.Is4():
+			return fieldErr(f+".addr", "%s is not an IPv4 address", g.Addr)
+		}
+	}
+	return nil
+}
+
+// buildable reports an exposure the builder cannot express (id is its mark
+// id; 0 is never one).
+func (e Exposure) buildable(kernelCap bool, id uint32) error {
+	if e.LoopbackOnly() {
+		return nil
+	}
+	f := "exposures[" + e.Name + "]"
+	switch {
+	case !validName(e.Name):
+		return fieldErr(f+".name", "%q is not a valid name", e.Name)
+	case e.Protocol != "tcp" && e.Protocol != "udp":
+		return fieldErr(f+".protocol", "%q must be tcp or udp", e.Protocol)
+	case !e.GuestAddr.Is4():
+		return fieldErr(f+".guestAddr", "%q is not an IPv4 address", e.GuestAddr)
+	case !e.Wildcard() && !e.HostAddr.Is4():
+		return fieldErr(f+".hostAddr", "%s is not an IPv4 address", e.HostAddr)
+	case e.MaxConns < 0 || e.MaxConns > MaxConnsLimit:
+		return fieldErr(f+".maxConns", "%d is outside 0..%d", e.MaxConns, MaxConnsLimit)
+	case id == 0 || id > MarkIDMask:
+		return fieldErr(f+".markID", "%d is not a mark id (1..%d)", id, MarkIDMask)
+	}
+	return nil
+}
