@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"net"
+	"net/netip"
 	"os"
 	"time"
 
@@ -18,8 +19,9 @@ import (
 // pipe but not yet written); the next process builds its Manager from that
 // Snapshot with Inherit and Adopt, and nothing is lost or counted twice.
 
-// Snapshot is what Freeze hands over: the TCP listeners by ListenerName and
-// the carried connections. The files are the caller's to close.
+// Snapshot is what Freeze hands over: the listening sockets (TCP listeners
+// and UDP sockets) by ListenerName, the carried TCP connections and the UDP
+// flows. The files are the caller's to close.
 type Snapshot struct {
 	Listeners map[string]*os.File
 	Pairs     []FrozenPair
@@ -28,12 +30,25 @@ type Snapshot struct {
 // FrozenPair is one carried connection stopped for a hand-over. Its place
 // under the exposure's cap stays taken (proxy_active in the slot): the
 // process that adopts it gives the place back when the connection ends.
+//
+// A UDP flow travels as a FrozenPair too, with Flow set, Client nil and
+// Guest its connected socket to the guest: its client has no socket of its
+// own (datagrams come and go through the exposure's one socket).
 type FrozenPair struct {
 	ID            string // exposure; "" for a nat slow-path connection (Carry)
 	HostPort      uint16
 	Client, Guest *os.File
 	Pending       [2][]byte // caller to guest, guest to caller
 	Done          [2]bool
+	Flow          *FrozenFlow
+}
+
+// FrozenFlow is what a UDP flow is beside its guest socket.
+type FrozenFlow struct {
+	Listener string         // ListenerName of the exposure's socket
+	Client   netip.AddrPort // where the replies go
+	Local    netip.Addr     // the address the client sent to (wildcard binds)
+	LastSeen int64          // unix ns of the last datagram either way
 }
 
 // listenerName names a TCP listener for the hand-over and systemd's fd
@@ -60,7 +75,7 @@ func (s *Snapshot) Close() {
 		f.Close()
 	}
 	for _, p := range s.Pairs {
-		p.Client.Close()
+		closeIf(p.Client)
 		p.Guest.Close()
 	}
 }
@@ -120,6 +135,13 @@ func (m *Manager) DropUnclaimed() []string {
 		delete(m.inherit, name)
 		names = append(names, name)
 	}
+	for name, flows := range m.inheritFlows {
+		for _, fp := range flows {
+			fp.Guest.Close()
+			m.closedPlace(fp.ID, "udp", fp.HostPort)
+		}
+		delete(m.inheritFlows, name)
+	}
 	return names
 }
 
@@ -161,6 +183,36 @@ func (m *Manager) inherited(name string) (net.Listener, bool) {
 	return ln, true
 }
 
+// inheritedUDP takes the inherited UDP socket for name and the flows that
+// came with it (m.mu held). Flows without their socket cannot reply and end.
+func (m *Manager) inheritedUDP(name string) (*net.UDPConn, []FrozenPair, bool) {
+	flows := m.inheritFlows[name]
+	delete(m.inheritFlows, name)
+	endFlows := func() {
+		for _, fp := range flows {
+			fp.Guest.Close()
+			m.closedPlace(fp.ID, "udp", fp.HostPort)
+		}
+	}
+	f := m.inherit[name]
+	if f == nil {
+		endFlows()
+		return nil, nil, false
+	}
+	delete(m.inherit, name)
+	pc, err := net.FilePacketConn(f)
+	f.Close()
+	uc, ok := pc.(*net.UDPConn)
+	if err != nil || !ok {
+		if pc != nil {
+			pc.Close()
+		}
+		endFlows()
+		return nil, nil, false
+	}
+	return uc, flows, true
+}
+
 // register adds a pair to the ones a freeze must stop, or reports false
 // when a freeze already began (the pair is then frozen as it is).
 func (m *Manager) register(p *pair) bool {
@@ -191,12 +243,18 @@ func (m *Manager) keepFrozen(p *pair) {
 
 // Freeze stops the Manager for a hand-over and returns what it held. The
 // TCP listeners are duplicated and then closed here, so callers queue in
-// their backlogs; UDP sockets are closed (their flows end and give their
-// places back: datagrams are not handed over). Every carried connection is
-// stopped where it stands (dials in progress finish first, at most the dial
-// timeout). Converge binds nothing while frozen. Thaw undoes it.
+// their backlogs; a UDP socket and its flows are stopped the same way
+// (datagrams queue in the socket buffers) and handed over with each flow's
+// client address and idle clock. Every carried connection is stopped where
+// it stands (dials in progress finish first, at most the dial timeout).
+// Converge binds nothing while frozen. Thaw undoes it.
 func (m *Manager) Freeze() *Snapshot {
 	snap := &Snapshot{Listeners: map[string]*os.File{}}
+	type frozenRelay struct {
+		r    *udpRelay
+		name string
+	}
+	var relays []frozenRelay
 	m.mu.Lock()
 	m.frozenMode = true
 	for _, ex := range m.live {
@@ -205,6 +263,11 @@ func (m *Manager) Freeze() *Snapshot {
 				snap.Listeners[ex.name] = f
 			}
 		}
+		if r := ex.udp; r != nil && ex.name != "" {
+			r.freeze()
+			relays = append(relays, frozenRelay{r, ex.name})
+			ex.udp = nil // closeSocket leaves it open
+		}
 		ex.closeSocket()
 	}
 	// Listeners inherited and not bound yet go on as they came.
@@ -212,8 +275,15 @@ func (m *Manager) Freeze() *Snapshot {
 		snap.Listeners[name] = f
 		delete(m.inherit, name)
 	}
+	for name, flows := range m.inheritFlows {
+		snap.Pairs = append(snap.Pairs, flows...)
+		delete(m.inheritFlows, name)
+	}
 	m.mu.Unlock()
-	m.loops.Wait()
+	m.loops.Wait() // the UDP loops too: every flow of a frozen relay is parked
+	for _, fr := range relays {
+		m.collectUDP(fr.r, fr.name, snap)
+	}
 
 	m.carriedMu.Lock()
 	m.freezing = true
@@ -246,7 +316,7 @@ func (m *Manager) Freeze() *Snapshot {
 			closeIf(cf)
 			closeIf(gf)
 			if p.id != "" {
-				m.closedPlace(p.id, p.hostPort)
+				m.closedPlace(p.id, "tcp", p.hostPort)
 			}
 			continue
 		}
@@ -262,9 +332,35 @@ func closeIf(f *os.File) {
 	}
 }
 
+// collectUDP moves a frozen relay's socket and flows into snap. A socket
+// that cannot be duplicated ends here, and so do the places of its flows.
+func (m *Manager) collectUDP(r *udpRelay, name string, snap *Snapshot) {
+	var hostPort uint16
+	if a, ok := r.conn.LocalAddr().(*net.UDPAddr); ok {
+		hostPort = uint16(a.Port)
+	}
+	sock, err := r.conn.File()
+	r.conn.Close()
+	if err == nil {
+		snap.Listeners[name] = sock
+	}
+	for _, f := range r.flows {
+		gf, gerr := f.guest.File()
+		f.guest.Close()
+		if err != nil || gerr != nil {
+			closeIf(gf)
+			m.closedPlace(r.ex.id, "udp", hostPort)
+			continue
+		}
+		snap.Pairs = append(snap.Pairs, FrozenPair{ID: r.ex.id, HostPort: hostPort, Guest: gf,
+			Flow: &FrozenFlow{Listener: name, Client: f.key.client, Local: f.key.local, LastSeen: f.lastSeen.Load()}})
+	}
+	r.flows = nil
+}
+
 // closedPlace gives back one place of the named exposure's slot.
-func (m *Manager) closedPlace(id string, port uint16) {
-	if sl, err := m.stats.Attach(id, bpf.ProtoNumber("tcp"), port); err == nil {
+func (m *Manager) closedPlace(id, proto string, port uint16) {
+	if sl, err := m.stats.Attach(id, bpf.ProtoNumber(proto), port); err == nil {
 		sl.Closed()
 		sl.Release(false)
 	}
@@ -288,8 +384,21 @@ func (m *Manager) Thaw(s *Snapshot) {
 // one, after a failed hand-over), once the hold ends. Their places are
 // already taken in their slots; each gives its place back when it ends.
 // The Manager owns the files.
+//
+// UDP flows wait, by listener name, for the Converge that binds their
+// exposure's socket; the flows of a socket no exposure claims by the next
+// DropUnclaimed end then.
 func (m *Manager) Adopt(pairs []FrozenPair) {
 	for _, fp := range pairs {
+		if fp.Flow != nil {
+			m.mu.Lock()
+			if m.inheritFlows == nil {
+				m.inheritFlows = map[string][]FrozenPair{}
+			}
+			m.inheritFlows[fp.Flow.Listener] = append(m.inheritFlows[fp.Flow.Listener], fp)
+			m.mu.Unlock()
+			continue
+		}
 		client, err1 := fileConn(fp.Client)
 		guest, err2 := fileConn(fp.Guest)
 		if err1 != nil || err2 != nil {
@@ -300,7 +409,7 @@ func (m *Manager) Adopt(pairs []FrozenPair) {
 				guest.Close()
 			}
 			if fp.ID != "" {
-				m.closedPlace(fp.ID, fp.HostPort)
+				m.closedPlace(fp.ID, "tcp", fp.HostPort)
 			}
 			continue
 		}
@@ -330,7 +439,7 @@ func (m *Manager) adopt(p *pair) {
 		p.client.Close()
 		p.guest.Close()
 		if p.id != "" {
-			m.closedPlace(p.id, p.hostPort)
+			m.closedPlace(p.id, "tcp", p.hostPort)
 		}
 		return
 	}

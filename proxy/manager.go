@@ -71,6 +71,10 @@ type Manager struct {
 	holdOnce    sync.Once
 	stopping    chan struct{} // closed when StopAll begins
 	stopOnce    sync.Once
+
+	// UDP flows adopted before their socket is bound, by listener name
+	// (guarded by mu).
+	inheritFlows map[string][]FrozenPair
 }
 
 // NewManager returns a Manager that finds guests through resolve and counts
@@ -314,12 +318,17 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 			m.serveTCP(ex, ln, stop, c.Target, int(c.GuestPort))
 		}()
 	case "udp":
-		conn, err := listenUDP(c)
-		if err != nil {
-			return err
+		name := listenerName(c.Name, c.listenKey())
+		conn, flows, ok := m.inheritedUDP(name)
+		if !ok {
+			var err error
+			if conn, err = listenUDP(c); err != nil {
+				return err
+			}
 		}
-		r := newUDPRelay(m, ex, conn, c)
-		ex.udp, ex.stop, ex.boundAddr = r, stop, conn.LocalAddr().String()
+		r := newUDPRelay(m, ex, conn, c, stop)
+		ex.udp, ex.stop, ex.boundAddr, ex.name = r, stop, conn.LocalAddr().String(), name
+		r.adopt(flows)
 		m.loops.Add(1)
 		go func() {
 			defer m.loops.Done()
@@ -352,6 +361,12 @@ func (m *Manager) StopAll() {
 	for name, f := range m.inherit {
 		f.Close()
 		delete(m.inherit, name)
+	}
+	for name, flows := range m.inheritFlows {
+		for _, fp := range flows {
+			fp.Guest.Close()
+		}
+		delete(m.inheritFlows, name)
 	}
 	m.mu.Unlock()
 	m.loops.Wait()

@@ -27,7 +27,9 @@ type udpRelay struct {
 	conn      *net.UDPConn
 	target    spec.Target
 	guestPort string
-	pktinfo   bool // wildcard bind: learn each datagram's local address
+	pktinfo   bool          // wildcard bind: learn each datagram's local address
+	stop      chan struct{} // the exposure's: closed when its socket is closed on purpose
+	frozen    atomic.Bool   // stopped for a hand-over (handover.go)
 
 	mu     sync.Mutex
 	flows  map[flowKey]*udpFlow
@@ -48,9 +50,65 @@ type udpFlow struct {
 	once     sync.Once
 }
 
-func newUDPRelay(m *Manager, ex *exposure, conn *net.UDPConn, c checked) *udpRelay {
+func newUDPRelay(m *Manager, ex *exposure, conn *net.UDPConn, c checked, stop chan struct{}) *udpRelay {
 	return &udpRelay{m: m, ex: ex, conn: conn, target: c.Target, guestPort: strconv.Itoa(int(c.GuestPort)),
-		pktinfo: c.host.IsUnspecified(), flows: map[flowKey]*udpFlow{}}
+		pktinfo: c.host.IsUnspecified(), stop: stop, flows: map[flowKey]*udpFlow{}}
+}
+
+// freeze stops the read loop and every flow's reader at their next wait,
+// the way a TCP pair is frozen: a read deadline in the past, with the
+// sockets left open (m.mu held). A flow opened meanwhile sees frozen once
+// it has set its own deadline. Datagrams arriving from now on wait in the
+// socket buffers for the next process.
+func (r *udpRelay) freeze() {
+	r.frozen.Store(true)
+	past := time.Unix(1, 0)
+	r.mu.Lock()
+	for _, f := range r.flows {
+		_ = f.guest.SetReadDeadline(past)
+	}
+	r.mu.Unlock()
+	_ = r.conn.SetReadDeadline(past)
+}
+
+// adopt carries on flows handed over with the socket: their places are
+// already taken in the slot and they were counted accepted where they
+// began. A flow whose socket cannot be taken over gives its place back.
+func (r *udpRelay) adopt(flows []FrozenPair) {
+	for _, fp := range flows {
+		guest, err := udpFileConn(fp.Guest)
+		if err != nil {
+			r.ex.ctr.slot.Closed()
+			continue
+		}
+		key := flowKey{client: fp.Flow.Client, local: fp.Flow.Local}
+		f := &udpFlow{key: key, guest: guest}
+		if key.local.IsValid() {
+			f.oob = pktinfoCmsg(key.local)
+		}
+		f.lastSeen.Store(fp.Flow.LastSeen)
+		r.mu.Lock()
+		r.flows[key] = f
+		r.wg.Add(1)
+		r.mu.Unlock()
+		r.ex.conns.Add(1)
+		r.ex.ctr.acquire()
+		go r.replies(f)
+	}
+}
+
+func udpFileConn(f *os.File) (*net.UDPConn, error) {
+	defer f.Close()
+	c, err := net.FileConn(f)
+	if err != nil {
+		return nil, err
+	}
+	uc, ok := c.(*net.UDPConn)
+	if !ok {
+		c.Close()
+		return nil, net.UnknownNetworkError("not a UDP socket")
+	}
+	return uc, nil
 }
 
 // close ends the socket and every flow (their replies leave through it, so
@@ -72,11 +130,17 @@ func (r *udpRelay) close() {
 // serve reads datagrams from clients and forwards each through its flow.
 func (r *udpRelay) serve() {
 	defer r.wg.Wait()
+	if !r.m.held(r.stop) {
+		return
+	}
 	buf := make([]byte, 65535)
 	oob := make([]byte, 256)
 	for {
 		n, oobn, _, from, err := r.conn.ReadMsgUDPAddrPort(buf, oob)
 		if err != nil {
+			if r.frozen.Load() {
+				return // the socket goes to the next process as it is
+			}
 			r.m.mu.Lock()
 			dead := r.ex.udp == r // not closed on purpose
 			if dead {
@@ -164,9 +228,21 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 
 // replies carries the guest's datagrams back to the client until the flow
 // has been idle (no datagram either way) for the exposure's idle timeout.
+//
+// A freeze parks the flow instead: socket open, place kept, for the next
+// process.
 func (r *udpRelay) replies(f *udpFlow) {
 	defer r.wg.Done()
-	defer r.end(f)
+	defer func() {
+		if r.frozen.Load() {
+			r.park(f)
+		} else {
+			r.end(f)
+		}
+	}()
+	if !r.m.held(r.stop) {
+		return
+	}
 	buf := make([]byte, 65535)
 	for {
 		idle := time.Duration(r.ex.idle.Load())
@@ -175,8 +251,14 @@ func (r *udpRelay) replies(f *udpFlow) {
 			return
 		}
 		_ = f.guest.SetReadDeadline(last.Add(idle))
+		if r.frozen.Load() { // after the deadline: freeze's own may be overwritten
+			return
+		}
 		n, err := f.guest.Read(buf)
 		if err != nil {
+			if r.frozen.Load() {
+				return
+			}
 			// A deadline is re-checked against the latest datagram; an ICMP
 			// unreachable from the guest is not the end of the flow.
 			if errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, unix.ECONNREFUSED) {
@@ -189,6 +271,13 @@ func (r *udpRelay) replies(f *udpFlow) {
 			r.ex.ctr.slot.AddBytes(0, uint64(w))
 		}
 	}
+}
+
+// park lets go of a frozen flow in this process: its socket and its place
+// under the cap go on to the next one.
+func (r *udpRelay) park(f *udpFlow) {
+	r.ex.conns.Add(-1)
+	r.ex.ctr.release()
 }
 
 func (r *udpRelay) end(f *udpFlow) {

@@ -37,9 +37,9 @@ func sdNotifyFds(state string, files []*os.File) (bool, error) {
 	defer unix.Close(s)
 	var oob []byte
 	if len(files) > 0 {
-		fds := make([]int, len(files))
-		for i, f := range files {
-			fds[i] = int(f.Fd())
+		fds, err := rawFds(files) // not Fd(): see rawFds
+		if err != nil {
+			return false, err
 		}
 		oob = unix.UnixRights(fds...)
 	}

@@ -32,10 +32,13 @@ import (
 const (
 	handoverEnv   = "BROKKR_HANDOVER_FD"
 	upgradeSocket = "brokkrd.upgrade"
-	// readyTimeout bounds the new process's start up to its first pass.
-	readyTimeout = 60 * time.Second
-	maxFdsPerMsg = 250 // below the kernel's SCM_MAX_FD (253)
+	maxFdsPerMsg  = 250 // below the kernel's SCM_MAX_FD (253)
 )
+
+// readyTimeout bounds the new process's start, from its launch (sending it
+// the state included) to its first pass. A variable so the hand-over tests
+// can watch a late process miss it without waiting a minute.
+var readyTimeout = 60 * time.Second
 
 type handState struct {
 	Lock, API, Upgrade, Metrics int // descriptor indexes; -1 none
@@ -50,9 +53,10 @@ type handManager struct {
 type handPair struct {
 	ID            string
 	HostPort      uint16
-	Client, Guest int
+	Client, Guest int // Client -1 for a UDP flow
 	Pending       [2][]byte
 	Done          [2]bool
+	Flow          *proxy.FrozenFlow `json:",omitempty"`
 }
 
 // inherited is what a new process got from the old one.
@@ -125,12 +129,32 @@ func readFrame(c *net.UnixConn) ([]*os.File, []byte, error) {
 	return files, payload, err
 }
 
+// rawFds returns the descriptor numbers of files for SCM_RIGHTS without
+// os.File.Fd, which switches a socket duplicated by net's File to blocking
+// mode. That mode belongs to the socket, not the descriptor: the process's
+// own listener would then block in accept(2), where Close cannot wake it,
+// and its next Close (a freeze, a shutdown) would hang until a caller came.
+// The numbers stay valid while the caller keeps files open.
+func rawFds(files []*os.File) ([]int, error) {
+	fds := make([]int, len(files))
+	for i, f := range files {
+		rc, err := f.SyscallConn()
+		if err != nil {
+			return nil, err
+		}
+		if err := rc.Control(func(fd uintptr) { fds[i] = int(fd) }); err != nil {
+			return nil, err
+		}
+	}
+	return fds, nil
+}
+
 // sendState sends the descriptors in frames of at most maxFdsPerMsg, then
 // the state that refers to them by index.
 func sendState(c *net.UnixConn, files []*os.File, st handState) error {
-	fds := make([]int, len(files))
-	for i, f := range files {
-		fds[i] = int(f.Fd())
+	fds, err := rawFds(files)
+	if err != nil {
+		return err
 	}
 	for len(fds) > 0 {
 		n := min(len(fds), maxFdsPerMsg)
@@ -213,10 +237,11 @@ func receiveHandover() (*inherited, error) {
 		}
 		for _, p := range hm.Pairs {
 			c, g := at(p.Client), at(p.Guest)
-			if c == nil || g == nil {
+			if g == nil || (c == nil) != (p.Flow != nil) {
 				continue
 			}
-			s.Pairs = append(s.Pairs, proxy.FrozenPair{ID: p.ID, HostPort: p.HostPort, Client: c, Guest: g, Pending: p.Pending, Done: p.Done})
+			s.Pairs = append(s.Pairs, proxy.FrozenPair{ID: p.ID, HostPort: p.HostPort, Client: c, Guest: g,
+				Pending: p.Pending, Done: p.Done, Flow: p.Flow})
 		}
 		h.snaps[name] = s
 	}
@@ -330,9 +355,12 @@ func (s *system) handOver(req upgradeReq, apiLn, upLn, metricsLn net.Listener, l
 			files = append(files, f)
 		}
 		for _, p := range sn.Pairs {
-			hm.Pairs = append(hm.Pairs, handPair{ID: p.ID, HostPort: p.HostPort, Client: len(files), Guest: len(files) + 1,
-				Pending: p.Pending, Done: p.Done})
-			files = append(files, p.Client, p.Guest)
+			hp := handPair{ID: p.ID, HostPort: p.HostPort, Client: -1, Pending: p.Pending, Done: p.Done, Flow: p.Flow}
+			if p.Client != nil {
+				hp.Client = add(p.Client)
+			}
+			hp.Guest = add(p.Guest)
+			hm.Pairs = append(hm.Pairs, hp)
 		}
 		st.Managers[name] = hm
 	}
@@ -349,17 +377,27 @@ func (s *system) handOver(req upgradeReq, apiLn, upLn, metricsLn net.Listener, l
 	}
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
+	talked := make(chan struct{}) // the sender below is done with files
 	fail := func(err error) (int, error) {
 		_ = cmd.Process.Kill()
 		<-exited
+		conn.Close()
+		<-talked // before Thaw takes the snapshot's files back
 		thaw()
 		return 0, err
 	}
-	if err := sendState(conn, files, st); err != nil {
-		return fail(fmt.Errorf("sending the state: %w", err))
-	}
+	// Sending and the wait for "ready" share one deadline: a state larger
+	// than the socket's buffer (in-flight bytes travel in it) blocks the
+	// send until the new process reads, and one that never reads must not
+	// keep this process frozen for good.
+	_ = conn.SetDeadline(time.Now().Add(readyTimeout))
 	ready := make(chan error, 1)
 	go func() {
+		defer close(talked)
+		if err := sendState(conn, files, st); err != nil {
+			ready <- fmt.Errorf("sending the state: %w", err)
+			return
+		}
 		_, p, err := readFrame(conn)
 		if err == nil && string(p) != "ready" {
 			err = fmt.Errorf("answered %q", p)
@@ -369,18 +407,28 @@ func (s *system) handOver(req upgradeReq, apiLn, upLn, metricsLn net.Listener, l
 	select {
 	case err := <-ready:
 		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				err = fmt.Errorf("no answer within %s", readyTimeout)
+			}
+			// A process that hung up has usually exited: say how.
+			select {
+			case e := <-exited:
+				exited <- e
+				return fail(fmt.Errorf("the new process exited before it was ready (%v): %w", e, err))
+			case <-time.After(200 * time.Millisecond):
+			}
 			return fail(fmt.Errorf("the new process did not get ready: %w", err))
 		}
 	case err := <-exited:
 		exited <- err
 		return fail(fmt.Errorf("the new process exited before it was ready: %v", err))
-	case <-time.After(readyTimeout):
-		return fail(fmt.Errorf("the new process was not ready within %s", readyTimeout))
 	}
+	_ = conn.SetDeadline(time.Time{})
 	// From here on the new process is the daemon: systemd is told first,
 	// so its notifications (sent only after commit) come from the main PID.
 	notify(log, fmt.Sprintf("MAINPID=%d", cmd.Process.Pid))
 	if err := writeFrame(conn, nil, []byte("commit")); err != nil {
+		notify(log, fmt.Sprintf("MAINPID=%d", os.Getpid())) // still the daemon
 		return fail(fmt.Errorf("committing: %w", err))
 	}
 	committed = true

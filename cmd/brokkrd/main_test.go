@@ -14,7 +14,12 @@ import (
 	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if role := os.Getenv(handoverRoleEnv); role != "" {
+		os.Exit(handoverRole(role))
+	}
+	goleak.VerifyTestMain(m)
+}
 
 func TestConfigSelection(t *testing.T) {
 	if _, err := os.Stat(DefaultConfig); err == nil {
