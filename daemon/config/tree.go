@@ -21,7 +21,7 @@ const maxWork = 1 << 26
 // twice and every value of the wrong kind or type, in file order. What it
 // accepts, yaml's Decode into a Config accepts.
 func checkTree(doc *yaml.Node) Errors {
-	w := &walker{}
+	w := &walker{open: map[*yaml.Node]bool{}}
 	w.walk(doc, reflect.TypeOf(Config{}), "")
 	return w.errs
 }
@@ -29,6 +29,21 @@ func checkTree(doc *yaml.Node) Errors {
 type walker struct {
 	errs Errors
 	work int
+	// open holds the mappings and lists the walk is inside of. An alias
+	// can point at one of them ("&a [*a]", "&b {<<: *b}"): walking into it
+	// again would never end (and would overflow the stack, killing the
+	// daemon, before the work budget ran out).
+	open map[*yaml.Node]bool
+}
+
+// enter marks n open, or reports the cycle when it already is.
+func (w *walker) enter(n *yaml.Node, path string) bool {
+	if w.open[n] {
+		w.add(path, "an alias here refers to a node that contains it (line %d); YAML cannot be infinite", n.Line)
+		return false
+	}
+	w.open[n] = true
+	return true
 }
 
 func (w *walker) add(path, format string, a ...any) {
@@ -90,6 +105,10 @@ func (w *walker) walk(n *yaml.Node, t reflect.Type, path string) {
 			w.add(path, "%s is not allowed here (a list is expected)", kindName(n))
 			return
 		}
+		if !w.enter(n, path) {
+			return
+		}
+		defer delete(w.open, n)
 		for i, e := range n.Content {
 			w.walk(e, t.Elem(), fmt.Sprintf("%s[%d]", path, i))
 		}
@@ -124,6 +143,10 @@ func (w *walker) over(cost int) bool {
 // finds a key given twice; keys merged in ("<<: *base") are checked too but
 // may be overridden, as YAML says, so they are not recorded.
 func (w *walker) mapping(n *yaml.Node, t reflect.Type, path string, seen map[string]int, merged bool) {
+	if w.over(1) || !w.enter(n, path) {
+		return
+	}
+	defer delete(w.open, n)
 	for i := 0; i+1 < len(n.Content); i += 2 {
 		k, v := n.Content[i], n.Content[i+1]
 		for k.Kind == yaml.AliasNode {
@@ -162,6 +185,10 @@ func (w *walker) merge(v *yaml.Node, t reflect.Type, path string, seen map[strin
 	case yaml.MappingNode:
 		w.mapping(v, t, path, seen, true)
 	case yaml.SequenceNode:
+		if w.over(1) || !w.enter(v, path) {
+			return
+		}
+		defer delete(w.open, v)
 		for _, m := range v.Content {
 			w.merge(m, t, path, seen)
 		}

@@ -63,6 +63,27 @@ func TestAliasExpansionIsBounded(t *testing.T) {
 	assert.Contains(t, err.Error(), "expands to too much through its aliases")
 }
 
+// An alias to a node that contains it is an infinite document. Walking it
+// once overflowed the stack: a fatal error no recover stops, so one API
+// request or etcd document killed brokkrd. (FuzzTreeErrors found it.)
+func TestAnAliasCycleIsAnErrorNotACrash(t *testing.T) {
+	for _, doc := range []string{
+		"vms: [&b {<<: *b, name: b}]\n",
+		"vms: [&b {name: x, <<: [*b, *b]}]\n",
+		"exposures: &a [{<<: *a}]\n",
+		"network: &n {<<: {<<: *n}}\n",
+	} {
+		_, err := Parse([]byte(doc))
+		require.Error(t, err, doc)
+		assert.Contains(t, err.Error(), "refers to a node that contains it", doc)
+	}
+	// The same mapping merged in twice, or into siblings, is no cycle.
+	_, err := Parse([]byte("vms: [&b {name: a, kernel: /k}, {<<: [*b, *b], name: c}, {<<: *b, name: d}]\n"))
+	if err != nil {
+		assert.NotContains(t, err.Error(), "refers to a node that contains it")
+	}
+}
+
 // lookup follows a path ("vms[1].disk.source") through mappings, merges,
 // lists and aliases; it reports whether a node is there.
 func lookup(n *yaml.Node, path string) bool {
