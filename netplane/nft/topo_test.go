@@ -242,6 +242,14 @@ func openConns(t *testing.T, ns *nstest.NS, addr netip.AddrPort, n int) (ok int,
 		switch soerr {
 		case 0:
 			if _, err := unix.Getpeername(fd); err != nil {
+				// Connected (to the slow path) and reset between the two
+				// calls: a refusal, whose error SO_ERROR now holds.
+				again, _ := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ERROR)
+				if again == int(unix.ECONNRESET) || again == int(unix.ECONNREFUSED) || errors.Is(err, unix.ENOTCONN) {
+					refused++
+				} else {
+					t.Logf("openConns: a caller neither admitted nor refused: getpeername %v, SO_ERROR %d", err, again)
+				}
 				continue
 			}
 			for {
@@ -258,9 +266,13 @@ func openConns(t *testing.T, ns *nstest.NS, addr netip.AddrPort, n int) (ok int,
 				ok++
 			case errors.Is(err, unix.ECONNRESET) || n == 0 && err == nil:
 				refused++
+			default:
+				t.Logf("openConns: a connected caller neither admitted nor refused: recv %d %v", n, err)
 			}
 		case int(unix.ECONNREFUSED), int(unix.ECONNRESET):
 			refused++
+		default:
+			t.Logf("openConns: a caller neither admitted nor refused: SO_ERROR %d", soerr)
 		}
 	}
 	return ok, refused, func() {
