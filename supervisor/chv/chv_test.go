@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -39,10 +38,8 @@ func TestMain(m *testing.M) {
 		if specPath, err = chfake.FindSpec(wd); err != nil {
 			skipWhy = err.Error()
 		} else {
-			fakeBin = filepath.Join(dir, "chfake")
-			out, err := exec.Command("go", "build", "-o", fakeBin, "github.com/brokkr/brokkr/tests/chfake/cmd/chfake").CombinedOutput()
-			if err != nil {
-				fmt.Fprintf(os.Stderr, "build chfake: %v\n%s", err, out)
+			if fakeBin, err = chfake.Build(dir); err != nil {
+				fmt.Fprintln(os.Stderr, err)
 				return 1
 			}
 		}
@@ -76,13 +73,8 @@ func newEnv(t *testing.T, behaviour ...string) *env {
 	dir, err := os.MkdirTemp("", "ch")
 	require.NoError(t, err)
 	e := &env{t: t, dir: dir, reqLog: filepath.Join(dir, "requests.log")}
-	script := "#!/bin/sh\nexport CHFAKE_SCHEMA=" + specPath + " CHFAKE_REQUEST_LOG=" + e.reqLog + "\n"
-	for _, b := range behaviour {
-		script += "export " + b + "\n"
-	}
-	script += "exec " + fakeBin + " \"$@\"\n"
 	e.bin = filepath.Join(dir, "cloud-hypervisor")
-	require.NoError(t, os.WriteFile(e.bin, []byte(script), 0o755))
+	require.NoError(t, chfake.WriteLauncher(e.bin, fakeBin, specPath, append([]string{"CHFAKE_REQUEST_LOG=" + e.reqLog}, behaviour...)...))
 	e.backend = New(e.bin)
 	e.backend.ForceWait = 500 * time.Millisecond
 	t.Cleanup(func() {

@@ -19,6 +19,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -109,6 +110,29 @@ func FindSpec(dir string) (string, error) {
 			return "", fmt.Errorf("shared/reference/cloud-hypervisor.yaml not found beside %s or its parents", dir)
 		}
 	}
+}
+
+// Build compiles the fake's program (tests/chfake/cmd/chfake) into dir and
+// returns its path.
+func Build(dir string) (string, error) {
+	bin := filepath.Join(dir, "chfake")
+	out, err := exec.Command("go", "build", "-o", bin, "github.com/brokkr/brokkr/tests/chfake/cmd/chfake").CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("build chfake: %v\n%s", err, out)
+	}
+	return bin, nil
+}
+
+// WriteLauncher writes an executable "cloud-hypervisor" at path that runs
+// the fake bin against the OpenAPI file spec, with env (NAME=value) set:
+// the backends start it with cloud-hypervisor's own arguments.
+func WriteLauncher(path, bin, spec string, env ...string) error {
+	script := "#!/bin/sh\nexport CHFAKE_SCHEMA=" + spec
+	for _, e := range env {
+		script += " " + e
+	}
+	script += "\nexec " + bin + " \"$@\"\n"
+	return os.WriteFile(path, []byte(script), 0o755)
 }
 
 // Server is the fake VMM.

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"slices"
@@ -64,10 +63,8 @@ func TestMain(m *testing.M) {
 		if specPath, err = chfake.FindSpec(wd); err != nil {
 			skipWhy = err.Error()
 		} else {
-			fakeBin = filepath.Join(dir, "chfake")
-			out, err := exec.Command("go", "build", "-o", fakeBin, "github.com/brokkr/brokkr/tests/chfake/cmd/chfake").CombinedOutput()
-			if err != nil {
-				fmt.Fprintf(os.Stderr, "build chfake: %v\n%s", err, out)
+			if fakeBin, err = chfake.Build(dir); err != nil {
+				fmt.Fprintln(os.Stderr, err)
 				return 1
 			}
 		}
@@ -160,8 +157,9 @@ func newWorld(t *testing.T) *world {
 		killFakes(dir)
 		os.RemoveAll(dir)
 	})
-	script := "#!/bin/sh\nexport CHFAKE_SCHEMA=" + specPath + "\nexec " + fakeBin + " \"$@\"\n"
-	w.write("cloud-hypervisor", script, 0o755)
+	if err := chfake.WriteLauncher(filepath.Join(dir, "cloud-hypervisor"), fakeBin, specPath); err != nil {
+		t.Fatal(err)
+	}
 	w.write("vmlinuz", "not really a kernel", 0o600)
 	w.desire()
 	return w

@@ -21,6 +21,7 @@ import (
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/brokkr/brokkr/supervisor/chv"
 	"github.com/brokkr/brokkr/supervisor/scope"
+	"github.com/brokkr/brokkr/tests/chfake"
 )
 
 const webScope = "/brokkr.slice/brokkr-vm-web.scope"
@@ -191,7 +192,7 @@ func TestStartFailsWhenTheScopeCannotBeMade(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { killFakes(dir); os.RemoveAll(dir) })
 	bin := filepath.Join(dir, "cloud-hypervisor")
-	require.NoError(t, os.WriteFile(bin, []byte("#!/bin/sh\nexport CHFAKE_SCHEMA="+specPath+"\nexec "+fakeBin+" \"$@\"\n"), 0o755))
+	require.NoError(t, chfake.WriteLauncher(bin, fakeBin, specPath))
 	kernel := filepath.Join(dir, "vmlinuz")
 	require.NoError(t, os.WriteFile(kernel, []byte("x"), 0o600))
 
@@ -323,7 +324,7 @@ func TestAdoptedVMMOutsideItsScopeKeepsRunning(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { killFakes(dir); os.RemoveAll(dir) })
 	bin := filepath.Join(dir, "cloud-hypervisor")
-	require.NoError(t, os.WriteFile(bin, []byte("#!/bin/sh\nexport CHFAKE_SCHEMA="+specPath+"\nexec "+fakeBin+" \"$@\"\n"), 0o755))
+	require.NoError(t, chfake.WriteLauncher(bin, fakeBin, specPath))
 	kernel := filepath.Join(dir, "vmlinuz")
 	require.NoError(t, os.WriteFile(kernel, []byte("x"), 0o600))
 	spec := supervisor.VMSpec{Name: "web", CPUs: 1, MemoryMiB: 64, Kernel: supervisor.Source{Location: kernel}, Power: supervisor.PowerRunning}

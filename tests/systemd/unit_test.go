@@ -17,6 +17,7 @@ import (
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/brokkr/brokkr/supervisor/scope"
+	"github.com/brokkr/brokkr/tests/chfake"
 )
 
 // dist/brokkrd.service itself, run by the test's systemd with brokkrd and
@@ -50,8 +51,7 @@ func TestDistUnitKeepsVMsAcrossAStop(t *testing.T) {
 	schema, err := os.ReadFile(specPath)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(filepath.Join(bin, "cloud-hypervisor.yaml"), schema, 0o644))
-	require.NoError(t, os.WriteFile(filepath.Join(bin, "cloud-hypervisor"),
-		[]byte("#!/bin/sh\nexport CHFAKE_SCHEMA="+filepath.Join(bin, "cloud-hypervisor.yaml")+"\nexec "+filepath.Join(bin, "chfake")+" \"$@\"\n"), 0o755))
+	require.NoError(t, chfake.WriteLauncher(filepath.Join(bin, "cloud-hypervisor"), filepath.Join(bin, "chfake"), filepath.Join(bin, "cloud-hypervisor.yaml")))
 	require.NoError(t, os.WriteFile(filepath.Join(base, "vmlinuz"), []byte("not really a kernel"), 0o600))
 	run := filepath.Join(base, "run")
 	cfgPath := filepath.Join(base, "brokkr.yaml")

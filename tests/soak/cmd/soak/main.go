@@ -187,8 +187,7 @@ func (x *h) setup() error {
 	if err != nil {
 		return err
 	}
-	wrapper := "#!/bin/sh\nexport CHFAKE_SCHEMA=" + spec + "\nexec " + filepath.Join(x.bin, "chfake") + " \"$@\"\n"
-	if err := os.WriteFile(filepath.Join(x.bin, "cloud-hypervisor"), []byte(wrapper), 0o755); err != nil {
+	if err := chfake.WriteLauncher(filepath.Join(x.bin, "cloud-hypervisor"), filepath.Join(x.bin, "chfake"), spec); err != nil {
 		return err
 	}
 	for _, f := range []string{"vmlinuz", "initramfs"} {
