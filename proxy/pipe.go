@@ -22,24 +22,26 @@ type pipe struct {
 	queued int
 }
 
-// pipeIdle is how long the pool keeps its pipes after the last one was
-// taken or given back: past it they are closed, so a daemon at rest after a
-// burst holds no extra descriptors.
+// pipeIdle is how long the pool keeps its pipes once none was taken or
+// given back: a whole period without use closes them, so a daemon at rest
+// after a burst holds no extra descriptors.
 var pipeIdle = 30 * time.Second
 
 var pipePool struct {
 	mu   sync.Mutex
 	free []*pipe
-	used time.Time   // last get or put
+	used bool        // a get or put since the trim last looked
 	trim *time.Timer // armed while free is not empty
 }
 
-// trimPipes closes the pooled pipes once the pool has been idle pipeIdle.
+// trimPipes closes the pooled pipes after a whole pipeIdle without use. A
+// flag, not a clock read, marks use: gets and puts are on the data path.
 func trimPipes() {
 	pipePool.mu.Lock()
 	defer pipePool.mu.Unlock()
-	if wait := pipeIdle - time.Since(pipePool.used); wait > 0 && len(pipePool.free) > 0 {
-		pipePool.trim.Reset(wait)
+	if pipePool.used && len(pipePool.free) > 0 {
+		pipePool.used = false
+		pipePool.trim.Reset(pipeIdle)
 		return
 	}
 	for _, p := range pipePool.free {
@@ -53,7 +55,7 @@ func trimPipes() {
 // getPipe returns an empty pipe, or nil if none can be made.
 func getPipe() *pipe {
 	pipePool.mu.Lock()
-	pipePool.used = time.Now()
+	pipePool.used = true
 	if n := len(pipePool.free); n > 0 {
 		p := pipePool.free[n-1]
 		pipePool.free = pipePool.free[:n-1]
@@ -86,7 +88,7 @@ func putPipe(p *pipe) {
 	}
 	if p.queued == 0 {
 		pipePool.mu.Lock()
-		pipePool.used = time.Now()
+		pipePool.used = true
 		if len(pipePool.free) < idlePipes {
 			pipePool.free = append(pipePool.free, p)
 			if pipePool.trim == nil {

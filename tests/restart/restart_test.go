@@ -574,13 +574,11 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 	g.MustRun(t, "ip", "addr", "add", "10.213.9.200/24", "dev", "eth0")
 	g.MustRun(t, "ip", "link", "set", "eth0", "up")
 	g.MustRun(t, "ip", "route", "add", "default", "via", "10.213.9.1")
-	var ln net.Listener
-	require.NoError(t, g.Do(func() (err error) { ln, err = net.Listen("tcp4", ":7000"); return err }))
+	g.ServeEcho(t, ":7000")
 	var gwg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); gwg.Wait() })
 	var pc net.PacketConn
 	require.NoError(t, g.Do(func() (err error) { pc, err = net.ListenPacket("udp4", ":7001"); return err }))
-	t.Cleanup(func() { pc.Close() })
+	t.Cleanup(func() { pc.Close(); gwg.Wait() })
 	gwg.Add(1)
 	go func() {
 		defer gwg.Done()
@@ -592,22 +590,6 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 			}
 			port := strconv.Itoa(from.(*net.UDPAddr).Port)
 			_, _ = pc.WriteTo(append([]byte(port+":"), buf[:n]...), from)
-		}
-	}()
-	gwg.Add(1)
-	go func() {
-		defer gwg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			gwg.Add(1)
-			go func() {
-				defer gwg.Done()
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
 		}
 	}()
 	require.Eventually(t, func() bool { return len(r.sd.storedNames()) == 1 }, 10*time.Second, 20*time.Millisecond,
