@@ -3,6 +3,7 @@ package proxy
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -399,8 +400,8 @@ func (m *Manager) Adopt(pairs []FrozenPair) {
 			m.mu.Unlock()
 			continue
 		}
-		client, err1 := fileConn(fp.Client)
-		guest, err2 := fileConn(fp.Guest)
+		client, err1 := fileConn[*net.TCPConn](fp.Client)
+		guest, err2 := fileConn[*net.TCPConn](fp.Guest)
 		if err1 != nil || err2 != nil {
 			if client != nil {
 				client.Close()
@@ -418,18 +419,21 @@ func (m *Manager) Adopt(pairs []FrozenPair) {
 	}
 }
 
-func fileConn(f *os.File) (*net.TCPConn, error) {
+// fileConn turns a handed-over descriptor into its connection (a
+// *net.TCPConn or *net.UDPConn) and closes the file, which FileConn dup'ed.
+func fileConn[C net.Conn](f *os.File) (C, error) {
 	defer f.Close()
+	var zero C
 	c, err := net.FileConn(f)
 	if err != nil {
-		return nil, err
+		return zero, err
 	}
-	tc, ok := c.(*net.TCPConn)
+	cc, ok := c.(C)
 	if !ok {
 		c.Close()
-		return nil, net.UnknownNetworkError("not a TCP socket")
+		return zero, net.UnknownNetworkError(fmt.Sprintf("not a %T socket", zero))
 	}
-	return tc, nil
+	return cc, nil
 }
 
 // adopt runs one adopted pair in its own goroutine, counted like a carried

@@ -76,7 +76,7 @@ func (r *udpRelay) freeze() {
 // began. A flow whose socket cannot be taken over gives its place back.
 func (r *udpRelay) adopt(flows []FrozenPair) {
 	for _, fp := range flows {
-		guest, err := udpFileConn(fp.Guest)
+		guest, err := fileConn[*net.UDPConn](fp.Guest)
 		if err != nil {
 			r.ex.ctr.slot.Closed()
 			continue
@@ -95,20 +95,6 @@ func (r *udpRelay) adopt(flows []FrozenPair) {
 		r.ex.ctr.acquire()
 		go r.replies(f)
 	}
-}
-
-func udpFileConn(f *os.File) (*net.UDPConn, error) {
-	defer f.Close()
-	c, err := net.FileConn(f)
-	if err != nil {
-		return nil, err
-	}
-	uc, ok := c.(*net.UDPConn)
-	if !ok {
-		c.Close()
-		return nil, net.UnknownNetworkError("not a UDP socket")
-	}
-	return uc, nil
 }
 
 // close ends the socket and every flow (their replies leave through it, so
