@@ -6,12 +6,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/brokkr/brokkr/daemon/fleet"
+	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -96,18 +96,4 @@ exposures:
 }
 
 // qemuPIDs lists the hypervisor processes of a node (by its runDir).
-func qemuPIDs(run string) []int {
-	ents, _ := os.ReadDir("/proc")
-	var pids []int
-	for _, ent := range ents {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
-		if err == nil && bytes.Contains(b, []byte("qemu-system")) && bytes.Contains(b, []byte(run+"/")) {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
+func qemuPIDs(run string) []int { return nstest.LiveProcs("qemu-system", run+"/") }

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -184,4 +185,39 @@ func (n *NS) ServeEcho(t testing.TB, addr string) {
 			_, _ = pc.WriteTo(buf[:k], from)
 		}
 	}()
+}
+
+// LiveProcs lists the processes whose command line contains every one of
+// words, zombies left out: how tests find the VMMs a daemon started (by
+// their runDir or binary) without a daemon to ask.
+func LiveProcs(words ...string) []int {
+	ents, _ := os.ReadDir("/proc")
+	var pids []int
+	for _, ent := range ents {
+		pid, err := strconv.Atoi(ent.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		all := true
+		for _, w := range words {
+			all = all && strings.Contains(string(b), w)
+		}
+		if !all {
+			continue
+		}
+		// The state follows the last ')' of the command name.
+		st, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		if i := strings.LastIndexByte(string(st), ')'); i < 0 || i+2 >= len(st) || st[i+2] == 'Z' || st[i+2] == 'X' {
+			continue
+		}
+		pids = append(pids, pid)
+	}
+	return pids
 }

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 
+	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/brokkr/brokkr/tests/chfake"
 )
@@ -115,25 +116,7 @@ func (e *env) calls() []string {
 }
 
 // fakePIDs lists live fake processes whose command line mentions dir.
-func fakePIDs(dir string) []int {
-	var pids []int
-	ents, _ := os.ReadDir("/proc")
-	for _, ent := range ents {
-		var pid int
-		if _, err := fmt.Sscanf(ent.Name(), "%d", &pid); err != nil {
-			continue
-		}
-		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		if err != nil || !strings.Contains(string(cmd), dir) || !strings.Contains(string(cmd), "--api-socket") {
-			continue
-		}
-		if st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid)); strings.Contains(string(st), ") Z") {
-			continue
-		}
-		pids = append(pids, pid)
-	}
-	return pids
-}
+func fakePIDs(dir string) []int { return nstest.LiveProcs(dir, "--api-socket") }
 
 func killFakes(dir string) {
 	for _, pid := range fakePIDs(dir) {

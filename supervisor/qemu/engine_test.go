@@ -6,7 +6,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -21,22 +20,7 @@ import (
 )
 
 // qemuProcsFor lists the live qemu processes whose command line names dir.
-func qemuProcsFor(dir string) []int {
-	var pids []int
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil || !strings.Contains(string(b), "qemu-system") || !strings.Contains(string(b), dir) {
-			continue
-		}
-		if pid, err := strconv.Atoi(e.Name()); err == nil {
-			if st, err := supervisor.ReadProcStat(pid); err == nil && st.State != 'Z' {
-				pids = append(pids, pid)
-			}
-		}
-	}
-	return pids
-}
+func qemuProcsFor(dir string) []int { return nstest.LiveProcs("qemu-system", dir) }
 
 // The engine drives a real guest through this backend: it boots and
 // serves, survives an engine restart (the new engine adopts the same

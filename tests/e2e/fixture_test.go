@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -443,24 +442,7 @@ func (e *env) waitStatus(what string, timeout time.Duration, ok func(api.Status)
 
 // vmmPIDs lists the hypervisor processes of this daemon (by runDir in
 // their command line).
-func (f *fixture) vmmPIDs() []int {
-	ents, _ := os.ReadDir("/proc")
-	var pids []int
-	for _, ent := range ents {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
-		if err != nil || !bytes.Contains(b, []byte("qemu-system")) {
-			continue
-		}
-		if bytes.Contains(b, []byte(f.run+"/")) {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
+func (f *fixture) vmmPIDs() []int { return nstest.LiveProcs("qemu-system", f.run+"/") }
 
 // waitGuestServing waits until the guest's HTTP service answers through addr.
 func (e *env) waitGuestServing(addr string) {

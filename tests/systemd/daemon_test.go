@@ -10,7 +10,6 @@ import (
 	"os/signal"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -21,6 +20,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/brokkr/brokkr/internal/atomicfile"
+	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/brokkr/brokkr/supervisor/chv"
 	"github.com/brokkr/brokkr/supervisor/qemu"
@@ -251,23 +251,7 @@ func (w *world) waitRow(unit, vm string, ok func(supervisor.VMStatus) bool) supe
 func (w *world) removeStatus() { _ = os.Remove(filepath.Join(w.dir, "status.json")) }
 
 // fakes lists the fake VMMs started from dir (found by their cmdline).
-func fakes(dir string) []int {
-	var pids []int
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err == nil && strings.Contains(string(b), dir) {
-			if st, err := supervisor.ReadProcStat(pid); err == nil && !st.Exited() {
-				pids = append(pids, pid)
-			}
-		}
-	}
-	return pids
-}
+func fakes(dir string) []int { return nstest.LiveProcs(dir) }
 
 // killFakes ends every fake VMM started from dir, so a failed test leaves
 // no process behind.
