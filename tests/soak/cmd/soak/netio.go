@@ -29,20 +29,37 @@ func serve(addrs []string) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			short := false
 			for {
 				c, err := ln.Accept()
 				if err != nil {
 					if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+						// Callers wait in the accept queue meanwhile, and
+						// would read as brokkr losing their bytes: say so.
+						if !short {
+							fmt.Fprintln(os.Stderr, "serve: out of descriptors; callers wait in the accept queue:", err)
+							short = true
+						}
 						time.Sleep(10 * time.Millisecond)
 						continue
 					}
 					return
 				}
-				go func() { _, _ = io.Copy(c, c); c.Close() }()
+				go echo(c)
 			}
 		}()
 	}
 	wg.Wait()
+}
+
+// echo sends back what c sends, through a buffer of its own: io.Copy
+// between two TCP sockets splices through a pipe, two more descriptors for
+// every connection it serves, so a server holding 10,000 callers would need
+// 30,000 and run out (callers then wait unaccepted, their bytes unanswered).
+func echo(c net.Conn) {
+	defer c.Close()
+	buf := make([]byte, 2048)
+	_, _ = io.CopyBuffer(struct{ io.Writer }{c}, struct{ io.Reader }{c}, buf)
 }
 
 // tally is what one caller process saw for one target address.
