@@ -12,6 +12,8 @@
 #   SOAK_CONNS    concurrent connections per load wave (10000)
 #   SOAK_WAVES    load waves (3)
 #   SOAK_FUZZTIME go test -fuzztime per Fuzz target (10s; 10m in a full soak)
+#   SOAK_FUZZ_GO  the Go toolchain that runs the fuzzers (go1.27.3: 1.26's fuzz
+#                 coordinator can fail on its own deadline, golang/go#75804)
 #   SOAK_PHASES   which phases (faults,load,disk,fuzz,perm)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
