@@ -314,8 +314,12 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	wrong.Exe = "/usr/bin/cloud-hypervisor"
 	assert.ErrorContains(t, b2.Adopt(ctx, wrong), "recorded /usr/bin/cloud-hypervisor")
 
-	// Stop: the power button is enough; the guest powers itself off.
-	stopByPowerButton(t, b2, ctx, inst, cfg.ConsoleLog, 30*time.Second)
+	// Stop: the power button is enough; the guest powers itself off. The
+	// grace is wide because this guest runs under TCG on a shared machine
+	// while the other packages' tests run: once its poweroff took 30.06 s.
+	// How long a guest takes is not this test's question; that the button,
+	// not the escalation, stopped it is.
+	stopByPowerButton(t, b2, ctx, inst, cfg.ConsoleLog, 90*time.Second)
 	_, err = b2.Info(ctx, inst)
 	assert.Error(t, err, "Info of a stopped VM is an error")
 	require.NoError(t, b2.Stop(ctx, inst, time.Second), "stopping a stopped VM is a no-op")
