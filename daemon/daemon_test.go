@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -705,6 +706,21 @@ func TestAPIRejectsWrongMethodsAndPaths(t *testing.T) {
 		h.ServeHTTP(w, httptest.NewRequest(tc.method, tc.path, strings.NewReader("")))
 		assert.Equal(t, tc.code, w.Code, "%s %s", tc.method, tc.path)
 	}
+}
+
+// Status answers are compact: indenting a 1,000-exposure answer made it
+// several times dearer (BenchmarkStatusRequest), and a status probe has to
+// stay cheap while the API is under attack. The CLI indents what it prints.
+func TestAPIStatusAnswerIsCompactJSON(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.d.Pass(context.Background())
+	w := httptest.NewRecorder()
+	r.d.Handler().ServeHTTP(w, httptest.NewRequest("GET", "/v1/status", nil))
+	require.Equal(t, http.StatusOK, w.Code)
+	var st api.Status
+	require.NoError(t, json.Unmarshal(w.Body.Bytes(), &st))
+	require.NotEmpty(t, st.Exposures)
+	assert.Equal(t, 1, bytes.Count(w.Body.Bytes(), []byte("\n")), "one line: no indentation")
 }
 
 func TestAPIConsoleFollows(t *testing.T) {
