@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -212,6 +213,52 @@ func TestNewEngineAdoptsRunningVM(t *testing.T) {
 	// Still watched after adoption: a kill is noticed and restarted.
 	require.NoError(t, syscall.Kill(up.PID, syscall.SIGKILL))
 	waitRow(t, f.eng, "vm", func(r VMStatus) bool { return r.Phase == PhaseRunning && r.PID != up.PID }, s)
+}
+
+// A daemon SIGKILLed inside Start leaves a VMM that no record names: the
+// record says only that a start was under way. The next daemon finds that
+// process by the VM's run directory and kills it before it starts afresh, so
+// one VMM runs the VM, not two (with cloud-hypervisor the second could not
+// even start: the first holds the VM's API socket).
+func TestAVMMStartedButNeverRecordedIsKilledBeforeANewStart(t *testing.T) {
+	f := newFixture(t, nil)
+	orphan := make(chan *exec.Cmd, 1)
+	f.hv.beforeStart = func(ctx context.Context, lc LaunchConfig) error {
+		// What a backend does first: a process in its own session with
+		// the VM's run directory on its command line...
+		cmd := exec.Command("sh", "-c", "read x", filepath.Join(lc.RunDir, "api.sock"))
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		stdin, err := cmd.StdinPipe()
+		if err != nil {
+			return err
+		}
+		if err := cmd.Start(); err != nil {
+			return err
+		}
+		t.Cleanup(func() { stdin.Close(); _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		orphan <- cmd
+		// ...and the daemon dies before Start returns.
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	s := vmSpec("vm")
+	stepNoWait(t, f.eng, s)
+	var cmd *exec.Cmd
+	select {
+	case cmd = <-orphan:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Start was never called")
+	}
+	f.eng.Stop()
+	f.hv.beforeStart = nil
+	f.eng = f.open()
+	up := waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), s)
+	assert.NotEqual(t, cmd.Process.Pid, up.PID)
+	var ws syscall.WaitStatus
+	got, err := syscall.Wait4(cmd.Process.Pid, &ws, syscall.WNOHANG, nil)
+	require.NoError(t, err)
+	require.Equal(t, cmd.Process.Pid, got, "the unrecorded VMM is still running")
+	assert.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "killed, got %v", ws)
 }
 
 // A recorded pid that died while the daemon was down is not adopted; the

@@ -18,6 +18,7 @@ import (
 // ProcStat is what brokkr reads from /proc/<pid>/stat.
 type ProcStat struct {
 	State     byte   // field 3: R, S, D, Z, ...
+	Session   int    // field 6: the session ID (a VMM leads its own: Setsid)
 	StartTime uint64 // field 22: start time in clock ticks since boot
 }
 
@@ -49,11 +50,40 @@ func ParseProcStat(b []byte) (ProcStat, error) {
 	if len(f[0]) != 1 || !unicode.IsLetter(rune(f[0][0])) {
 		return ProcStat{}, fmt.Errorf("state %q is not one letter", f[0])
 	}
+	sid, err := strconv.Atoi(string(f[3]))
+	if err != nil {
+		return ProcStat{}, fmt.Errorf("session %q: %w", f[3], err)
+	}
 	st, err := strconv.ParseUint(string(f[19]), 10, 64)
 	if err != nil {
 		return ProcStat{}, fmt.Errorf("start time %q: %w", f[19], err)
 	}
-	return ProcStat{State: f[0][0], StartTime: st}, nil
+	return ProcStat{State: f[0][0], Session: sid, StartTime: st}, nil
+}
+
+// SessionLeadersNaming lists the live processes that lead their own session
+// (as a VMM started with Setsid does, also after a wrapper exec'd it) and
+// whose command line holds needle: the VMMs started for one VM's run
+// directory. A shell or tool that merely names the path leads no session.
+func SessionLeadersNaming(needle string) []Instance {
+	ents, _ := os.ReadDir("/proc")
+	var out []Instance
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		st, err := ReadProcStat(pid)
+		if err != nil || st.Session != pid || st.Exited() {
+			continue
+		}
+		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if err != nil || !bytes.Contains(cmd, []byte(needle)) {
+			continue
+		}
+		out = append(out, Instance{PID: pid, StartTime: st.StartTime})
+	}
+	return out
 }
 
 // Exited says the process has ended and only waits to be reaped.

@@ -17,10 +17,14 @@ const recordVersion = 1
 // record is what survives a daemon restart for one VM: the spec its running
 // process was started from, the process's identity, and the restart count.
 type record struct {
-	Version   int       `json:"version"`
-	Name      string    `json:"name"`
-	Spec      VMSpec    `json:"spec"`
-	Instance  *Instance `json:"instance,omitempty"`
+	Version  int       `json:"version"`
+	Name     string    `json:"name"`
+	Spec     VMSpec    `json:"spec"`
+	Instance *Instance `json:"instance,omitempty"`
+	// Starting: a start was under way when this was written. A daemon
+	// killed inside Start leaves a VMM that no record names; the next one
+	// finds it by its run directory and kills it before starting afresh.
+	Starting  bool      `json:"starting,omitempty"`
 	StartedAt time.Time `json:"startedAt,omitzero"`
 	Restarts  int       `json:"restarts"`
 }

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -370,10 +371,34 @@ func (w *worker) load(ctx context.Context) error {
 	w.mu.Lock()
 	w.hasRecord = true
 	w.mu.Unlock()
+	if rec.Starting {
+		w.killUnrecorded(ctx)
+	}
 	if rec.Instance != nil {
 		w.adopt(ctx, *rec.Instance)
 	}
 	return nil
+}
+
+// killUnrecorded kills the VMMs a daemon started for this VM and died before
+// recording (SIGKILLed inside Start): left alone, such a process holds the
+// VM's sockets, so every new start fails, and it runs a guest nobody owns.
+// It is found by the VM's run directory on its command line.
+func (w *worker) killUnrecorded(ctx context.Context) {
+	for _, inst := range SessionLeadersNaming(w.e.runDir(w.name) + "/") {
+		pfd, err := OpenPidfd(inst)
+		if err != nil {
+			continue // gone meanwhile
+		}
+		w.e.cfg.Logger.Warn("killing a VMM the previous daemon started but never recorded", "vm", w.name, "pid", inst.PID)
+		_ = pfd.Signal(syscall.SIGKILL)
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		_ = pfd.Wait(wctx)
+		cancel()
+		pfd.Close()
+	}
+	w.rec.Starting = false
+	w.save()
 }
 
 func (w *worker) adopt(ctx context.Context, inst Instance) {
@@ -496,6 +521,7 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 	}
 	w.rec.Spec = *cloneSpec(spec)
 	w.rec.Instance = nil
+	w.rec.Starting = true
 	w.save() // the intent survives a crash halfway through Start
 	w.publish(PhaseStarting, "starting "+w.e.cfg.Hypervisor.Kind())
 	sctx, cancel := context.WithTimeout(ctx, w.e.cfg.StartTimeout)
@@ -513,10 +539,13 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 		if timedOut {
 			msg = fmt.Sprintf("start: timed out after %s: %v", w.e.cfg.StartTimeout, err)
 		}
+		w.rec.Starting = false // the backend killed what it started
+		w.save()
 		w.fail(spec, msg)
 		return
 	}
 	w.rec.Instance = &inst
+	w.rec.Starting = false
 	w.rec.StartedAt = time.Now()
 	w.save()
 	if err := w.startWatch(inst); err != nil {
