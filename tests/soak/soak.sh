@@ -6,7 +6,7 @@
 # each printing one measured figure per line. Everything it made is removed
 # on exit, also on failure. Knobs (defaults fit in ~20 min on 2 cores):
 #   SOAK_MINUTES  overall budget in minutes (20); phases stop early when it runs out
-#   SOAK_KILLS    SIGKILLs of brokkrd during converges (20; up to 50)
+#   SOAK_KILLS    SIGKILLs of brokkrd during converges (50)
 #   SOAK_EXPOSURES exposures at most in one converge (1000)
 #   SOAK_VMS      fake cloud-hypervisor VMs at most (8)
 #   SOAK_CONNS    concurrent connections per load wave (10000)

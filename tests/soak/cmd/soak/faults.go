@@ -57,7 +57,7 @@ type faultTotals struct {
 }
 
 func (x *h) faults() {
-	kills := envInt("SOAK_KILLS", 20)
+	kills := envInt("SOAK_KILLS", 50)
 	maxExp := envInt("SOAK_EXPOSURES", 1000)
 	maxVM := envInt("SOAK_VMS", 8)
 	seed := int64(envInt("SOAK_SEED", int(time.Now().UnixNano()%1e9)))
