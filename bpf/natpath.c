@@ -260,6 +260,11 @@ static __always_inline int flow_alive(__u64 ctp, struct nat_flow *f)
 		return 0;
 	if (!same_tuple(ct, f))
 		return 0;
+	// Not confirmed yet: the connection's first packet is still on its way
+	// through the hooks (or held in a queue), and until conntrack confirms
+	// the entry its timeout is a duration, not a point in time.
+	if (!(ct->status & (1UL << IPS_CONFIRMED_BIT)))
+		return 1;
 	__s32 left = (__s32)(ct->timeout - (__u32)bpf_jiffies64());
 	return left > 0;
 }
