@@ -181,6 +181,8 @@ func (x *h) faults() {
 		x.figure("faults.trickle."+e.Name+".calls", strconv.FormatInt(t.OK, 10), fmt.Sprintf("refused %d, errors %d %s", t.Refused, t.Errors, t.LastErr))
 		x.check("faults.trickle."+e.Name+".accepted_minus_calls", int64(a.Accepted-b.Accepted)-t.OK, 0, "counted in the kernel across every kill, against the callers")
 		x.check("faults.trickle."+e.Name+".bytes_minus_sent", int64(a.BytesIn-b.BytesIn+a.BytesOut-b.BytesOut)-t.BytesIn-t.BytesOut, 0, "")
+		// Every call was carried to a live target: none may count as dropped.
+		x.check("faults.trickle."+e.Name+".dropped", int64(a.Dropped-b.Dropped), 0, "admitted but not carried, across every kill")
 	}
 }
 
