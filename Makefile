@@ -82,7 +82,7 @@ fuzz:
 # The reliability soak (issue 10): faults, load, disk full, bad input,
 # permissions, in brk-soak-* namespaces of its own; one figure per line.
 # SOAK_MINUTES (20) bounds it; tests/soak/soak.sh lists the other knobs.
-soak: deps
+soak: deps guest-image
 	tests/soak/soak.sh
 
 bench: deps build guest-image

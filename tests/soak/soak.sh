@@ -2,7 +2,8 @@
 # make soak: brokkr's reliability harness (issue 10). Builds the binaries,
 # creates its own brk-soak-* namespaces, a private bpffs, a child cgroup for
 # the socket path (never the root) and a small tmpfs for stateDir, then runs
-# the phases of tests/soak (faults, load, disk full, bad input, permissions),
+# the phases of tests/soak (faults, load, disk full, bad input, permissions,
+# faults with real QEMU guests),
 # each printing one measured figure per line. Everything it made is removed
 # on exit, also on failure. Knobs (defaults fit in ~20 min on 2 cores):
 #   SOAK_MINUTES  overall budget in minutes (20); phases stop early when it runs out
@@ -14,7 +15,9 @@
 #   SOAK_FUZZTIME go test -fuzztime per Fuzz target (10s; 10m in a full soak)
 #   SOAK_FUZZ_GO  the Go toolchain that runs the fuzzers (go1.27.3: 1.26's fuzz
 #                 coordinator can fail on its own deadline, golang/go#75804)
-#   SOAK_PHASES   which phases (faults,load,disk,fuzz,perm)
+#   SOAK_QEMU_KILLS, SOAK_QEMU_EXPOSURES, SOAK_QEMU_VMS
+#                 the qemu phase: the faults phase again with real QEMU guests (10, 200, 3)
+#   SOAK_PHASES   which phases (faults,load,disk,fuzz,perm,qemu)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ "$(id -u)" = 0 ] || { echo "soak: needs root" >&2; exit 1; }

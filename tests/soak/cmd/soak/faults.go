@@ -57,25 +57,29 @@ type faultTotals struct {
 }
 
 func (x *h) faults() {
-	kills := envInt("SOAK_KILLS", 50)
-	maxExp := envInt("SOAK_EXPOSURES", 1000)
-	maxVM := envInt("SOAK_VMS", 8)
+	x.killDuringConverges("faults", envInt("SOAK_KILLS", 50), envInt("SOAK_EXPOSURES", 1000), envInt("SOAK_VMS", 8))
+}
+
+// killDuringConverges SIGKILLs brokkrd at random moments of converges to
+// random desired states (up to maxExp exposures and maxVM VMs) and checks
+// what survived each restart; its figures are named p.*.
+func (x *h) killDuringConverges(p string, kills, maxExp, maxVM int) {
 	seed := int64(envInt("SOAK_SEED", int(time.Now().UnixNano()%1e9)))
 	rng := rand.New(rand.NewSource(seed))
-	x.figure("faults.seed", strconv.FormatInt(seed, 10), "SOAK_SEED replays the same sequence")
+	x.figure(p+".seed", strconv.FormatInt(seed, 10), "SOAK_SEED replays the same sequence")
 
 	base := desired{Exposures: stableExposures}
 	if _, err := x.apply(base, 60*time.Second); err != nil {
-		x.fail("faults: apply base: %v", err)
+		x.fail(p+": apply base: %v", err)
 		return
 	}
 	if _, err := x.waitConverged(base, 60*time.Second); err != nil {
-		x.fail("faults: base: %v", err)
+		x.fail(p+": base: %v", err)
 		return
 	}
 	before, err := x.counters()
 	if err != nil {
-		x.fail("faults: %v", err)
+		x.fail(p+": %v", err)
 		return
 	}
 	// The trickle runs in the client namespace through both stable
@@ -86,7 +90,7 @@ func (x *h) faults() {
 	trOut, _ := tr.StdoutPipe()
 	tr.Stderr = os.Stderr
 	if err := tr.Start(); err != nil {
-		x.fail("faults: trickle: %v", err)
+		x.fail(p+": trickle: %v", err)
 		return
 	}
 
@@ -116,13 +120,13 @@ func (x *h) faults() {
 		}
 		t0 := time.Now()
 		if err := x.startDaemon(); err != nil {
-			x.fail("faults: kill %d: restart: %v", k, err)
+			x.fail(p+": kill %d: restart: %v", k, err)
 			return
 		}
 		tot.restartMax = max(tot.restartMax, time.Since(t0))
 		st, err := x.status()
 		if err != nil {
-			x.fail("faults: kill %d: status: %v", k, err)
+			x.fail(p+": kill %d: status: %v", k, err)
 			return
 		}
 		// An acknowledged apply must survive; one cut short may have
@@ -138,7 +142,7 @@ func (x *h) faults() {
 		}
 		st, err = x.waitConverged(cur, 120*time.Second)
 		if err != nil {
-			x.fail("faults: kill %d: %v", k, err)
+			x.fail(p+": kill %d: %v", k, err)
 			return
 		}
 		tot.convergeMax = max(tot.convergeMax, time.Since(t0))
@@ -150,39 +154,39 @@ func (x *h) faults() {
 	b, _ := io.ReadAll(trOut)
 	_ = tr.Wait()
 	if err := json.Unmarshal(b, &tallies); err != nil || len(tallies) != 2 {
-		x.fail("faults: trickle output %q: %v", b, err)
+		x.fail(p+": trickle output %q: %v", b, err)
 		return
 	}
-	x.figure("faults.kills", strconv.Itoa(done), fmt.Sprintf("SIGKILL of brokkrd at a random moment of a converge; SOAK_KILLS=%d", kills))
-	x.figure("faults.exposures.max", strconv.Itoa(maxSeen), "exposures in the largest desired state")
-	x.figure("faults.vms.max", strconv.Itoa(vmsSeen), "fake cloud-hypervisor VMs at most")
-	x.check("faults.vmm.orphan", int64(tot.orphans), 0, "VMM processes of VMs not desired")
-	x.check("faults.vmm.duplicate", int64(tot.dups), 0, "second VMM processes for one VM")
-	x.check("faults.vmm.missing", int64(tot.missingVMM), 0, "desired VMs without their status pid alive")
-	x.check("faults.nft.stale", int64(tot.nftStale), 0, "map elements or exp- chains of exposures not desired")
-	x.check("faults.nft.missing", int64(tot.nftMissing), 0, "desired nat/auto exposures without exactly one element and chain")
-	x.check("faults.records.lost", int64(tot.lost), 0, "desired states lost or VM records missing")
-	x.check("faults.records.corrupt", int64(tot.corrupt), 0, "records or desired.json not parsing")
-	x.check("faults.taps.leaked", int64(tot.tapsLeaked), 0, "taps of no desired VM")
-	x.check("faults.taps.missing", int64(tot.tapsMissing), 0, "")
-	x.check("faults.counters.backwards", int64(tot.backwards), 0, "a counter lower after a restart than before the kill")
-	x.figure("faults.restart_to_socket.max", fmt.Sprintf("%.2f", tot.restartMax.Seconds()), "s")
-	x.figure("faults.restart_to_converged.max", fmt.Sprintf("%.2f", tot.convergeMax.Seconds()), "s")
+	x.figure(p+".kills", strconv.Itoa(done), fmt.Sprintf("SIGKILL of brokkrd at a random moment of a converge, of %d asked", kills))
+	x.figure(p+".exposures.max", strconv.Itoa(maxSeen), "exposures in the largest desired state")
+	x.figure(p+".vms.max", strconv.Itoa(vmsSeen), x.hvKind()+" VMs at most")
+	x.check(p+".vmm.orphan", int64(tot.orphans), 0, "VMM processes of VMs not desired")
+	x.check(p+".vmm.duplicate", int64(tot.dups), 0, "second VMM processes for one VM")
+	x.check(p+".vmm.missing", int64(tot.missingVMM), 0, "desired VMs without their status pid alive")
+	x.check(p+".nft.stale", int64(tot.nftStale), 0, "map elements or exp- chains of exposures not desired")
+	x.check(p+".nft.missing", int64(tot.nftMissing), 0, "desired nat/auto exposures without exactly one element and chain")
+	x.check(p+".records.lost", int64(tot.lost), 0, "desired states lost or VM records missing")
+	x.check(p+".records.corrupt", int64(tot.corrupt), 0, "records or desired.json not parsing")
+	x.check(p+".taps.leaked", int64(tot.tapsLeaked), 0, "taps of no desired VM")
+	x.check(p+".taps.missing", int64(tot.tapsMissing), 0, "")
+	x.check(p+".counters.backwards", int64(tot.backwards), 0, "a counter lower after a restart than before the kill")
+	x.figure(p+".restart_to_socket.max", fmt.Sprintf("%.2f", tot.restartMax.Seconds()), "s")
+	x.figure(p+".restart_to_converged.max", fmt.Sprintf("%.2f", tot.convergeMax.Seconds()), "s")
 	// Counters of the trickle's exposures against what its callers saw.
 	time.Sleep(500 * time.Millisecond)
 	after, err := x.counters()
 	if err != nil {
-		x.fail("faults: %v", err)
+		x.fail(p+": %v", err)
 		return
 	}
 	for i, e := range stableExposures {
 		t := tallies[i]
 		a, b := after[e.Name], before[e.Name]
-		x.figure("faults.trickle."+e.Name+".calls", strconv.FormatInt(t.OK, 10), fmt.Sprintf("refused %d, errors %d %s", t.Refused, t.Errors, t.LastErr))
-		x.check("faults.trickle."+e.Name+".accepted_minus_calls", int64(a.Accepted-b.Accepted)-t.OK, 0, "counted in the kernel across every kill, against the callers")
-		x.check("faults.trickle."+e.Name+".bytes_minus_sent", int64(a.BytesIn-b.BytesIn+a.BytesOut-b.BytesOut)-t.BytesIn-t.BytesOut, 0, "")
+		x.figure(p+".trickle."+e.Name+".calls", strconv.FormatInt(t.OK, 10), fmt.Sprintf("refused %d, errors %d %s", t.Refused, t.Errors, t.LastErr))
+		x.check(p+".trickle."+e.Name+".accepted_minus_calls", int64(a.Accepted-b.Accepted)-t.OK, 0, "counted in the kernel across every kill, against the callers")
+		x.check(p+".trickle."+e.Name+".bytes_minus_sent", int64(a.BytesIn-b.BytesIn+a.BytesOut-b.BytesOut)-t.BytesIn-t.BytesOut, 0, "")
 		// Every call was carried to a live target: none may count as dropped.
-		x.check("faults.trickle."+e.Name+".dropped", int64(a.Dropped-b.Dropped), 0, "admitted but not carried, across every kill")
+		x.check(p+".trickle."+e.Name+".dropped", int64(a.Dropped-b.Dropped), 0, "admitted but not carried, across every kill")
 	}
 }
 

@@ -58,6 +58,19 @@ type h struct {
 	deadline        time.Time
 	failures        int
 	client          *api.Client
+	// qemu, once set (the qemu phase), makes the VMs real QEMU guests
+	// booting this kernel and initramfs; before, they are fake
+	// cloud-hypervisor VMs.
+	qemu *guestImage
+}
+
+type guestImage struct{ kernel, initramfs string }
+
+func (x *h) hvKind() string {
+	if x.qemu != nil {
+		return "qemu"
+	}
+	return "cloud-hypervisor"
 }
 
 func envInt(name string, def int) int {
@@ -86,7 +99,7 @@ func drive() int {
 	}
 	phases := os.Getenv("SOAK_PHASES")
 	if phases == "" {
-		phases = "faults,load,disk,fuzz,perm"
+		phases = "faults,load,disk,fuzz,perm,qemu"
 	}
 	x.figure("soak.start", time.Now().UTC().Format(time.RFC3339), fmt.Sprintf("kernel=%s cores=%d budget=%dmin", kernel(), nproc(), envInt("SOAK_MINUTES", 20)))
 	if err := x.setup(); err != nil {
@@ -111,6 +124,8 @@ func drive() int {
 			x.fuzz()
 		case "perm":
 			x.perm()
+		case "qemu":
+			x.qemuFaults()
 		default:
 			x.fail("unknown phase %q", p)
 		}

@@ -34,13 +34,21 @@ func (d desired) yaml(x *h) []byte {
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "stateDir: %s\nrunDir: %s\nbpfDir: %s\n", x.state, x.run, x.bpf)
 	fmt.Fprintf(&b, "network:\n  bridge: %s\n  cidr: 10.213.50.1/24\n", bridge)
-	fmt.Fprintf(&b, "hypervisor:\n  kind: cloud-hypervisor\n  path: %s\n  maxConcurrentCreates: 4\n", filepath.Join(x.bin, "cloud-hypervisor"))
+	if x.qemu != nil {
+		b.WriteString("hypervisor:\n  kind: qemu\n  maxConcurrentCreates: 2\n")
+	} else {
+		fmt.Fprintf(&b, "hypervisor:\n  kind: cloud-hypervisor\n  path: %s\n  maxConcurrentCreates: 4\n", filepath.Join(x.bin, "cloud-hypervisor"))
+	}
 	if len(d.VMs) == 0 {
 		b.WriteString("vms: []\n")
 	} else {
 		b.WriteString("vms:\n")
 	}
 	for _, v := range d.VMs {
+		if x.qemu != nil {
+			fmt.Fprintf(&b, "  - {name: %s, memory: 256M, kernel: %s, initramfs: %s}\n", v, x.qemu.kernel, x.qemu.initramfs)
+			continue
+		}
 		fmt.Fprintf(&b, "  - {name: %s, memory: 64M, kernel: %s/vmlinuz, initramfs: %s/initramfs}\n", v, x.work, x.work)
 	}
 	if len(d.Exposures) == 0 {
@@ -157,23 +165,30 @@ func (x *h) waitConverged(d desired, timeout time.Duration) (*api.Status, error)
 func (x *h) vmmProcs() map[string][]int {
 	out := map[string][]int{}
 	ents, _ := os.ReadDir("/proc")
-	prefix := "path=" + filepath.Join(x.run, "vms") + "/"
+	// Every VMM names its VM's run directory in its arguments (the fake's
+	// API socket; qemu's QMP socket, console socket and pidfile).
+	dir := filepath.Join(x.run, "vms") + "/"
+	exe := []byte(filepath.Join(x.bin, "chfake"))
+	if x.qemu != nil {
+		exe = []byte("qemu-system-")
+	}
 	for _, ent := range ents {
 		pid, err := strconv.Atoi(ent.Name())
 		if err != nil {
 			continue
 		}
 		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
-		if err != nil || !bytes.Contains(b, []byte(filepath.Join(x.bin, "chfake"))) {
+		if err != nil || !bytes.Contains(b, exe) {
 			continue
 		}
 		if st, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "stat")); err == nil && bytes.Contains(st, []byte(") Z ")) {
 			continue // a zombie is no VMM
 		}
 		for _, a := range bytes.Split(b, []byte{0}) {
-			if s := string(a); strings.HasPrefix(s, prefix) {
-				name := strings.SplitN(strings.TrimPrefix(s, prefix), "/", 2)[0]
+			if i := bytes.Index(a, []byte(dir)); i >= 0 {
+				name := strings.SplitN(string(a[i+len(dir):]), "/", 2)[0]
 				out[name] = append(out[name], pid)
+				break // one VM per process
 			}
 		}
 	}
