@@ -123,6 +123,27 @@ func Build(dir string) (string, error) {
 	return bin, nil
 }
 
+// ForTests is what a test package that drives the fake needs before its
+// tests run: the OpenAPI file found from the working directory and the fake
+// built into a temporary directory, which cleanup removes. Without the
+// OpenAPI file skip says why (the tests skip) and nothing is built.
+func ForTests() (bin, spec, skip string, cleanup func(), err error) {
+	cleanup = func() {}
+	wd, _ := os.Getwd()
+	if spec, err = FindSpec(wd); err != nil {
+		return "", "", err.Error(), cleanup, nil
+	}
+	dir, err := os.MkdirTemp("", "chfake-bin")
+	if err != nil {
+		return "", "", "", cleanup, err
+	}
+	cleanup = func() { os.RemoveAll(dir) }
+	if bin, err = Build(dir); err != nil {
+		return "", "", "", cleanup, err
+	}
+	return bin, spec, "", cleanup, nil
+}
+
 // WriteLauncher writes an executable "cloud-hypervisor" at path that runs
 // the fake bin against the OpenAPI file spec, with env (NAME=value) set:
 // the backends start it with cloud-hypervisor's own arguments.

@@ -54,19 +54,13 @@ func TestMain(m *testing.M) {
 		os.Exit(runDaemon(dir))
 	}
 	code := func() int {
-		dir, err := os.MkdirTemp("", "chfake-bin")
+		var cleanup func()
+		var err error
+		fakeBin, specPath, skipWhy, cleanup, err = chfake.ForTests()
+		defer cleanup()
 		if err != nil {
-			panic(err)
-		}
-		defer os.RemoveAll(dir)
-		wd, _ := os.Getwd()
-		if specPath, err = chfake.FindSpec(wd); err != nil {
-			skipWhy = err.Error()
-		} else {
-			if fakeBin, err = chfake.Build(dir); err != nil {
-				fmt.Fprintln(os.Stderr, err)
-				return 1
-			}
+			fmt.Fprintln(os.Stderr, err)
+			return 1
 		}
 		return m.Run()
 	}()
