@@ -222,7 +222,7 @@ func TestNewEngineAdoptsRunningVM(t *testing.T) {
 // even start: the first holds the VM's API socket).
 func TestAVMMStartedButNeverRecordedIsKilledBeforeANewStart(t *testing.T) {
 	f := newFixture(t, nil)
-	orphan := make(chan *exec.Cmd, 1)
+	orphan, decoys := make(chan *exec.Cmd, 1), make(chan *exec.Cmd, 1)
 	f.hv.beforeStart = func(ctx context.Context, lc LaunchConfig) error {
 		// What a backend does first: a process in its own session with
 		// the VM's run directory on its command line...
@@ -237,6 +237,18 @@ func TestAVMMStartedButNeverRecordedIsKilledBeforeANewStart(t *testing.T) {
 		}
 		t.Cleanup(func() { stdin.Close(); _ = cmd.Process.Kill(); _ = cmd.Wait() })
 		orphan <- cmd
+		// A process that only names the run directory (an operator's
+		// tail of the console log) leads no session: it must survive.
+		decoy := exec.Command("sh", "-c", "read x", filepath.Join(lc.RunDir, "console.log"))
+		dstdin, err := decoy.StdinPipe()
+		if err != nil {
+			return err
+		}
+		if err := decoy.Start(); err != nil {
+			return err
+		}
+		t.Cleanup(func() { dstdin.Close(); _ = decoy.Process.Kill(); _ = decoy.Wait() })
+		decoys <- decoy
 		// ...and the daemon dies before Start returns.
 		<-ctx.Done()
 		return ctx.Err()
@@ -259,6 +271,10 @@ func TestAVMMStartedButNeverRecordedIsKilledBeforeANewStart(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, cmd.Process.Pid, got, "the unrecorded VMM is still running")
 	assert.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "killed, got %v", ws)
+	decoy := <-decoys
+	got, err = syscall.Wait4(decoy.Process.Pid, &ws, syscall.WNOHANG, nil)
+	require.NoError(t, err)
+	assert.Zero(t, got, "a process that merely names the run directory was killed")
 }
 
 // A recorded pid that died while the daemon was down is not adopted; the

@@ -61,27 +61,45 @@ func ParseProcStat(b []byte) (ProcStat, error) {
 	return ProcStat{State: f[0][0], Session: sid, StartTime: st}, nil
 }
 
+// Proc is one live process FindProcs found.
+type Proc struct {
+	PID  int
+	Stat ProcStat
+}
+
+// FindProcs lists the live processes (zombies left out) whose
+// NUL-separated command line match accepts, as /proc is at the call. The
+// command line is tested first: it is the selective test, so the stat of
+// every other process on the host is never read.
+func FindProcs(match func(cmdline []byte) bool) []Proc {
+	ents, _ := os.ReadDir("/proc")
+	var out []Proc
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if err != nil || !match(cmd) {
+			continue
+		}
+		if st, err := ReadProcStat(pid); err == nil && !st.Exited() {
+			out = append(out, Proc{PID: pid, Stat: st})
+		}
+	}
+	return out
+}
+
 // SessionLeadersNaming lists the live processes that lead their own session
 // (as a VMM started with Setsid does, also after a wrapper exec'd it) and
 // whose command line holds needle: the VMMs started for one VM's run
 // directory. A shell or tool that merely names the path leads no session.
 func SessionLeadersNaming(needle string) []Instance {
-	ents, _ := os.ReadDir("/proc")
 	var out []Instance
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid == os.Getpid() {
-			continue
+	for _, p := range FindProcs(func(cmd []byte) bool { return bytes.Contains(cmd, []byte(needle)) }) {
+		if p.PID != os.Getpid() && p.Stat.Session == p.PID {
+			out = append(out, Instance{PID: p.PID, StartTime: p.Stat.StartTime})
 		}
-		st, err := ReadProcStat(pid)
-		if err != nil || st.Session != pid || st.Exited() {
-			continue
-		}
-		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		if err != nil || !bytes.Contains(cmd, []byte(needle)) {
-			continue
-		}
-		out = append(out, Instance{PID: pid, StartTime: st.StartTime})
 	}
 	return out
 }

@@ -9,11 +9,13 @@ import (
 
 func TestParseProcStat(t *testing.T) {
 	// A command name with spaces and ')' must not shift the fields.
-	line := "4242 (qemu) x (y)) S 1 4242 4242 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 3 0 987654 100000 500 18446744073709551615\n"
+	// Process group 4242, session 4243: the session is field 6, not 5.
+	line := "4242 (qemu) x (y)) S 1 4242 4243 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 3 0 987654 100000 500 18446744073709551615\n"
 	st, err := ParseProcStat([]byte(line))
 	require.NoError(t, err)
 	assert.Equal(t, byte('S'), st.State)
 	assert.Equal(t, uint64(987654), st.StartTime)
+	assert.Equal(t, 4243, st.Session)
 	_, err = ParseProcStat([]byte("4242 (qemu) S 1 2"))
 	assert.Error(t, err)
 	_, err = ParseProcStat([]byte("garbage"))

@@ -4,6 +4,7 @@
 package nstest
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
@@ -12,12 +13,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
 
 	"github.com/brokkr/brokkr/internal/nlsafe"
+	"github.com/brokkr/brokkr/supervisor"
 	"golang.org/x/sys/unix"
 )
 
@@ -191,33 +192,16 @@ func (n *NS) ServeEcho(t testing.TB, addr string) {
 // words, zombies left out: how tests find the VMMs a daemon started (by
 // their runDir or binary) without a daemon to ask.
 func LiveProcs(words ...string) []int {
-	ents, _ := os.ReadDir("/proc")
 	var pids []int
-	for _, ent := range ents {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		all := true
+	for _, p := range supervisor.FindProcs(func(cmd []byte) bool {
 		for _, w := range words {
-			all = all && strings.Contains(string(b), w)
+			if !bytes.Contains(cmd, []byte(w)) {
+				return false
+			}
 		}
-		if !all {
-			continue
-		}
-		// The state follows the last ')' of the command name.
-		st, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		if i := strings.LastIndexByte(string(st), ')'); i < 0 || i+2 >= len(st) || st[i+2] == 'Z' || st[i+2] == 'X' {
-			continue
-		}
-		pids = append(pids, pid)
+		return true
+	}) {
+		pids = append(pids, p.PID)
 	}
 	return pids
 }

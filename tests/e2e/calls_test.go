@@ -1,12 +1,9 @@
 package e2e
 
 import (
-	"bytes"
 	"encoding/json"
-	"fmt"
 	"io"
 	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -16,6 +13,7 @@ import (
 
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/supervisor"
 	"github.com/stretchr/testify/require"
 )
 
@@ -102,11 +100,7 @@ func refused(ns *nstest.NS, addr string) bool {
 func gone(pid int, timeout time.Duration) bool {
 	deadline := time.Now().Add(timeout)
 	for {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			return true
-		}
-		if i := bytes.LastIndexByte(b, ')'); i > 0 && i+2 < len(b) && b[i+2] == 'Z' {
+		if st, err := supervisor.ReadProcStat(pid); err != nil || st.Exited() {
 			return true
 		}
 		if time.Now().After(deadline) {

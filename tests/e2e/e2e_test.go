@@ -168,12 +168,12 @@ func TestMetricsCarryTheExposuresTheVMAndTheLoop(t *testing.T) {
 
 func TestASIGKILLedDaemonRestartsAdoptsTheVMAndKeepsTheCounters(t *testing.T) {
 	e := sharedEnv(t)
-	// A call of its own, so there is a counter to keep.
-	c := hold(t, e.client, hostIP+":7000")
-	c.Close()
-	before := e.waitStatus("the call counted", 5*time.Second, func(st api.Status) bool {
+	// Calls and a refusal of its own, so both counters have something to
+	// keep whichever test ran before.
+	e.overTheCap("echo-nat", hostIP+":7000")
+	before := e.waitStatus("the calls counted", 5*time.Second, func(st api.Status) bool {
 		ex, _ := exposure(st, "echo-nat")
-		return ex.Accepted >= 1
+		return ex.Accepted >= 2 && ex.Refused >= 1
 	})
 	pid := vm(before, vmName).PID
 	exBefore, _ := exposure(before, "echo-nat")
