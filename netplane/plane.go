@@ -392,7 +392,7 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 	guestErr map[string]string, repaired []string) ([]ExposureStatus, []string) {
 	n := d.Network
 	rules := nft.Rules{
-		Bridge: n.Bridge, Subnet: n.CIDR.Masked(), Gateway: n.CIDR.Addr(),
+		Bridge: n.Bridge, Subnet: n.CIDR.Masked(),
 		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP,
 	}
 	// Anti-spoof admits each tap's assigned address from the start, not

@@ -446,12 +446,7 @@ func (t *Table) flushChanged(p *compile.Plan, changed []string, keys map[string]
 				continue
 			}
 			if k, ok := keys[name]; ok {
-				e := k.Exp
-				a := e.HostAddr
-				if e.Wildcard() {
-					a = netip.Addr{}
-				}
-				sides[side{compile.ProtoNum(e.Protocol), a, e.HostPort}] = e.Name
+				sides[hostSideOf(k.Exp)] = k.Exp.Name
 			}
 		}
 	}

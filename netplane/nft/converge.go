@@ -191,6 +191,11 @@ func (t *Table) apply(pInet, pBridge *compile.Plan, dBridge *compile.TableSpec, 
 	}
 	var counters map[string]counterValue
 	_ = t.nl(func() (err error) { counters, err = t.readCounters(); return err })
+	if counters == nil {
+		// Unreadable: the counters start again at zero, but the tables are
+		// still replaced (a nil map would make applyPlans append to them).
+		counters = map[string]counterValue{}
+	}
 	full := []*compile.Plan{compile.MakePlan(w, compile.EmptyObserved()), compile.MakePlan(dBridge, compile.EmptyObserved())}
 	if err := t.applyPlans(full[0], full[1], ids, counters); err != nil {
 		return fmt.Errorf("nft: replacing the tables: %w", err)
@@ -261,6 +266,10 @@ func desiredFrom(global *compile.TableSpec, keys map[string]compile.UnitKey, uni
 	all := make([]*compile.TableSpec, 0, len(keys))
 	var todo []compile.UnitKey
 	for n, k := range keys {
+		if u, ok := built[n]; ok {
+			all = append(all, u) // built for this batch already (planUnits)
+			continue
+		}
 		if u, ok := units[n]; ok && u.key == k {
 			all = append(all, u.spec)
 			continue

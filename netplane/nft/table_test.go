@@ -781,8 +781,9 @@ func TestConcurrentConvergeCountersAndSlowPath(t *testing.T) {
 	})
 	dst := netip.MustParseAddrPort("10.99.0.1:8080")
 	for i := 0; i < 5; i++ {
-		ok, _, cl := openConns(t, tp.client, dst, 6)
-		assert.LessOrEqual(t, ok, 2, "round %d: the cap admits at most 2", i)
+		ok, refused, cl := openConns(t, tp.client, dst, 6)
+		assert.Equal(t, 2, ok, "round %d: the cap admits exactly 2", i)
+		assert.Equal(t, 4, refused, "round %d: and refuses the rest", i)
 		cl()
 		require.NoError(t, tp.client.Do(func() error { return shortConn("10.99.0.1:8080") }), "round %d", i)
 	}

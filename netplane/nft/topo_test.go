@@ -71,7 +71,7 @@ func newTopo(t *testing.T, nGuests int) *topo {
 }
 
 func (tp *topo) rules(exps ...Exposure) Rules {
-	r := Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Gateway: netip.MustParseAddr("10.213.0.1"),
+	r := Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
 		Masquerade: true, DHCP: true, Exposures: exps}
 	for i := range tp.guests {
 		r.Guests = append(r.Guests, Guest{Name: fmt.Sprintf("g%d", i+1), Tap: guestPort(i), MAC: tp.macs[i], Addr: guestAddr(i)})

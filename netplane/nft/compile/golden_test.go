@@ -30,7 +30,7 @@ var (
 )
 
 func baseRules(exps ...Exposure) Rules {
-	return Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Gateway: netip.MustParseAddr("10.213.0.1"),
+	return Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
 		Masquerade: true, DHCP: true, DNS: true, Guests: []Guest{g1, g2}, Exposures: exps}
 }
 
@@ -64,7 +64,7 @@ func goldenCases() []goldenCase {
 	antiSpoof := baseRules()
 	antiSpoof.Guests = []Guest{g1, g3}
 	return []goldenCase{
-		{name: "empty", rules: Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Gateway: netip.MustParseAddr("10.213.0.1")}},
+		{name: "empty", rules: Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24")}},
 		{name: "wildcard", rules: baseRules(tcpTo("web", 8080, g1, 80))},
 		{name: "specific-address", rules: baseRules(bound)},
 		{name: "wildcard-and-specific-same-port", rules: baseRules(tcpTo("web", 2222, g1, 80), bound)},

@@ -14,7 +14,7 @@ import (
 // Pure planning: no kernel.
 
 func refRules() Rules {
-	return Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Gateway: netip.MustParseAddr("10.213.0.1"),
+	return Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
 		Masquerade: true, DHCP: true, Exposures: []Exposure{
 			{Name: "web", Protocol: "tcp", HostPort: 8080, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 80, MaxConns: 3},
 			{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: netip.MustParseAddr("10.213.0.12"), GuestPort: 53},
@@ -167,7 +167,7 @@ func BenchmarkWholeTable10000(b *testing.B) {
 	for _, e := range r.Exposures {
 		keys = append(keys, UnitKey{Exp: e, ID: ids[e.Name]})
 	}
-	g, _, err := Desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Gateway: r.Gateway, Masquerade: true, DHCP: true}, nil, 0)
+	g, _, err := Desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Masquerade: true, DHCP: true}, nil, 0)
 	require.NoError(b, err)
 	b.ReportAllocs()
 	for b.Loop() {

@@ -21,7 +21,6 @@ import (
 type Rules struct {
 	Bridge        string       // the guest bridge (host isolation, anti-spoof, hairpin)
 	Subnet        netip.Prefix // guest subnet: bridge address + prefix, e.g. 10.213.0.1/24
-	Gateway       netip.Addr   // the bridge's own address
 	Masquerade    bool         // egress NAT for the subnet leaving through any other interface
 	IsolateGuests bool         // drop guest-to-guest frames across the bridge
 	DHCP          bool         // guests may reach udp/67 on the host

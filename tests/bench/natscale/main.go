@@ -52,7 +52,7 @@ func main() {
 }
 
 func baseRules(guest netip.Addr) nft.Rules {
-	return nft.Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Gateway: netip.MustParseAddr("10.213.0.1"),
+	return nft.Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
 		Masquerade: true, DHCP: true}
 }
 
