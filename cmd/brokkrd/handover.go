@@ -408,7 +408,9 @@ func (s *system) handOver(req upgradeReq, apiLn, upLn, metricsLn net.Listener, l
 	case err := <-ready:
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
-				err = fmt.Errorf("no answer within %s", readyTimeout)
+				// Alive by definition: no wait for an exit, the listeners
+				// are frozen meanwhile.
+				return fail(fmt.Errorf("the new process did not get ready: no answer within %s: %w", readyTimeout, err))
 			}
 			// A process that hung up has usually exited: say how.
 			select {

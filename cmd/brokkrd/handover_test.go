@@ -239,6 +239,14 @@ func TestTheFDStoreLeavesTheListenerClosable(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, fds, 1, "the listener travels with the message")
 	defer unix.Close(fds[0])
+	// A caller puts the accept goroutine back into accept(2): on a socket
+	// switched to blocking mode it would now sleep in the kernel, where
+	// Close cannot wake it. Without a caller it stays parked in the poller
+	// either way, and the test could not tell.
+	c, err := net.Dial("tcp", st[0].BoundAddr)
+	require.NoError(t, err)
+	c.Close()
+	time.Sleep(100 * time.Millisecond)
 
 	stopped := make(chan struct{})
 	go func() { px.StopAll(); close(stopped) }()
