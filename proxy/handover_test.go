@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -309,9 +310,14 @@ func TestFreezeHandsUDPFlowsToAnotherManager(t *testing.T) {
 	m2.Adopt(snap.Pairs)
 	st2 := only(t, m2, spec)
 	require.Equal(t, st.BoundAddr, st2.BoundAddr, "the same socket, not a new bind")
+	// Held: the new manager answers nothing until Resume (a failed
+	// hand-over must not leave two processes serving one socket).
+	buf := make([]byte, 512)
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(200*time.Millisecond)))
+	_, err = c.Read(buf)
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded, "answered before Resume")
 	m2.Resume()
 	require.NoError(t, c.SetReadDeadline(time.Now().Add(5*time.Second)))
-	buf := make([]byte, 512)
 	n, err := c.Read(buf)
 	require.NoError(t, err, "the datagram sent during the freeze is answered")
 	assert.Equal(t, guestPort+":two", string(buf[:n]), "through the flow's own guest socket")
