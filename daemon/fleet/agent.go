@@ -120,6 +120,15 @@ func (a *Agent) Run(ctx context.Context, t daemon.Target) {
 // the watch is restarted from its last revision (a stream over a connection
 // the partition killed may otherwise sit silent until gRPC notices).
 func (a *Agent) setConnected(err error) {
+	if a.markConnected(err) {
+		kick(a.reconnected)
+	}
+}
+
+// markConnected records whether etcd answers and reports a change back to
+// connected. The watch calls it directly: an answer on the watch proves
+// that stream alive, so it must not restart itself.
+func (a *Agent) markConnected(err error) (back bool) {
 	a.mu.Lock()
 	was := a.rep.State
 	a.mu.Unlock()
@@ -132,9 +141,9 @@ func (a *Agent) setConnected(err error) {
 		})
 		if was != api.SourceConnected {
 			a.log.Info("etcd reachable")
-			kick(a.reconnected)
+			return true
 		}
-		return
+		return false
 	}
 	a.update(func(r *api.Source) {
 		r.State = api.SourceDisconnected
@@ -143,6 +152,7 @@ func (a *Agent) setConnected(err error) {
 	if was == api.SourceConnected {
 		a.log.Warn("etcd unreachable; serving the last applied state", "err", err)
 	}
+	return false
 }
 
 const connPrefix = "etcd unreachable: "
@@ -224,7 +234,7 @@ func (a *Agent) watch(ctx context.Context, t daemon.Target) {
 				}
 				continue
 			}
-			a.setConnected(nil)
+			a.markConnected(nil) // the watch starts afresh below anyway
 			if len(resp.Kvs) == 0 {
 				a.absent(resp.Header.Revision)
 			} else {
@@ -260,7 +270,7 @@ func (a *Agent) watch(ctx context.Context, t daemon.Target) {
 				// node whose lease renewals kept timing out stayed
 				// "disconnected", and wrote no status, while it applied
 				// the documents the watch brought.
-				a.setConnected(nil)
+				a.markConnected(nil)
 				for _, ev := range wr.Events {
 					if ev.Type == mvccpb.DELETE {
 						a.absent(ev.Kv.ModRevision)
