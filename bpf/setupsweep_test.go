@@ -60,8 +60,7 @@ func openNFQueue(t *testing.T, num uint16) *nfQueue {
 		ae.Bytes(nfqaCfgCmd, []byte{nfqnlCfgCmdBind, 0, 0, unix.AF_INET})
 	}))
 	require.NoError(t, err, "bind queue %d", num)
-	params := make([]byte, 5)
-	binary.BigEndian.PutUint32(params, 0)
+	params := make([]byte, 5) // copy_range 0 (the whole packet; meta mode copies none)
 	params[4] = nfqnlCopyMeta
 	_, err = c.Execute(q.msg(nfqnlMsgConfig, func(ae *netlink.AttributeEncoder) { ae.Bytes(nfqaCfgParams, params) }))
 	require.NoError(t, err, "queue %d: copy mode", num)
@@ -102,13 +101,6 @@ func (q *nfQueue) verdict(t *testing.T, id, verdict uint32) {
 	m.Header.Flags = netlink.Request
 	_, err := q.c.Send(m)
 	require.NoError(t, err)
-}
-
-func (n *NatPath) sweeps(t *testing.T) uint64 {
-	t.Helper()
-	var s natpathNatSweeper
-	require.NoError(t, n.objs.NatSweep.Lookup(uint32(0), &s))
-	return s.Sweeps
 }
 
 // A connection's first packet passes brk_nat_pre (which tracks the flow)
@@ -153,9 +145,9 @@ func TestASweepWhileAConnectionIsSetUpKeepsItsFlow(t *testing.T) {
 	// The flow is tracked and its conntrack entry not confirmed: hold it
 	// until a sweep has run, dropping the caller's retransmitted SYNs (each
 	// a new entry of its own).
-	s0 := np.sweeps(t)
+	s0 := sweeps(t, np)
 	deadline := time.Now().Add(5 * time.Second)
-	for np.sweeps(t) == s0 {
+	for sweeps(t, np) == s0 {
 		require.True(t, time.Now().Before(deadline), "no sweep within 5 s")
 		if again, ok := q.next(t, 20*time.Millisecond); ok {
 			q.verdict(t, again, nfVerdictDrop)
