@@ -83,7 +83,7 @@ fuzz:
 # permissions, in brk-soak-* namespaces of its own; one figure per line.
 # SOAK_MINUTES (20) bounds it; tests/soak/soak.sh lists the other knobs.
 soak: deps guest-image
-	tests/soak/soak.sh
+	SOAK_FUZZ_GO=$${SOAK_FUZZ_GO:-$(FUZZ_GO)} tests/soak/soak.sh
 
 bench: deps build guest-image
 	@scripts/clean-ns.sh

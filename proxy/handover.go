@@ -137,10 +137,7 @@ func (m *Manager) DropUnclaimed() []string {
 		names = append(names, name)
 	}
 	for name, flows := range m.inheritFlows {
-		for _, fp := range flows {
-			fp.Guest.Close()
-			m.closedPlace(fp.ID, "udp", fp.HostPort)
-		}
+		m.endFlows(flows)
 		delete(m.inheritFlows, name)
 	}
 	return names
@@ -184,20 +181,23 @@ func (m *Manager) inherited(name string) (net.Listener, bool) {
 	return ln, true
 }
 
+// endFlows ends inherited UDP flows that will not be adopted: their guest
+// sockets close and their places are given back.
+func (m *Manager) endFlows(flows []FrozenPair) {
+	for _, fp := range flows {
+		fp.Guest.Close()
+		m.closedPlace(fp.ID, "udp", fp.HostPort)
+	}
+}
+
 // inheritedUDP takes the inherited UDP socket for name and the flows that
 // came with it (m.mu held). Flows without their socket cannot reply and end.
 func (m *Manager) inheritedUDP(name string) (*net.UDPConn, []FrozenPair, bool) {
 	flows := m.inheritFlows[name]
 	delete(m.inheritFlows, name)
-	endFlows := func() {
-		for _, fp := range flows {
-			fp.Guest.Close()
-			m.closedPlace(fp.ID, "udp", fp.HostPort)
-		}
-	}
 	f := m.inherit[name]
 	if f == nil {
-		endFlows()
+		m.endFlows(flows)
 		return nil, nil, false
 	}
 	delete(m.inherit, name)
@@ -208,7 +208,7 @@ func (m *Manager) inheritedUDP(name string) (*net.UDPConn, []FrozenPair, bool) {
 		if pc != nil {
 			pc.Close()
 		}
-		endFlows()
+		m.endFlows(flows)
 		return nil, nil, false
 	}
 	return uc, flows, true

@@ -232,6 +232,7 @@ func (x *h) load() {
 		}
 		t := sum[addr]
 		if t == nil {
+			x.fail("load: %s: no caller tallies for %s", e.Name, addr)
 			continue
 		}
 		a, b := c[e.Name], before[e.Name]
@@ -250,7 +251,8 @@ func (x *h) load() {
 			socketDropped += dr
 		}
 	}
-	x.check("load.socket_path.dropped", socketDropped, 0, "auto exposures' host callers admitted and then refused at connect, against a live guest")
+	// A figure, not a check: each exposure's dropped is checked above.
+	x.figure("load.socket_path.dropped", strconv.FormatInt(socketDropped, 10), "auto exposures' host callers admitted and then refused at connect, against a live guest")
 }
 
 func offered(d desired) int {
