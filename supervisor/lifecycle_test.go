@@ -226,28 +226,17 @@ func TestAVMMStartedButNeverRecordedIsKilledBeforeANewStart(t *testing.T) {
 	f.hv.beforeStart = func(ctx context.Context, lc LaunchConfig) error {
 		// What a backend does first: a process in its own session with
 		// the VM's run directory on its command line...
-		cmd := exec.Command("sh", "-c", "read x", filepath.Join(lc.RunDir, "api.sock"))
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-		stdin, err := cmd.StdinPipe()
+		cmd, err := waitingProc(t, filepath.Join(lc.RunDir, "api.sock"), true)
 		if err != nil {
 			return err
 		}
-		if err := cmd.Start(); err != nil {
-			return err
-		}
-		t.Cleanup(func() { stdin.Close(); _ = cmd.Process.Kill(); _ = cmd.Wait() })
 		orphan <- cmd
 		// A process that only names the run directory (an operator's
 		// tail of the console log) leads no session: it must survive.
-		decoy := exec.Command("sh", "-c", "read x", filepath.Join(lc.RunDir, "console.log"))
-		dstdin, err := decoy.StdinPipe()
+		decoy, err := waitingProc(t, filepath.Join(lc.RunDir, "console.log"), false)
 		if err != nil {
 			return err
 		}
-		if err := decoy.Start(); err != nil {
-			return err
-		}
-		t.Cleanup(func() { dstdin.Close(); _ = decoy.Process.Kill(); _ = decoy.Wait() })
 		decoys <- decoy
 		// ...and the daemon dies before Start returns.
 		<-ctx.Done()
@@ -275,6 +264,22 @@ func TestAVMMStartedButNeverRecordedIsKilledBeforeANewStart(t *testing.T) {
 	got, err = syscall.Wait4(decoy.Process.Pid, &ws, syscall.WNOHANG, nil)
 	require.NoError(t, err)
 	assert.Zero(t, got, "a process that merely names the run directory was killed")
+}
+
+// waitingProc starts a shell that waits on its stdin with arg on its command
+// line, in a session of its own if setsid; the test's cleanup ends it.
+func waitingProc(t *testing.T, arg string, setsid bool) (*exec.Cmd, error) {
+	cmd := exec.Command("sh", "-c", "read x", arg)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: setsid}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() { stdin.Close(); _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	return cmd, nil
 }
 
 // A recorded pid that died while the daemon was down is not adopted; the
