@@ -23,6 +23,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 const (
@@ -34,7 +36,7 @@ const (
 	// MaxNameLen is the longest exposure name a slot can hold.
 	MaxNameLen = NameLen - 1
 	// Slots is the number of entries in the array.
-	Slots = 16384
+	Slots = spec.MaxExposures
 
 	// bpffsMagic is BPF_FS_MAGIC from statfs(2).
 	bpffsMagic = 0xcafe4a11
@@ -141,12 +143,12 @@ func Open(dir string) (*Store, error) {
 	if err := checkBPFFS(dir); err != nil {
 		return nil, err
 	}
-	spec, err := loadStats()
+	cs, err := loadStats()
 	if err != nil {
 		return nil, fmt.Errorf("exposure_stats: %w", err)
 	}
 	var objs statsMaps
-	err = spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}})
+	err = cs.LoadAndAssign(&objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}})
 	if errors.Is(err, ebpf.ErrMapIncompatible) {
 		return nil, fmt.Errorf("%s: a pinned map with another layout is in the way (remove it, or it belongs to another version): %w", filepath.Join(dir, MapName), err)
 	}

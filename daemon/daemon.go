@@ -643,9 +643,17 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 	for _, p := range pst {
 		ps[p.ID] = append(ps[p.ID], p)
 	}
-	for i, e := range model.Exposures {
-		// The row echoes the exposure as the config spells it.
-		ce := want.Exposures[i]
+	// The row echoes the exposure as the config spells it: found by name,
+	// never by position (the model is not bound to keep the file's order).
+	spelt := make(map[string]*config.Exposure, len(want.Exposures))
+	for i := range want.Exposures {
+		spelt[want.Exposures[i].Name] = &want.Exposures[i]
+	}
+	for _, e := range model.Exposures {
+		ce, ok := spelt[e.Name]
+		if !ok {
+			continue
+		}
 		r := api.Exposure{Name: ce.Name, VM: ce.VM, Target: ce.Target, Mode: ce.Mode, HostAddress: ce.HostAddress,
 			HostPort: ce.HostPort, Protocol: ce.Protocol, GuestPort: ce.GuestPort, MaxConns: *ce.MaxConns}
 		var parts []part

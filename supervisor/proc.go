@@ -7,88 +7,12 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"strconv"
 	"syscall"
 	"time"
-	"unicode"
 
+	"github.com/brokkr/brokkr/internal/procfs"
 	"golang.org/x/sys/unix"
 )
-
-// ProcStat is what brokkr reads from /proc/<pid>/stat.
-type ProcStat struct {
-	State     byte   // field 3: R, S, D, Z, ...
-	Session   int    // field 6: the session ID (a VMM leads its own: Setsid)
-	StartTime uint64 // field 22: start time in clock ticks since boot
-}
-
-// ReadProcStat reads /proc/<pid>/stat.
-func ReadProcStat(pid int) (ProcStat, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return ProcStat{}, err
-	}
-	st, err := ParseProcStat(b)
-	if err != nil {
-		return ProcStat{}, fmt.Errorf("/proc/%d/stat: %w", pid, err)
-	}
-	return st, nil
-}
-
-// ParseProcStat reads the fields after the command name (field 2), which
-// may itself hold spaces and parentheses, so it splits after the last ')'.
-func ParseProcStat(b []byte) (ProcStat, error) {
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return ProcStat{}, fmt.Errorf("no ')' in %q", b)
-	}
-	f := bytes.Fields(b[i+1:])
-	// f[0] is field 3 (state), so field 22 is f[19].
-	if len(f) < 20 {
-		return ProcStat{}, fmt.Errorf("%d fields after the command name, want >= 20", len(f))
-	}
-	if len(f[0]) != 1 || !unicode.IsLetter(rune(f[0][0])) {
-		return ProcStat{}, fmt.Errorf("state %q is not one letter", f[0])
-	}
-	sid, err := strconv.Atoi(string(f[3]))
-	if err != nil {
-		return ProcStat{}, fmt.Errorf("session %q: %w", f[3], err)
-	}
-	st, err := strconv.ParseUint(string(f[19]), 10, 64)
-	if err != nil {
-		return ProcStat{}, fmt.Errorf("start time %q: %w", f[19], err)
-	}
-	return ProcStat{State: f[0][0], Session: sid, StartTime: st}, nil
-}
-
-// Proc is one live process FindProcs found.
-type Proc struct {
-	PID  int
-	Stat ProcStat
-}
-
-// FindProcs lists the live processes (zombies left out) whose
-// NUL-separated command line match accepts, as /proc is at the call. The
-// command line is tested first: it is the selective test, so the stat of
-// every other process on the host is never read.
-func FindProcs(match func(cmdline []byte) bool) []Proc {
-	ents, _ := os.ReadDir("/proc")
-	var out []Proc
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		if err != nil || !match(cmd) {
-			continue
-		}
-		if st, err := ReadProcStat(pid); err == nil && !st.Exited() {
-			out = append(out, Proc{PID: pid, Stat: st})
-		}
-	}
-	return out
-}
 
 // SessionLeadersNaming lists the live processes that lead their own session
 // (as a VMM started with Setsid does, also after a wrapper exec'd it) and
@@ -96,7 +20,7 @@ func FindProcs(match func(cmdline []byte) bool) []Proc {
 // directory. A shell or tool that merely names the path leads no session.
 func SessionLeadersNaming(needle string) []Instance {
 	var out []Instance
-	for _, p := range FindProcs(func(cmd []byte) bool { return bytes.Contains(cmd, []byte(needle)) }) {
+	for _, p := range procfs.FindProcs(func(cmd []byte) bool { return bytes.Contains(cmd, []byte(needle)) }) {
 		if p.PID != os.Getpid() && p.Stat.Session == p.PID {
 			out = append(out, Instance{PID: p.PID, StartTime: p.Stat.StartTime})
 		}
@@ -104,14 +28,11 @@ func SessionLeadersNaming(needle string) []Instance {
 	return out
 }
 
-// Exited says the process has ended and only waits to be reaped.
-func (s ProcStat) Exited() bool { return s.State == 'Z' || s.State == 'X' }
-
 // ProcStartTime returns field 22 of /proc/<pid>/stat: the process start time
 // in clock ticks since boot. Together with the pid it names one process for
 // the life of the host, which a bare pid (reused after exit) does not.
 func ProcStartTime(pid int) (uint64, error) {
-	st, err := ReadProcStat(pid)
+	st, err := procfs.ReadProcStat(pid)
 	return st.StartTime, err
 }
 
@@ -144,7 +65,7 @@ func CheckIdentity(inst Instance) error {
 	if inst.PID <= 0 {
 		return fmt.Errorf("pid %d: %w", inst.PID, ErrNotSameProcess)
 	}
-	st, err := ReadProcStat(inst.PID)
+	st, err := procfs.ReadProcStat(inst.PID)
 	if err != nil {
 		return fmt.Errorf("pid %d: %w (%v)", inst.PID, ErrNotSameProcess, err)
 	}

@@ -2,6 +2,7 @@ package config
 
 import (
 	"net/netip"
+	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -135,4 +136,26 @@ func FuzzCompile(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A state with more exposures than the host has counter slots is refused
+// whole, naming the limit: before, the apply succeeded and the exposures
+// past the last slot never served ("nat: no counter slot").
+func TestMoreExposuresThanSlotsAreRefusedWhole(t *testing.T) {
+	build := func(n int) *Config {
+		c := Defaults()
+		for i := range n {
+			c.Exposures = append(c.Exposures, Exposure{Name: "e" + strconv.Itoa(i), Target: "10.213.0.9",
+				GuestPort: 80, HostPort: 1 + i%65535, HostAddress: "10.0." + strconv.Itoa(i/65535) + ".1"})
+		}
+		c.applyDefaults()
+		return c
+	}
+	_, errs := Compile(build(spec.MaxExposures))
+	require.Empty(t, errs)
+	m, errs := Compile(build(spec.MaxExposures + 1))
+	assert.Nil(t, m)
+	require.Len(t, errs, 1)
+	assert.Equal(t, "exposures", errs[0].Path)
+	assert.Contains(t, errs[0].Msg, strconv.Itoa(spec.MaxExposures+1)+" exposures, more than the "+strconv.Itoa(spec.MaxExposures))
 }

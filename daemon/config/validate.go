@@ -27,262 +27,209 @@ func (c *Config) Validate() Errors {
 	return errs
 }
 
+// collector gathers every problem of one config, in file order.
+type collector struct{ errs Errors }
+
+func (c *collector) add(path, format string, a ...any) {
+	c.errs = append(c.errs, FieldError{Path: path, Msg: fmt.Sprintf(format, a...)})
+}
+
 // Compile is the one validation of desired state: it checks the whole
 // config (defaults applied) and returns every problem, in file order, or
 // the typed model the engines run from. It runs where desired state enters:
 // Load and Parse (a config file, desired.json), the daemon's Apply (the API,
 // a fleet document) and SetPower; nothing downstream checks again what it
 // checked.
+//
+// Each section is one step below; the exposures are checked one at a time
+// against an index of what came before them (compileExposure), the same
+// check an exposure added alone goes through.
 func Compile(c *Config) (*spec.Desired, Errors) {
-	var errs Errors
-	m := &spec.Desired{Network: spec.Network{Bridge: c.Network.Bridge, MTU: *c.Network.MTU,
-		Masquerade: *c.Network.Masquerade, DHCP: *c.Network.DHCP, IsolateGuests: c.Network.IsolateGuests},
-		VMs: make([]spec.VM, 0, len(c.VMs)), Exposures: make([]spec.Exposure, 0, len(c.Exposures))}
-	add := func(path, format string, a ...any) {
-		errs = append(errs, FieldError{Path: path, Msg: fmt.Sprintf(format, a...)})
+	var col collector
+	compileDirs(c, &col)
+	compileMetrics(c.Metrics, &col)
+	network, cidr := compileNetwork(c.Network, &col)
+	compileHypervisor(c.Hypervisor, &col)
+	vms, vmIndex := compileVMs(c.VMs, &col)
+	ix := newExposureIndex(cidr, c.Network.CIDR, vmIndex)
+	exps := make([]spec.Exposure, 0, len(c.Exposures))
+	for i, e := range c.Exposures {
+		me := ix.check(fmt.Sprintf("exposures[%d]", i), e, &col)
+		ix.insert(e, me, i)
+		exps = append(exps, me)
 	}
+	compileCapacity(len(c.Exposures), &col)
+	if errs := append(col.errs, c.Fleet.validate()...); len(errs) > 0 {
+		return nil, errs
+	}
+	return &spec.Desired{Network: network, VMs: vms, Exposures: exps}, nil
+}
 
+// compileDirs checks the process-fixed directories.
+func compileDirs(c *Config, col *collector) {
 	for _, d := range []struct{ path, v string }{{"stateDir", c.StateDir}, {"runDir", c.RunDir}, {"bpfDir", c.BPFDir}} {
 		if !filepath.IsAbs(d.v) {
-			add(d.path, "%q is not an absolute path", d.v)
+			col.add(d.path, "%q is not an absolute path", d.v)
 		}
 	}
 	if strings.Contains(filepath.Base(c.BPFDir), ".") {
-		add("bpfDir", "%q: bpffs names may not contain '.'", c.BPFDir)
+		col.add("bpfDir", "%q: bpffs names may not contain '.'", c.BPFDir)
 	}
 	// sun_path is 108 bytes; leave room for per-VM sockets below runDir.
 	if len(c.RunDir) > 60 {
-		add("runDir", "%q is longer than 60 bytes (unix socket paths below it must fit in 108)", c.RunDir)
+		col.add("runDir", "%q is longer than 60 bytes (unix socket paths below it must fit in 108)", c.RunDir)
 	}
+}
 
-	if l := c.Metrics.Listen; l != "" {
-		host, port, err := net.SplitHostPort(l)
-		pn, perr := strconv.Atoi(port)
-		switch {
-		case err != nil:
-			add("metrics.listen", "%q is not host:port (like 127.0.0.1:9464)", l)
-		case perr != nil || pn < 1 || pn > 65535:
-			add("metrics.listen", "%q: the port must be 1..65535", l)
-		case host != "":
-			if a, err := netip.ParseAddr(host); err != nil || a.Zone() != "" {
-				add("metrics.listen", "%q: the host must be an IP address (or empty for every address)", l)
-			}
+// compileMetrics checks metrics.listen: an IP literal and a port.
+func compileMetrics(m Metrics, col *collector) {
+	l := m.Listen
+	if l == "" {
+		return
+	}
+	host, port, err := net.SplitHostPort(l)
+	pn, perr := strconv.Atoi(port)
+	switch {
+	case err != nil:
+		col.add("metrics.listen", "%q is not host:port (like 127.0.0.1:9464)", l)
+	case perr != nil || pn < 1 || pn > 65535:
+		col.add("metrics.listen", "%q: the port must be 1..65535", l)
+	case host != "":
+		if a, err := netip.ParseAddr(host); err != nil || a.Zone() != "" {
+			col.add("metrics.listen", "%q: the host must be an IP address (or empty for every address)", l)
 		}
 	}
+}
 
-	n := c.Network
+// compileNetwork checks the network section; the model's CIDR stays the
+// zero Prefix when network.cidr is invalid. cidr is network.cidr as parsed
+// (valid or not, if it parses): exposure targets are checked against it.
+func compileNetwork(n Network, col *collector) (out spec.Network, cidr netip.Prefix) {
+	out = spec.Network{Bridge: n.Bridge, MTU: *n.MTU, Masquerade: *n.Masquerade, DHCP: *n.DHCP, IsolateGuests: n.IsolateGuests}
 	if !bridgeRE.MatchString(n.Bridge) {
-		add("network.bridge", "%q is not a valid interface name (1-15 of A-Z a-z 0-9 _ -)", n.Bridge)
+		col.add("network.bridge", "%q is not a valid interface name (1-15 of A-Z a-z 0-9 _ -)", n.Bridge)
 	}
 	cidr, err := netip.ParsePrefix(n.CIDR)
 	switch {
 	case err != nil:
-		add("network.cidr", "%q is not an address with a prefix (like 10.213.0.1/24)", n.CIDR)
+		col.add("network.cidr", "%q is not an address with a prefix (like 10.213.0.1/24)", n.CIDR)
 	case !cidr.Addr().Is4():
-		add("network.cidr", "%q: only IPv4 guest networks are supported", n.CIDR)
+		col.add("network.cidr", "%q: only IPv4 guest networks are supported", n.CIDR)
 	case cidr.Bits() > 29 || cidr.Bits() < 8:
-		add("network.cidr", "%q: the prefix must be between /8 and /29", n.CIDR)
+		col.add("network.cidr", "%q: the prefix must be between /8 and /29", n.CIDR)
 	case cidr.Addr() == cidr.Masked().Addr():
-		add("network.cidr", "%q is the network address; give the bridge's own address (like 10.213.0.1/24)", n.CIDR)
+		col.add("network.cidr", "%q is the network address; give the bridge's own address (like 10.213.0.1/24)", n.CIDR)
 	case cidr.Addr() == broadcast(cidr):
-		add("network.cidr", "%s is the broadcast address", cidr)
+		col.add("network.cidr", "%s is the broadcast address", cidr)
 	case cidr.Addr().IsLoopback() || cidr.Addr().IsMulticast():
-		add("network.cidr", "%s is not a unicast address", cidr)
+		col.add("network.cidr", "%s is not a unicast address", cidr)
 	default:
-		m.Network.CIDR = cidr
+		out.CIDR = cidr
 	}
 	if *n.MTU < minMTU || *n.MTU > maxMTU {
-		add("network.mtu", "%d is out of range (%d..%d)", *n.MTU, minMTU, maxMTU)
+		col.add("network.mtu", "%d is out of range (%d..%d)", *n.MTU, minMTU, maxMTU)
 	}
+	return out, cidr
+}
 
-	h := c.Hypervisor
+// compileHypervisor checks the hypervisor section (no part of the model:
+// it is fixed for the process).
+func compileHypervisor(h Hypervisor, col *collector) {
 	if h.Kind != HypervisorCHV && h.Kind != HypervisorQEMU {
-		add("hypervisor.kind", "%q is not one of cloud-hypervisor, qemu", h.Kind)
+		col.add("hypervisor.kind", "%q is not one of cloud-hypervisor, qemu", h.Kind)
 	}
 	if h.Path != "" && !filepath.IsAbs(h.Path) {
-		add("hypervisor.path", "%q is not an absolute path", h.Path)
+		col.add("hypervisor.path", "%q is not an absolute path", h.Path)
 	}
 	if m := *h.MaxConcurrentCreates; m < 0 || m > maxConcurrentCreatesUp {
-		add("hypervisor.maxConcurrentCreates", "%d is out of range (0..%d; 0 = unlimited)", m, maxConcurrentCreatesUp)
+		col.add("hypervisor.maxConcurrentCreates", "%d is out of range (0..%d; 0 = unlimited)", m, maxConcurrentCreatesUp)
 	}
+}
 
-	vms := map[string]int{}
-	for i, v := range c.VMs {
+// compileVMs checks every VM and returns the model's VMs and the index of
+// each valid, unique name.
+func compileVMs(vms []VM, col *collector) ([]spec.VM, map[string]int) {
+	out := make([]spec.VM, 0, len(vms))
+	index := map[string]int{}
+	for i, v := range vms {
 		p := fmt.Sprintf("vms[%d]", i)
 		switch {
 		case v.Name == "":
-			add(p+".name", "is required")
+			col.add(p+".name", "is required")
 		case !vmNameRE.MatchString(v.Name):
-			add(p+".name", "%q must be 1-32 of a-z 0-9 -", v.Name)
+			col.add(p+".name", "%q must be 1-32 of a-z 0-9 -", v.Name)
 		default:
-			if j, dup := vms[v.Name]; dup {
-				add(p+".name", "%q is already the name of vms[%d]", v.Name, j)
+			if j, dup := index[v.Name]; dup {
+				col.add(p+".name", "%q is already the name of vms[%d]", v.Name, j)
 			} else {
-				vms[v.Name] = i
+				index[v.Name] = i
 			}
 		}
-		mv := spec.VM{Name: v.Name, CPUs: *v.CPUs, Kernel: spec.Source{Location: v.Kernel, SHA256: v.KernelSHA256},
-			Cmdline: v.Cmdline, Power: spec.Power(v.Power), Restart: spec.Restart(v.Restart)}
-		if *v.CPUs < 1 || *v.CPUs > 256 {
-			add(p+".cpus", "%d is out of range (1..256)", *v.CPUs)
-		}
-		if mem, err := ParseSize(v.Memory); err != nil {
-			add(p+".memory", "%q is not a size (like 256M or 2G)", v.Memory)
-		} else if mem < 16<<20 || mem%(1<<20) != 0 {
-			add(p+".memory", "%q must be a whole number of MiB, at least 16M", v.Memory)
-		} else {
-			mv.MemoryMiB = int(mem >> 20)
-		}
-		if v.Kernel == "" {
-			add(p+".kernel", "is required")
-		} else {
-			checkSource(add, p+".kernel", v.Kernel, p+".kernelSha256", v.KernelSHA256)
-		}
-		if v.Initramfs != "" {
-			mv.Initramfs = &spec.Source{Location: v.Initramfs, SHA256: v.InitramfsSHA256}
-			checkSource(add, p+".initramfs", v.Initramfs, p+".initramfsSha256", v.InitramfsSHA256)
-		} else if v.InitramfsSHA256 != "" {
-			add(p+".initramfsSha256", "is set but initramfs is not")
-		}
-		if strings.ContainsAny(v.Cmdline, "\n\x00") {
-			add(p+".cmdline", "%q contains a newline or NUL", v.Cmdline)
-		}
-		if v.Disk != nil {
-			if v.Disk.Source == "" {
-				add(p+".disk.source", "is required")
-			} else {
-				checkSource(add, p+".disk.source", v.Disk.Source, p+".disk.sha256", v.Disk.SHA256)
-			}
-			mv.Disk = &spec.Disk{Source: spec.Source{Location: v.Disk.Source, SHA256: v.Disk.SHA256}}
-			if v.Disk.Size != "" {
-				if size, err := ParseSize(v.Disk.Size); err != nil {
-					add(p+".disk.size", "%q is not a size (like 2G)", v.Disk.Size)
-				} else {
-					mv.Disk.Size = size
-				}
-			}
-		}
-		if mv.Power != spec.PowerRunning && mv.Power != spec.PowerStopped {
-			add(p+".power", "%q is not one of running, stopped", v.Power)
-		}
-		if mv.Restart != spec.RestartAlways && mv.Restart != spec.RestartOnFailure && mv.Restart != spec.RestartNever {
-			add(p+".restart", "%q is not one of always, on-failure, never", v.Restart)
-		}
-		m.VMs = append(m.VMs, mv)
+		out = append(out, compileVM(p, v, col))
 	}
+	return out, index
+}
 
-	names := map[string]int{}
-	// Host binds by (protocol, port), in file order: an overlap is only
-	// possible within one such list, so the check stays linear in the number
-	// of exposures and names the first clash in the file.
-	type portKey struct {
-		proto string
-		port  int
+// compileVM checks one VM's fields (its name's uniqueness is compileVMs').
+func compileVM(p string, v VM, col *collector) spec.VM {
+	mv := spec.VM{Name: v.Name, CPUs: *v.CPUs, Kernel: spec.Source{Location: v.Kernel, SHA256: v.KernelSHA256},
+		Cmdline: v.Cmdline, Power: spec.Power(v.Power), Restart: spec.Restart(v.Restart)}
+	if *v.CPUs < 1 || *v.CPUs > 256 {
+		col.add(p+".cpus", "%d is out of range (1..256)", *v.CPUs)
 	}
-	type bind struct {
-		addr netip.Addr
-		i    int
+	if mem, err := ParseSize(v.Memory); err != nil {
+		col.add(p+".memory", "%q is not a size (like 256M or 2G)", v.Memory)
+	} else if mem < 16<<20 || mem%(1<<20) != 0 {
+		col.add(p+".memory", "%q must be a whole number of MiB, at least 16M", v.Memory)
+	} else {
+		mv.MemoryMiB = int(mem >> 20)
 	}
-	binds := map[portKey][]bind{}
-	for i, e := range c.Exposures {
-		p := fmt.Sprintf("exposures[%d]", i)
-		me := spec.Exposure{Name: e.Name, Target: spec.Target{VM: e.VM}, Proto: spec.Proto(e.Protocol),
-			HostPort: uint16(e.HostPort), GuestPort: uint16(e.GuestPort), Mode: spec.Mode(e.Mode), MaxConns: *e.MaxConns}
-		switch {
-		case e.Name == "":
-			add(p+".name", "is required")
-		case len(e.Name) > MaxExposureNameLen:
-			add(p+".name", "%q is longer than %d bytes", e.Name, MaxExposureNameLen)
-		case !exposureNameRE.MatchString(e.Name):
-			add(p+".name", "%q must start with a letter or digit and hold only A-Z a-z 0-9 . _ -", e.Name)
-		default:
-			if j, dup := names[e.Name]; dup {
-				add(p+".name", "%q is already the name of exposures[%d]", e.Name, j)
-			} else {
-				names[e.Name] = i
-			}
-		}
-		switch {
-		case e.VM == "" && e.Target == "":
-			add(p, "one of vm or target is required")
-		case e.VM != "" && e.Target != "":
-			add(p, "vm %q and target %q are both set; give exactly one", e.VM, e.Target)
-		case e.VM != "":
-			if _, ok := vms[e.VM]; !ok {
-				add(p+".vm", "%q is not a VM in vms", e.VM)
-			}
-		default:
-			t, err := netip.ParseAddr(e.Target)
-			switch {
-			case err != nil || t.Zone() != "":
-				add(p+".target", "%q is not an IP address", e.Target)
-			case cidr.IsValid() && !cidr.Masked().Contains(t):
-				add(p+".target", "%q is not inside network.cidr %s", e.Target, n.CIDR)
-			case cidr.IsValid() && (t == cidr.Addr() || t == cidr.Masked().Addr() || t == broadcast(cidr)):
-				add(p+".target", "%q is the bridge, network or broadcast address of network.cidr", e.Target)
-			default:
-				me.Target.Addr = t
-			}
-		}
-		if me.Proto != spec.TCP && me.Proto != spec.UDP {
-			add(p+".protocol", "%q is not one of tcp, udp", e.Protocol)
-		}
-		if e.GuestPort < 1 || e.GuestPort > 65535 {
-			add(p+".guestPort", "%d is out of range (1..65535)", e.GuestPort)
-		}
-		portOK := e.HostPort >= 1 && e.HostPort <= 65535
-		if !portOK {
-			add(p+".hostPort", "%d is out of range (1..65535)", e.HostPort)
-		}
-		ha, err := netip.ParseAddr(e.HostAddress)
-		if err != nil || ha.Zone() != "" {
-			add(p+".hostAddress", "%q is not an IP address", e.HostAddress)
-		} else if ha.IsMulticast() {
-			add(p+".hostAddress", "%q is a multicast address", e.HostAddress)
+	if v.Kernel == "" {
+		col.add(p+".kernel", "is required")
+	} else {
+		checkSource(col.add, p+".kernel", v.Kernel, p+".kernelSha256", v.KernelSHA256)
+	}
+	if v.Initramfs != "" {
+		mv.Initramfs = &spec.Source{Location: v.Initramfs, SHA256: v.InitramfsSHA256}
+		checkSource(col.add, p+".initramfs", v.Initramfs, p+".initramfsSha256", v.InitramfsSHA256)
+	} else if v.InitramfsSHA256 != "" {
+		col.add(p+".initramfsSha256", "is set but initramfs is not")
+	}
+	if strings.ContainsAny(v.Cmdline, "\n\x00") {
+		col.add(p+".cmdline", "%q contains a newline or NUL", v.Cmdline)
+	}
+	if v.Disk != nil {
+		if v.Disk.Source == "" {
+			col.add(p+".disk.source", "is required")
 		} else {
-			me.HostAddr = ha
+			checkSource(col.add, p+".disk.source", v.Disk.Source, p+".disk.sha256", v.Disk.SHA256)
 		}
-		if me.Mode != spec.ModeAuto && me.Mode != spec.ModeNAT && me.Mode != spec.ModeProxy {
-			add(p+".mode", "%q is not one of auto, nat, proxy", e.Mode)
-		} else if me.Mode == spec.ModeNAT && err == nil && ha.IsLoopback() {
-			add(p+".mode", "nat cannot publish on loopback %s (brokkr never sets route_localnet); use proxy or auto", e.HostAddress)
-		} else if me.HostAddr.IsValid() && me.UsesKernel() && !me.HostAddr.Is4() {
-			// The kernel path publishes IPv4 only: the guests have no IPv6.
-			add(p+".hostAddress", "%s is not IPv4 (guests are IPv4-only)", me.HostAddr)
-		}
-		if *e.MaxConns < 0 {
-			add(p+".maxConns", "%d is negative (0 = unlimited)", *e.MaxConns)
-		} else if *e.MaxConns > spec.MaxConnsLimit {
-			add(p+".maxConns", "%d is outside 0 (unlimited)..%d", *e.MaxConns, spec.MaxConnsLimit)
-		}
-		if err == nil && portOK && (e.Protocol == "tcp" || e.Protocol == "udp") {
-			ha = ha.Unmap()
-			// auto on 0.0.0.0 also listens on ::1 for IPv6 loopback callers.
-			claims := []netip.Addr{ha}
-			if me.Mode == spec.ModeAuto && ha == netip.IPv4Unspecified() {
-				claims = append(claims, netip.IPv6Loopback())
-			}
-			k := portKey{e.Protocol, e.HostPort}
-		check:
-			for _, a := range claims {
-				for _, other := range binds[k] {
-					if addrsOverlap(other.addr, a) {
-						add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%s/%s on %s)", e.HostPort, e.Protocol, e.HostAddress,
-							other.i, strconv.Itoa(k.port), k.proto, c.Exposures[other.i].HostAddress)
-						break check
-					}
-				}
-			}
-			for _, a := range claims {
-				binds[k] = append(binds[k], bind{a, i})
+		mv.Disk = &spec.Disk{Source: spec.Source{Location: v.Disk.Source, SHA256: v.Disk.SHA256}}
+		if v.Disk.Size != "" {
+			if size, err := ParseSize(v.Disk.Size); err != nil {
+				col.add(p+".disk.size", "%q is not a size (like 2G)", v.Disk.Size)
+			} else {
+				mv.Disk.Size = size
 			}
 		}
-		m.Exposures = append(m.Exposures, me)
 	}
-	if errs = append(errs, c.Fleet.validate()...); len(errs) > 0 {
-		return nil, errs
+	if mv.Power != spec.PowerRunning && mv.Power != spec.PowerStopped {
+		col.add(p+".power", "%q is not one of running, stopped", v.Power)
 	}
-	return m, nil
+	if mv.Restart != spec.RestartAlways && mv.Restart != spec.RestartOnFailure && mv.Restart != spec.RestartNever {
+		col.add(p+".restart", "%q is not one of always, on-failure, never", v.Restart)
+	}
+	return mv
+}
+
+// compileCapacity refuses more exposures than this host can count: each
+// needs a counter slot of its own (spec.MaxExposures), and an exposure
+// without one would be accepted and then never served.
+func compileCapacity(n int, col *collector) {
+	if n > spec.MaxExposures {
+		col.add("exposures", "%d exposures, more than the %d this host can hold (one counter slot each in exposure_stats_v2); nothing was applied",
+			n, spec.MaxExposures)
+	}
 }
 
 // addrsOverlap: the same address, or either is the unspecified address of

@@ -18,7 +18,7 @@ import (
 	"testing"
 
 	"github.com/brokkr/brokkr/internal/nlsafe"
-	"github.com/brokkr/brokkr/supervisor"
+	"github.com/brokkr/brokkr/internal/procfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -193,7 +193,7 @@ func (n *NS) ServeEcho(t testing.TB, addr string) {
 // their runDir or binary) without a daemon to ask.
 func LiveProcs(words ...string) []int {
 	var pids []int
-	for _, p := range supervisor.FindProcs(func(cmd []byte) bool {
+	for _, p := range procfs.FindProcs(func(cmd []byte) bool {
 		for _, w := range words {
 			if !bytes.Contains(cmd, []byte(w)) {
 				return false

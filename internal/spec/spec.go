@@ -229,3 +229,8 @@ type StaticIP struct {
 	Addr    netip.Prefix
 	Gateway netip.Addr
 }
+
+// MaxExposures is how many exposures one host holds: each has a counter
+// slot of its own in the pinned exposure_stats map (bpf.Slots), and a
+// desired state with more is refused whole rather than half-served.
+const MaxExposures = 16384

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/brokkr/brokkr/internal/procfs"
 	"github.com/brokkr/brokkr/supervisor"
 )
 
@@ -142,7 +143,7 @@ func TestValidateLaunchNamesTheField(t *testing.T) {
 
 // running tells this process from one with another start time.
 func TestRunning(t *testing.T) {
-	self, err := supervisor.ReadProcStat(os.Getpid())
+	self, err := procfs.ReadProcStat(os.Getpid())
 	require.NoError(t, err)
 	assert.True(t, running(os.Getpid(), self.StartTime))
 	assert.False(t, running(os.Getpid(), self.StartTime+1), "another start time is another process")
@@ -195,7 +196,7 @@ func TestStartRejectsBadMachine(t *testing.T) {
 
 // Stop of a process that is already gone (or a reused pid) does nothing.
 func TestStopDeadInstance(t *testing.T) {
-	self, err := supervisor.ReadProcStat(os.Getpid())
+	self, err := procfs.ReadProcStat(os.Getpid())
 	require.NoError(t, err)
 	inst := supervisor.Instance{PID: os.Getpid(), StartTime: self.StartTime + 1, APISocket: "/nonexistent"}
 	require.NoError(t, New("").Stop(t.Context(), inst, 0))

@@ -6,14 +6,14 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/brokkr/brokkr/supervisor"
+	"github.com/brokkr/brokkr/internal/procfs"
 )
 
 // running reports whether pid is still the process that started at
 // startTime and has not exited (a zombie has exited: it only waits to be
 // reaped by its parent).
 func running(pid int, startTime uint64) bool {
-	st, err := supervisor.ReadProcStat(pid)
+	st, err := procfs.ReadProcStat(pid)
 	return err == nil && st.StartTime == startTime && !st.Exited()
 }
 

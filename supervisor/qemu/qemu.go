@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/brokkr/brokkr/internal/nlsafe"
+	"github.com/brokkr/brokkr/internal/procfs"
 	"github.com/brokkr/brokkr/supervisor"
 )
 
@@ -262,7 +263,7 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 			return fail(fmt.Errorf("qemu: vm %s: %w", cfg.Name, err))
 		}
 	}
-	st, err := supervisor.ReadProcStat(pid)
+	st, err := procfs.ReadProcStat(pid)
 	var exe string
 	if err == nil {
 		exe, err = supervisor.ProcExe(pid) // a zombie has no exe link
@@ -432,7 +433,7 @@ func logTail(path string, offset int64) string {
 // Adopt implements supervisor.Hypervisor: the recorded pid must still be the
 // same qemu (start time, executable) and serve the recorded QMP socket.
 func (b *Backend) Adopt(ctx context.Context, inst supervisor.Instance) error {
-	st, err := supervisor.ReadProcStat(inst.PID)
+	st, err := procfs.ReadProcStat(inst.PID)
 	if err != nil {
 		return fmt.Errorf("qemu: pid %d is gone: %w", inst.PID, err)
 	}

@@ -13,7 +13,7 @@ import (
 
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/internal/nstest"
-	"github.com/brokkr/brokkr/supervisor"
+	"github.com/brokkr/brokkr/internal/procfs"
 	"github.com/stretchr/testify/require"
 )
 
@@ -100,7 +100,7 @@ func refused(ns *nstest.NS, addr string) bool {
 func gone(pid int, timeout time.Duration) bool {
 	deadline := time.Now().Add(timeout)
 	for {
-		if st, err := supervisor.ReadProcStat(pid); err != nil || st.Exited() {
+		if st, err := procfs.ReadProcStat(pid); err != nil || st.Exited() {
 			return true
 		}
 		if time.Now().After(deadline) {

@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/brokkr/brokkr/internal/procfs"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/brokkr/brokkr/supervisor/chv"
 	"github.com/brokkr/brokkr/supervisor/scope"
@@ -31,7 +32,7 @@ func running(r supervisor.VMStatus) bool { return r.Phase == supervisor.PhaseRun
 // alive says pid is still the process that started at start (not a reused
 // pid, not a zombie).
 func alive(pid int, start uint64) bool {
-	st, err := supervisor.ReadProcStat(pid)
+	st, err := procfs.ReadProcStat(pid)
 	return err == nil && st.StartTime == start && !st.Exited()
 }
 

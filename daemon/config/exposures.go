@@ -1,0 +1,158 @@
+package config
+
+import (
+	"net/netip"
+
+	"github.com/brokkr/brokkr/internal/spec"
+)
+
+// exposureIndex is what one exposure is checked against: the network and
+// the VMs of the desired state, and the names and host binds of the other
+// exposures. Compile fills it one exposure at a time, in file order, so a
+// clash names the earlier exposure.
+type exposureIndex struct {
+	cidr     netip.Prefix // the valid network.cidr, or the zero Prefix
+	cidrText string       // network.cidr as written, for messages
+	vms      map[string]int
+	names    map[string]int // name → position in the exposures list
+	// binds are the host sides claimed, by (protocol, port): an overlap is
+	// only possible within one such list, so a check stays linear in the
+	// exposures on the same port, not in all of them.
+	binds map[portKey][]hostBind
+}
+
+type portKey struct {
+	proto string
+	port  int
+}
+
+// hostBind is one claimed host address of an exposure.
+type hostBind struct {
+	addr     netip.Addr
+	name     string
+	pos      int
+	addrText string // hostAddress as written
+}
+
+func newExposureIndex(cidr netip.Prefix, cidrText string, vms map[string]int) *exposureIndex {
+	return &exposureIndex{cidr: cidr, cidrText: cidrText, vms: vms, names: map[string]int{}, binds: map[portKey][]hostBind{}}
+}
+
+// claims are the host addresses e takes on its port (auto on 0.0.0.0 also
+// takes ::1 for IPv6 loopback callers); nil when e's host side is invalid.
+func claims(e Exposure, me spec.Exposure) []netip.Addr {
+	if !me.HostAddr.IsValid() || e.HostPort < 1 || e.HostPort > 65535 || (e.Protocol != "tcp" && e.Protocol != "udp") {
+		return nil
+	}
+	ha := me.HostAddr.Unmap()
+	out := []netip.Addr{ha}
+	if me.Mode == spec.ModeAuto && ha == netip.IPv4Unspecified() {
+		out = append(out, netip.IPv6Loopback())
+	}
+	return out
+}
+
+// check validates one exposure (path p, like "exposures[3]") against the
+// index and returns its model. It does not insert it.
+func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposure {
+	me := spec.Exposure{Name: e.Name, Target: spec.Target{VM: e.VM}, Proto: spec.Proto(e.Protocol),
+		HostPort: uint16(e.HostPort), GuestPort: uint16(e.GuestPort), Mode: spec.Mode(e.Mode), MaxConns: *e.MaxConns}
+	switch {
+	case e.Name == "":
+		col.add(p+".name", "is required")
+	case len(e.Name) > MaxExposureNameLen:
+		col.add(p+".name", "%q is longer than %d bytes", e.Name, MaxExposureNameLen)
+	case !exposureNameRE.MatchString(e.Name):
+		col.add(p+".name", "%q must start with a letter or digit and hold only A-Z a-z 0-9 . _ -", e.Name)
+	default:
+		if j, dup := ix.names[e.Name]; dup {
+			col.add(p+".name", "%q is already the name of exposures[%d]", e.Name, j)
+		}
+	}
+	ix.checkTarget(p, e, &me, col)
+	if me.Proto != spec.TCP && me.Proto != spec.UDP {
+		col.add(p+".protocol", "%q is not one of tcp, udp", e.Protocol)
+	}
+	if e.GuestPort < 1 || e.GuestPort > 65535 {
+		col.add(p+".guestPort", "%d is out of range (1..65535)", e.GuestPort)
+	}
+	if e.HostPort < 1 || e.HostPort > 65535 {
+		col.add(p+".hostPort", "%d is out of range (1..65535)", e.HostPort)
+	}
+	ha, err := netip.ParseAddr(e.HostAddress)
+	if err != nil || ha.Zone() != "" {
+		col.add(p+".hostAddress", "%q is not an IP address", e.HostAddress)
+	} else if ha.IsMulticast() {
+		col.add(p+".hostAddress", "%q is a multicast address", e.HostAddress)
+	} else {
+		me.HostAddr = ha
+	}
+	if me.Mode != spec.ModeAuto && me.Mode != spec.ModeNAT && me.Mode != spec.ModeProxy {
+		col.add(p+".mode", "%q is not one of auto, nat, proxy", e.Mode)
+	} else if me.Mode == spec.ModeNAT && err == nil && ha.IsLoopback() {
+		col.add(p+".mode", "nat cannot publish on loopback %s (brokkr never sets route_localnet); use proxy or auto", e.HostAddress)
+	} else if me.HostAddr.IsValid() && me.UsesKernel() && !me.HostAddr.Is4() {
+		// The kernel path publishes IPv4 only: the guests have no IPv6.
+		col.add(p+".hostAddress", "%s is not IPv4 (guests are IPv4-only)", me.HostAddr)
+	}
+	if *e.MaxConns < 0 {
+		col.add(p+".maxConns", "%d is negative (0 = unlimited)", *e.MaxConns)
+	} else if *e.MaxConns > spec.MaxConnsLimit {
+		col.add(p+".maxConns", "%d is outside 0 (unlimited)..%d", *e.MaxConns, spec.MaxConnsLimit)
+	}
+	ix.checkBinds(p, e, me, col)
+	return me
+}
+
+// checkTarget checks vm or target and sets me.Target.Addr.
+func (ix *exposureIndex) checkTarget(p string, e Exposure, me *spec.Exposure, col *collector) {
+	switch {
+	case e.VM == "" && e.Target == "":
+		col.add(p, "one of vm or target is required")
+	case e.VM != "" && e.Target != "":
+		col.add(p, "vm %q and target %q are both set; give exactly one", e.VM, e.Target)
+	case e.VM != "":
+		if _, ok := ix.vms[e.VM]; !ok {
+			col.add(p+".vm", "%q is not a VM in vms", e.VM)
+		}
+	default:
+		t, err := netip.ParseAddr(e.Target)
+		cidr := ix.cidr
+		switch {
+		case err != nil || t.Zone() != "":
+			col.add(p+".target", "%q is not an IP address", e.Target)
+		case cidr.IsValid() && !cidr.Masked().Contains(t):
+			col.add(p+".target", "%q is not inside network.cidr %s", e.Target, ix.cidrText)
+		case cidr.IsValid() && (t == cidr.Addr() || t == cidr.Masked().Addr() || t == broadcast(cidr)):
+			col.add(p+".target", "%q is the bridge, network or broadcast address of network.cidr", e.Target)
+		default:
+			me.Target.Addr = t
+		}
+	}
+}
+
+// checkBinds reports the first earlier exposure whose host side overlaps
+// e's (same protocol and port, overlapping addresses).
+func (ix *exposureIndex) checkBinds(p string, e Exposure, me spec.Exposure, col *collector) {
+	k := portKey{e.Protocol, e.HostPort}
+	for _, a := range claims(e, me) {
+		for _, other := range ix.binds[k] {
+			if other.name != e.Name && addrsOverlap(other.addr, a) {
+				col.add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%d/%s on %s)", e.HostPort, e.Protocol, e.HostAddress,
+					other.pos, k.port, k.proto, other.addrText)
+				return
+			}
+		}
+	}
+}
+
+// insert records e (at position pos) as one of the desired exposures.
+func (ix *exposureIndex) insert(e Exposure, me spec.Exposure, pos int) {
+	if _, dup := ix.names[e.Name]; !dup && e.Name != "" {
+		ix.names[e.Name] = pos
+	}
+	k := portKey{e.Protocol, e.HostPort}
+	for _, a := range claims(e, me) {
+		ix.binds[k] = append(ix.binds[k], hostBind{addr: a, name: e.Name, pos: pos, addrText: e.HostAddress})
+	}
+}
