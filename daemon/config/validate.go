@@ -91,6 +91,11 @@ func Compile(c *Config) (*spec.Desired, Errors) {
 	default:
 		m.Network.CIDR = cidr
 	}
+	if p6, ferr := compileCIDR6(*n.CIDR6); ferr != nil {
+		errs = append(errs, *ferr)
+	} else {
+		m.Network.CIDR6 = p6
+	}
 	if *n.MTU < minMTU || *n.MTU > maxMTU {
 		add("network.mtu", "%d is out of range (%d..%d)", *n.MTU, minMTU, maxMTU)
 	}

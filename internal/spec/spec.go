@@ -97,8 +97,11 @@ type Desired struct {
 
 // Network is the guest network.
 type Network struct {
-	Bridge        string
-	CIDR          netip.Prefix // the bridge's own address with the subnet's bits
+	Bridge string
+	CIDR   netip.Prefix // the bridge's own address with the subnet's bits
+	// CIDR6 is the bridge's IPv6 address with the guests' /64 (their
+	// addresses come from it by SLAAC); the zero Prefix is IPv4 only.
+	CIDR6         netip.Prefix
 	MTU           int
 	Masquerade    bool
 	DHCP          bool
