@@ -227,8 +227,10 @@ func (d *Desired) VM(name string) (VM, bool) {
 }
 
 // StaticIP is a guest's address on a network without DHCP: the address
-// with the subnet's bits, and the gateway (the bridge).
+// with the subnet's bits, and the gateway (the bridge); and its IPv6
+// address with the /64 (the zero Prefix: none).
 type StaticIP struct {
 	Addr    netip.Prefix
 	Gateway netip.Addr
+	Addr6   netip.Prefix
 }
