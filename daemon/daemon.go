@@ -294,7 +294,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	t0 = time.Now()
 	if d.sock != nil {
-		parts, err := d.sock.converge(model, d.addrs.lookup)
+		parts, err := d.sock.converge(model, d.addrs.lookup, d.addrs.lookup6)
 		d.sockParts = parts
 		errs = append(errs, err)
 	}
