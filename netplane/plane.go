@@ -329,7 +329,7 @@ func (p *Plane) onLease(mac net.HardwareAddr, addr netip.Addr) {
 	p.macMu.Lock()
 	vm, ok := p.macVM[mac.String()]
 	p.macMu.Unlock()
-	p.log.Info("netplane: guest took its lease", "vm", vm, "mac", mac, "addr", addr)
+	p.log.Info("netplane: guest took its lease", "vm", vm, "mac", mac.String(), "addr", addr)
 	if ok && p.opts.OnLease != nil {
 		p.opts.OnLease(vm, addr)
 	}
@@ -339,7 +339,7 @@ func (p *Plane) onSeen6(mac net.HardwareAddr, addr netip.Addr) {
 	p.macMu.Lock()
 	vm, ok := p.macVM[mac.String()]
 	p.macMu.Unlock()
-	p.log.Info("netplane: guest answers at its IPv6 address", "vm", vm, "mac", mac, "addr", addr)
+	p.log.Info("netplane: guest answers at its IPv6 address", "vm", vm, "mac", mac.String(), "addr", addr)
 	if ok && p.opts.OnLease != nil {
 		p.opts.OnLease(vm, addr)
 	}

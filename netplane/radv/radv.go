@@ -62,12 +62,14 @@ type timing struct {
 	minRS    time.Duration // at most one solicited advertisement per this
 }
 
-// defaults: three initial advertisements a few seconds apart (RFC 4861
-// 6.2.4), then one a minute; a guest that boots in between solicits one
-// and is answered at once.
+// defaults: initial advertisements (RFC 4861 6.2.4), then one a minute; a
+// guest that boots in between solicits one and is answered at once. A new
+// guest gets the initial ones again, over the half minute a VM takes to
+// boot at worst: a guest is configured without depending on its own
+// solicitations.
 var defaults = timing{
 	tick:     time.Second,
-	initial:  []time.Duration{0, 4 * time.Second, 8 * time.Second},
+	initial:  []time.Duration{0, 2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second, 32 * time.Second},
 	interval: time.Minute,
 	probe:    2 * time.Second,
 	reprobe:  time.Minute,
@@ -92,6 +94,7 @@ type Server struct {
 	mu       sync.Mutex
 	bindings map[netip.Addr]*guest // by address
 	lastRS   time.Time
+	newGuest bool // a binding came: the initial advertisements again
 }
 
 type guest struct {
@@ -194,6 +197,7 @@ func (s *Server) SetBindings(bs []Binding) {
 			continue
 		}
 		next[b.Addr] = &guest{mac: append(net.HardwareAddr(nil), b.MAC...)}
+		s.newGuest = true
 	}
 	s.bindings = next
 }
@@ -264,15 +268,25 @@ func (s *Server) advert(withdraw bool) *ndp.RouterAdvertisement {
 // it is.
 func (s *Server) send() {
 	defer s.wg.Done()
-	start := s.now()
-	next, initial := start, s.t.initial
-	if len(initial) > 0 {
-		next, initial = start.Add(initial[0]), initial[1:]
+	var start, next time.Time
+	var initial []time.Duration
+	again := func(now time.Time) {
+		start, next, initial = now, now, s.t.initial
+		if len(initial) > 0 {
+			next, initial = start.Add(initial[0]), initial[1:]
+		}
 	}
+	again(s.now())
 	tick := time.NewTicker(s.t.tick)
 	defer tick.Stop()
 	for {
 		now := s.now()
+		s.mu.Lock()
+		if s.newGuest {
+			s.newGuest = false
+			again(now)
+		}
+		s.mu.Unlock()
 		if !now.Before(next) {
 			if err := s.conn.WriteTo(s.advert(false), nil, netip.IPv6LinkLocalAllNodes()); err != nil {
 				s.log.Debug("radv: advertising", "err", err)

@@ -52,7 +52,16 @@ func newTopo(t *testing.T) *topo {
 
 // guest attaches a guest namespace with eth0 at mac to the bridge.
 func (tp *topo) guest(t *testing.T, role string, mac string) *nstest.NS {
+	return tp.guestWith(t, role, mac, nil)
+}
+
+// guestWith is guest with set run in the guest namespace before its eth0
+// exists (to change the defaults eth0 is made with).
+func (tp *topo) guestWith(t *testing.T, role string, mac string, set []string) *nstest.NS {
 	g := nstest.New(t, role)
+	if set != nil {
+		g.MustRun(t, set[0], set[1:]...)
+	}
 	port := role + "p"
 	nstest.Link(t, tp.host, port, "", g, "eth0", "")
 	g.MustRun(t, "ip", "link", "set", "eth0", "down")
@@ -226,4 +235,22 @@ func TestOnlyTheBridgeHearsIt(t *testing.T) {
 	// The outside link solicits a router too (its kernel does at link up).
 	time.Sleep(2 * time.Second)
 	assert.Empty(t, strings.TrimSpace(globalAddrs(t, outside)), "no advertisement leaves the bridge")
+}
+
+// A guest that never solicits a router (its solicitations disabled here,
+// as they are dropped on the way in elsewhere) is still configured: a new
+// guest brings the initial advertisements back.
+func TestANewGuestGetsTheInitialAdvertisementsAgain(t *testing.T) {
+	tp := newTopo(t)
+	tp.guest(t, "g0", "52:54:00:00:00:50") // for carrier: the server can start
+	s := tp.start(t, Config{Interface: "br0", Prefix: prefix}, nil)
+	defer s.Close()
+	mac, _ := net.ParseMAC("52:54:00:00:00:51")
+	g := tp.guestWith(t, "g1", mac.String(), []string{"sh", "-c", "echo 0 > /proc/sys/net/ipv6/conf/default/router_solicitations"})
+	time.Sleep(2 * time.Second)
+	require.NotContains(t, globalAddrs(t, g), "fd00:6272:6b72:", "the next unsolicited advertisement is an hour away")
+	s.SetBindings([]Binding{{MAC: mac, Addr: ipam.SLAAC(prefix, mac)}})
+	waitFor(t, "the new guest's address", 10*time.Second, func() bool {
+		return strings.Contains(globalAddrs(t, g), ipam.SLAAC(prefix, mac).String())
+	})
 }
