@@ -56,8 +56,9 @@ type timing struct {
 	tick     time.Duration // how often the sender looks at what is due
 	initial  []time.Duration
 	interval time.Duration // unsolicited advertisements after the initial ones
-	probe    time.Duration // a guest not seen is solicited this often
-	reprobe  time.Duration // a guest seen is solicited again after this
+	probe    time.Duration // a guest not seen is solicited this often while it boots,
+	booting  time.Duration // for this long after it appeared; then less and less often,
+	reprobe  time.Duration // up to this; a guest seen is solicited again after this
 	seenFor  time.Duration // a guest counts as seen this long after its answer
 	minRS    time.Duration // at most one solicited advertisement per this
 }
@@ -72,6 +73,7 @@ var defaults = timing{
 	initial:  []time.Duration{0, 2 * time.Second, 4 * time.Second, 8 * time.Second, 16 * time.Second, 32 * time.Second},
 	interval: time.Minute,
 	probe:    2 * time.Second,
+	booting:  32 * time.Second,
 	reprobe:  time.Minute,
 	seenFor:  3 * time.Minute,
 	minRS:    100 * time.Millisecond,
@@ -99,8 +101,10 @@ type Server struct {
 
 type guest struct {
 	mac      net.HardwareAddr
+	added    time.Time
 	seenAt   time.Time // zero: never answered
 	probedAt time.Time
+	wait     time.Duration // until the next solicitation of a guest not seen
 }
 
 // Start opens the server's socket inside the namespace at nsPath ("" = the
@@ -196,7 +200,7 @@ func (s *Server) SetBindings(bs []Binding) {
 			next[b.Addr] = g
 			continue
 		}
-		next[b.Addr] = &guest{mac: append(net.HardwareAddr(nil), b.MAC...)}
+		next[b.Addr] = &guest{mac: append(net.HardwareAddr(nil), b.MAC...), added: s.now(), wait: s.t.probe}
 		s.newGuest = true
 	}
 	s.bindings = next
@@ -308,23 +312,7 @@ func (s *Server) send() {
 
 // probe solicits the addresses that are due.
 func (s *Server) probe(now time.Time) {
-	var due []netip.Addr
-	s.mu.Lock()
-	for a, g := range s.bindings {
-		wait := s.t.probe
-		if s.fresh(g, now) {
-			wait = s.t.reprobe
-			if g.seenAt.After(g.probedAt) {
-				g.probedAt = g.seenAt // the clock runs from the answer
-			}
-		}
-		if now.Sub(g.probedAt) >= wait {
-			g.probedAt = now
-			due = append(due, a)
-		}
-	}
-	s.mu.Unlock()
-	for _, a := range due {
+	for _, a := range s.due(now) {
 		snm, err := ndp.SolicitedNodeMulticast(a)
 		if err != nil {
 			continue
@@ -335,6 +323,34 @@ func (s *Server) probe(now time.Time) {
 			s.log.Debug("radv: soliciting", "addr", a, "err", err)
 		}
 	}
+}
+
+// due lists the addresses to solicit now and takes them as solicited. A
+// guest that does not answer (not booted yet, no IPv6, or its answers never
+// reach the host) is asked every probe while it boots, then half as often
+// each time, down to once a reprobe: a bridge of guests that never answer
+// is not flooded.
+func (s *Server) due(now time.Time) []netip.Addr {
+	var due []netip.Addr
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for a, g := range s.bindings {
+		wait := g.wait
+		if s.fresh(g, now) {
+			wait, g.wait = s.t.reprobe, s.t.probe
+			if g.seenAt.After(g.probedAt) {
+				g.probedAt = g.seenAt // the clock runs from the answer
+			}
+		}
+		if now.Sub(g.probedAt) >= wait {
+			if !s.fresh(g, now) && now.Sub(g.added) >= s.t.booting {
+				g.wait = min(2*g.wait, s.t.reprobe)
+			}
+			g.probedAt = now
+			due = append(due, a)
+		}
+	}
+	return due
 }
 
 // read answers router solicitations and takes neighbour advertisements

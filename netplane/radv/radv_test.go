@@ -28,6 +28,7 @@ var fast = timing{
 	initial:  []time.Duration{0},
 	interval: time.Hour, // a guest that comes later is configured by its solicitation
 	probe:    200 * time.Millisecond,
+	booting:  time.Hour,
 	reprobe:  time.Hour,
 	seenFor:  time.Hour,
 	minRS:    10 * time.Millisecond,
