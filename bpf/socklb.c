@@ -11,6 +11,12 @@
 //   connect4/6      translate and admit (TCP, connected UDP); past the cap
 //                   the connect fails with ECONNREFUSED
 //   sendmsg4/6      the same for unconnected UDP, per datagram
+//
+// An IPv6 caller goes to the guest's IPv6 address when the exposure has one
+// (sock_targets6); else a dual-stack socket goes to its IPv4 address
+// through a v4-mapped one (connect only: the kernel refuses a sendmsg6
+// rewritten to a v4-mapped address), and an IPV6_V6ONLY socket is left
+// alone.
 //   recvmsg4/6      UDP replies appear to come from the address dialled
 //   getpeername4/6  the caller sees the address it dialled
 //   sock_release    gives the place back when the caller closes
@@ -29,6 +35,7 @@
 #define IPPROTO_UDP 17
 #define ECONNREFUSED 111
 #define ETH_P_IP 0x0800
+#define ETH_P_IPV6 0x86DD
 
 #define SK_ALLOW 1
 #define SK_REFUSE 0
@@ -57,6 +64,21 @@ struct {
 	__type(value, struct sock_target);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } sock_targets SEC(".maps");
+
+// The guest's IPv6 address for an exposure of sock_targets (same key),
+// where it has one. A map of its own, so sock_targets keeps the layout an
+// earlier binary pinned.
+struct sock_target6 {
+	__u32 guest_ip6[4]; // network byte order
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct sock_key);
+	__type(value, struct sock_target6);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} sock_targets6 SEC(".maps");
 
 // The managed namespace's own addresses besides loopback: a wildcard
 // exposure translates connects to them.
@@ -103,6 +125,21 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } sock_socks SEC(".maps");
 
+// A socket translated to the guest's IPv6 address (sock_xlate.guest_ip4 is
+// 0 then). Beside sock_socks rather than in it: sockets an earlier binary
+// translated keep their sock_socks entries across an upgrade.
+struct sock_xlate6 {
+	__u32 guest_ip6[4]; // network byte order; zero: not translated to IPv6
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct sock_xlate6);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} sock_socks6 SEC(".maps");
+
 static __always_inline int in_scope(void *ctx)
 {
 	__u32 k = 0;
@@ -124,17 +161,40 @@ static __always_inline int is_local(const __u32 a[4])
 	return bpf_map_lookup_elem(&sock_local, (void *)a) != 0;
 }
 
-static __always_inline struct sock_target *find(const __u32 a[4], __u16 port, __u8 proto)
+static __always_inline int is_zero6(const __u32 a[4])
 {
-	struct sock_key k = {.port = port, .proto = proto};
-	__builtin_memcpy(k.addr, a, 16);
-	struct sock_target *t = bpf_map_lookup_elem(&sock_targets, &k);
+	return !(a[0] | a[1] | a[2] | a[3]);
+}
+
+static __always_inline int eq6(const __u32 a[4], const __u32 b[4])
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
+// find looks the destination up: the exact host address, else the
+// wildcard for a local one. k is left holding the key that matched.
+static __always_inline struct sock_target *find(struct sock_key *k, const __u32 a[4], __u16 port, __u8 proto)
+{
+	__builtin_memset(k, 0, sizeof(*k));
+	k->port = port;
+	k->proto = proto;
+	__builtin_memcpy(k->addr, a, 16);
+	struct sock_target *t = bpf_map_lookup_elem(&sock_targets, k);
 	if (t)
 		return t;
 	if (!is_local(a))
 		return 0;
-	__builtin_memset(k.addr, 0, 16);
-	return bpf_map_lookup_elem(&sock_targets, &k);
+	__builtin_memset(k->addr, 0, 16);
+	return bpf_map_lookup_elem(&sock_targets, k);
+}
+
+// forget marks a socket as no longer translated (it connects elsewhere).
+static __always_inline void forget(struct bpf_sock *sk, struct sock_xlate *x)
+{
+	x->guest_ip4 = 0;
+	struct sock_xlate6 *x6 = bpf_sk_storage_get(&sock_socks6, sk, 0, 0);
+	if (x6)
+		__builtin_memset(x6->guest_ip6, 0, 16);
 }
 
 static __always_inline void release_x(struct sock_xlate *x)
@@ -168,24 +228,45 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, const __u32 a[4]
 	__u8 proto = ctx->protocol;
 	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
 		return SK_ALLOW;
-	// The kernel refuses a sendmsg6 rewritten to a v4-mapped address
-	// (ENOTSUPP): unconnected IPv6 UDP callers are left alone.
-	if (v6 && !connect)
-		return SK_ALLOW;
 	__u16 port = ctx->user_port;
 	struct bpf_sock *sk = ctx->sk;
 	if (!sk)
 		return SK_ALLOW;
 	struct sock_xlate *x = bpf_sk_storage_get(&sock_socks, sk, 0, 0);
-	struct sock_target *t = find(a, port, proto);
-	if (!t || (v6 && v6only(sk, proto))) {
+	struct sock_key k;
+	struct sock_target *t = find(&k, a, port, proto);
+	// native: an IPv6 caller to the guest's IPv6 address. Otherwise an
+	// IPv6 caller needs a v4-mapped address: connect only (the kernel
+	// refuses a sendmsg6 rewritten to one, ENOTSUPP), never IPV6_V6ONLY.
+	struct sock_target6 *t6 = 0;
+	if (t && v6) {
+		t6 = bpf_map_lookup_elem(&sock_targets6, &k);
+		if (t6 && is_zero6(t6->guest_ip6))
+			t6 = 0;
+	}
+	int native = t6 != 0;
+	if (!t || (v6 && !native && (!connect || v6only(sk, proto)))) {
 		// A socket connecting somewhere else is no longer the
 		// exposure's caller. (A datagram elsewhere changes nothing.)
 		if (x && connect) {
 			release_x(x);
-			x->guest_ip4 = 0;
+			forget(sk, x);
 		}
 		return SK_ALLOW;
+	}
+	struct sock_xlate6 *x6 = 0;
+	if (native) {
+		// Made before admission: no place is ever held for a socket
+		// whose translation could not be remembered.
+		x6 = bpf_sk_storage_get(&sock_socks6, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+		if (!x6) {
+			__u32 slot = t->slot;
+			struct exposure_stat *st = bpf_map_lookup_elem(&exposure_stats, &slot);
+			if (st)
+				__sync_fetch_and_add(&st->refused, 1);
+			bpf_set_retval(-ECONNREFUSED);
+			return SK_REFUSE;
+		}
 	}
 	__u32 slot = t->slot;
 	struct exposure_stat *st = bpf_map_lookup_elem(&exposure_stats, &slot);
@@ -194,7 +275,9 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, const __u32 a[4]
 		return SK_ALLOW;
 	int holds = x && (x->flags & (X_OPEN | X_RELEASED)) == X_OPEN && x->slot == slot && x->gen == lim->gen;
 	if (!holds) {
-		if (t->flags & T_DOWN) {
+		// No address of the family the caller goes to: like a guest
+		// that cannot be reached.
+		if ((t->flags & T_DOWN) || (!native && !t->guest_ip4)) {
 			__sync_fetch_and_add(&st->dropped, 1);
 			bpf_set_retval(-ECONNREFUSED);
 			return SK_REFUSE;
@@ -223,15 +306,25 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, const __u32 a[4]
 	}
 	__builtin_memcpy(x->orig, a, 16);
 	x->orig_port = port;
-	x->guest_ip4 = t->guest_ip4;
 	x->guest_port = t->guest_port;
-	if (v6) {
-		ctx->user_ip6[0] = 0;
-		ctx->user_ip6[1] = 0;
-		ctx->user_ip6[2] = bpf_htonl(0xffff);
-		ctx->user_ip6[3] = t->guest_ip4;
+	if (native && x6) {
+		x->guest_ip4 = 0;
+		__builtin_memcpy(x6->guest_ip6, t6->guest_ip6, 16);
+		ctx->user_ip6[0] = t6->guest_ip6[0];
+		ctx->user_ip6[1] = t6->guest_ip6[1];
+		ctx->user_ip6[2] = t6->guest_ip6[2];
+		ctx->user_ip6[3] = t6->guest_ip6[3];
 	} else {
-		ctx->user_ip4 = t->guest_ip4;
+		forget(sk, x);
+		x->guest_ip4 = t->guest_ip4;
+		if (v6) {
+			ctx->user_ip6[0] = 0;
+			ctx->user_ip6[1] = 0;
+			ctx->user_ip6[2] = bpf_htonl(0xffff);
+			ctx->user_ip6[3] = t->guest_ip4;
+		} else {
+			ctx->user_ip4 = t->guest_ip4;
+		}
 	}
 	ctx->user_port = t->guest_port;
 	return SK_ALLOW;
@@ -273,18 +366,23 @@ static __always_inline void untranslate(struct bpf_sock_addr *ctx, int v6)
 	if (!sk)
 		return;
 	struct sock_xlate *x = bpf_sk_storage_get(&sock_socks, sk, 0, 0);
-	if (!x || !x->guest_ip4 || ctx->user_port != x->guest_port)
+	if (!x || ctx->user_port != x->guest_port)
 		return;
 	if (v6) {
-		if (ctx->user_ip6[0] || ctx->user_ip6[1] || ctx->user_ip6[2] != bpf_htonl(0xffff) ||
-		    ctx->user_ip6[3] != x->guest_ip4)
+		__u32 a[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+		struct sock_xlate6 *x6 = bpf_sk_storage_get(&sock_socks6, sk, 0, 0);
+		if (x6 && !is_zero6(x6->guest_ip6)) {
+			if (!eq6(a, x6->guest_ip6))
+				return;
+		} else if (!x->guest_ip4 || a[0] || a[1] || a[2] != bpf_htonl(0xffff) || a[3] != x->guest_ip4) {
 			return;
+		}
 		ctx->user_ip6[0] = x->orig[0];
 		ctx->user_ip6[1] = x->orig[1];
 		ctx->user_ip6[2] = x->orig[2];
 		ctx->user_ip6[3] = x->orig[3];
 	} else {
-		if (ctx->user_ip4 != x->guest_ip4 || !is_mapped(x->orig))
+		if (!x->guest_ip4 || ctx->user_ip4 != x->guest_ip4 || !is_mapped(x->orig))
 			return;
 		ctx->user_ip4 = x->orig[3];
 	}
@@ -389,12 +487,29 @@ int brk_sock_ops(struct bpf_sock_ops *skops)
 	return 1;
 }
 
+// udp_guest6 reads an IPv6 datagram's header: whether it is UDP (no
+// extension headers: a guest's reply carries none) between a socket
+// translated to x6's guest address and that guest.
+static __always_inline int udp_guest6(struct __sk_buff *skb, struct bpf_sock *sk, int ingress, struct udphdr *uh)
+{
+	struct sock_xlate6 *x6 = bpf_sk_storage_get(&sock_socks6, sk, 0, 0);
+	if (!x6 || is_zero6(x6->guest_ip6))
+		return 0;
+	struct ipv6hdr ip6;
+	if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) || ip6.nexthdr != IPPROTO_UDP ||
+	    bpf_skb_load_bytes(skb, sizeof(ip6), uh, sizeof(*uh)))
+		return 0;
+	__u32 peer[4];
+	__builtin_memcpy(peer, ingress ? (void *)&ip6.saddr : (void *)&ip6.daddr, 16);
+	return eq6(peer, x6->guest_ip6);
+}
+
 // udp_count adds a UDP datagram's payload between a translated socket and
 // its guest. Everything else leaves after the first test.
 static __always_inline int udp_count(struct __sk_buff *skb, int ingress)
 {
 	struct bpf_sock *sk = skb->sk;
-	if (!sk || skb->protocol != bpf_htons(ETH_P_IP))
+	if (!sk || (skb->protocol != bpf_htons(ETH_P_IP) && skb->protocol != bpf_htons(ETH_P_IPV6)))
 		return 1;
 	sk = bpf_sk_fullsock(sk);
 	if (!sk || sk->protocol != IPPROTO_UDP)
@@ -402,15 +517,21 @@ static __always_inline int udp_count(struct __sk_buff *skb, int ingress)
 	struct sock_xlate *x = bpf_sk_storage_get(&sock_socks, sk, 0, 0);
 	if (!x || (x->flags & (X_OPEN | X_RELEASED)) != X_OPEN)
 		return 1;
-	struct iphdr ip;
 	struct udphdr uh;
-	if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)))
-		return 1;
-	__u32 hl = ip.ihl * 4;
-	if (ip.protocol != IPPROTO_UDP || bpf_skb_load_bytes(skb, hl, &uh, sizeof(uh)))
-		return 1;
-	if (ingress ? (ip.saddr != x->guest_ip4 || uh.source != x->guest_port)
-		    : (ip.daddr != x->guest_ip4 || uh.dest != x->guest_port))
+	if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		if (!udp_guest6(skb, sk, ingress, &uh))
+			return 1;
+	} else {
+		struct iphdr ip;
+		if (!x->guest_ip4 || bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)))
+			return 1;
+		__u32 hl = ip.ihl * 4;
+		if (ip.protocol != IPPROTO_UDP || bpf_skb_load_bytes(skb, hl, &uh, sizeof(uh)))
+			return 1;
+		if (ingress ? ip.saddr != x->guest_ip4 : ip.daddr != x->guest_ip4)
+			return 1;
+	}
+	if (ingress ? uh.source != x->guest_port : uh.dest != x->guest_port)
 		return 1;
 	__u32 slot = x->slot;
 	struct exposure_stat *st = bpf_map_lookup_elem(&exposure_stats, &slot);

@@ -40,8 +40,15 @@ type SockLBConfig struct {
 
 // SockTarget is where an exposure's host-local callers go.
 type SockTarget struct {
-	Guest netip.AddrPort // IPv4 guest address and port
-	Slot  int            // the exposure's slot in exposure_stats
+	// Guest is the IPv4 guest address and the guest port; the address may
+	// be 0.0.0.0 for a guest reached over IPv6 alone (IPv4 callers are
+	// then refused, counted as dropped).
+	Guest netip.AddrPort
+	// Guest6 is the guest's IPv6 address (the zero Addr: none): IPv6
+	// callers go there, on Guest's port, rather than to Guest through a
+	// v4-mapped address.
+	Guest6 netip.Addr
+	Slot   int // the exposure's slot in exposure_stats
 	// Down refuses new callers at once (ECONNREFUSED, counted as
 	// dropped): the guest has no address or is not running.
 	Down bool
@@ -223,6 +230,9 @@ func (s *SockLB) SetTarget(host netip.Addr, proto uint32, hostPort uint16, t Soc
 	if !g.Is4() {
 		return fmt.Errorf("socket path: guest %s is not IPv4", t.Guest)
 	}
+	if t.Guest6.IsValid() && (!t.Guest6.Is6() || t.Guest6.Is4In6() || t.Guest6.IsUnspecified()) {
+		return fmt.Errorf("socket path: guest %s is not an IPv6 address", t.Guest6)
+	}
 	if t.Slot < 0 || t.Slot >= Slots {
 		return fmt.Errorf("socket path: slot %d out of range", t.Slot)
 	}
@@ -231,8 +241,22 @@ func (s *SockLB) SetTarget(host netip.Addr, proto uint32, hostPort uint16, t Soc
 	if t.Down {
 		v.Flags = 1
 	}
-	if err := s.objs.SockTargets.Put(sockKey(host, proto, hostPort), v); err != nil {
+	k := sockKey(host, proto, hostPort)
+	fail := func(err error) error {
 		return fmt.Errorf("socket path: %s %s:%d: %w", ProtoName(proto), host, hostPort, err)
+	}
+	// The IPv6 address first: a target is never seen with another
+	// exposure's (an IPv6 caller between the two writes gets the old
+	// address of the same exposure, or the new one).
+	if t.Guest6.IsValid() {
+		if err := s.objs.SockTargets6.Put(k, socklbSockTarget6{GuestIp6: addr16(t.Guest6)}); err != nil {
+			return fail(err)
+		}
+	} else if err := s.objs.SockTargets6.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fail(err)
+	}
+	if err := s.objs.SockTargets.Put(k, v); err != nil {
+		return fail(err)
 	}
 	return nil
 }
@@ -241,9 +265,11 @@ func (s *SockLB) SetTarget(host netip.Addr, proto uint32, hostPort uint16, t Soc
 // already made go on (they are the guest's own sockets) and give their
 // places back when they end.
 func (s *SockLB) DeleteTarget(host netip.Addr, proto uint32, hostPort uint16) error {
-	err := s.objs.SockTargets.Delete(sockKey(host, proto, hostPort))
-	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("socket path: %s %s:%d: %w", ProtoName(proto), host, hostPort, err)
+	k := sockKey(host, proto, hostPort)
+	for _, m := range []*ebpf.Map{s.objs.SockTargets, s.objs.SockTargets6} {
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("socket path: %s %s:%d: %w", ProtoName(proto), host, hostPort, err)
+		}
 	}
 	return nil
 }
@@ -294,7 +320,8 @@ func (s *SockLB) Close() error {
 // Remove detaches the socket path and deletes its pins (the shared counter
 // maps stay): what a teardown does.
 func (s *SockLB) Remove() error {
-	err := unpinLinks(s.links, s.objs.SockTargets, s.objs.SockLocal, s.objs.SockConfig, s.objs.SockSocks)
+	err := unpinLinks(s.links, s.objs.SockTargets, s.objs.SockTargets6, s.objs.SockLocal, s.objs.SockConfig,
+		s.objs.SockSocks, s.objs.SockSocks6)
 	return errors.Join(err, s.Close())
 }
 

@@ -57,6 +57,11 @@ type socklbSockTarget struct {
 	Pad       uint32
 }
 
+type socklbSockTarget6 struct {
+	_        structs.HostLayout
+	GuestIp6 [4]uint32
+}
+
 type socklbSockXlate struct {
 	_         structs.HostLayout
 	Slot      uint32
@@ -68,6 +73,11 @@ type socklbSockXlate struct {
 	GuestIp4  uint32
 }
 
+type socklbSockXlate6 struct {
+	_        structs.HostLayout
+	GuestIp6 [4]uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -77,7 +87,9 @@ const (
 	socklbMapSockConfig           = "sock_config"
 	socklbMapSockLocal            = "sock_local"
 	socklbMapSockSocks            = "sock_socks"
+	socklbMapSockSocks6           = "sock_socks6"
 	socklbMapSockTargets          = "sock_targets"
+	socklbMapSockTargets6         = "sock_targets6"
 	socklbProgBrkSockConnect4     = "brk_sock_connect4"
 	socklbProgBrkSockConnect6     = "brk_sock_connect6"
 	socklbProgBrkSockEgress       = "brk_sock_egress"
@@ -157,7 +169,9 @@ type socklbMapSpecs struct {
 	SockConfig     *ebpf.MapSpec `ebpf:"sock_config"`
 	SockLocal      *ebpf.MapSpec `ebpf:"sock_local"`
 	SockSocks      *ebpf.MapSpec `ebpf:"sock_socks"`
+	SockSocks6     *ebpf.MapSpec `ebpf:"sock_socks6"`
 	SockTargets    *ebpf.MapSpec `ebpf:"sock_targets"`
+	SockTargets6   *ebpf.MapSpec `ebpf:"sock_targets6"`
 }
 
 // socklbVariableSpecs contains global variables before they are loaded into the kernel.
@@ -191,7 +205,9 @@ type socklbMaps struct {
 	SockConfig     *ebpf.Map `ebpf:"sock_config"`
 	SockLocal      *ebpf.Map `ebpf:"sock_local"`
 	SockSocks      *ebpf.Map `ebpf:"sock_socks"`
+	SockSocks6     *ebpf.Map `ebpf:"sock_socks6"`
 	SockTargets    *ebpf.Map `ebpf:"sock_targets"`
+	SockTargets6   *ebpf.Map `ebpf:"sock_targets6"`
 }
 
 func (m *socklbMaps) Close() error {
@@ -201,7 +217,9 @@ func (m *socklbMaps) Close() error {
 		m.SockConfig,
 		m.SockLocal,
 		m.SockSocks,
+		m.SockSocks6,
 		m.SockTargets,
+		m.SockTargets6,
 	)
 }
 

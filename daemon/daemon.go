@@ -294,7 +294,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	t0 = time.Now()
 	if d.sock != nil {
-		parts, err := d.sock.converge(model, d.addrs.lookup)
+		parts, err := d.sock.converge(model, d.addrs.lookup, d.addrs.lookup6)
 		d.sockParts = parts
 		errs = append(errs, err)
 	}
@@ -353,7 +353,8 @@ func (d *Daemon) updateFacts(want *spec.Desired, rep netplane.Report) map[string
 	seen := map[string]bool{}
 	for _, g := range rep.Guests {
 		seen[g.Name] = true
-		f := guestFacts{Tap: g.Tap, MAC: g.MAC, Address: g.Address, Leased: g.Leased, Error: g.Error}
+		f := guestFacts{Tap: g.Tap, MAC: g.MAC, Address: g.Address, Leased: g.Leased,
+			Address6: g.Address6, Seen6: g.Seen6, Error: g.Error}
 		if old, ok := d.facts[g.Name]; ok {
 			// A failed pass for this guest keeps its last known tap and MAC
 			// rather than telling the supervisor it has none.
@@ -370,7 +371,7 @@ func (d *Daemon) updateFacts(want *spec.Desired, rep netplane.Report) map[string
 	for _, v := range want.VMs {
 		wanted[v.Name] = true
 	}
-	addrs := map[string]netip.Addr{}
+	addrs, addrs6 := map[string]netip.Addr{}, map[string]netip.Addr{}
 	for name, f := range d.facts {
 		if !wanted[name] {
 			delete(d.facts, name)
@@ -379,8 +380,14 @@ func (d *Daemon) updateFacts(want *spec.Desired, rep netplane.Report) map[string
 		if f.Address.IsValid() && (f.Leased || !want.Network.DHCP) {
 			addrs[name] = f.Address
 		}
+		// IPv6 callers go to the guest's IPv6 address once it answers
+		// there; before that (or a guest without IPv6) to its IPv4 one.
+		if f.Address6.IsValid() && f.Seen6 {
+			addrs6[name] = f.Address6
+		}
 	}
 	d.addrs.Set(addrs)
+	d.addrs.Set6(addrs6)
 	out := make(map[string]guestFacts, len(d.facts))
 	for k, v := range d.facts {
 		out[k] = v
@@ -397,12 +404,13 @@ func netplaneErr(err error) error {
 	return fmt.Errorf("netplane: %w", err)
 }
 
-// AddressBook is the proxy's Resolver: guest addresses by VM name, swapped
-// whole on each pass, read per connection. It keeps each address as text
-// too, so a dial formats nothing.
+// AddressBook is the proxy's Resolver: guest addresses by VM name (IPv4,
+// and IPv6 for IPv6 callers), swapped whole on each pass, read per
+// connection. It keeps each address as text too, so a dial formats nothing.
 type AddressBook struct {
-	mu    sync.RWMutex
-	addrs map[string]bookEntry
+	mu     sync.RWMutex
+	addrs  map[string]bookEntry
+	addrs6 map[string]bookEntry
 }
 
 type bookEntry struct {
@@ -411,16 +419,31 @@ type bookEntry struct {
 }
 
 // NewAddressBook returns an empty book.
-func NewAddressBook() *AddressBook { return &AddressBook{addrs: map[string]bookEntry{}} }
+func NewAddressBook() *AddressBook {
+	return &AddressBook{addrs: map[string]bookEntry{}, addrs6: map[string]bookEntry{}}
+}
 
-// Set replaces every address.
-func (a *AddressBook) Set(addrs map[string]netip.Addr) {
+func bookOf(addrs map[string]netip.Addr) map[string]bookEntry {
 	book := make(map[string]bookEntry, len(addrs))
 	for vm, addr := range addrs {
 		book[vm] = bookEntry{addr, addr.String()}
 	}
+	return book
+}
+
+// Set replaces every IPv4 address.
+func (a *AddressBook) Set(addrs map[string]netip.Addr) {
+	book := bookOf(addrs)
 	a.mu.Lock()
 	a.addrs = book
+	a.mu.Unlock()
+}
+
+// Set6 replaces every IPv6 address.
+func (a *AddressBook) Set6(addrs map[string]netip.Addr) {
+	book := bookOf(addrs)
+	a.mu.Lock()
+	a.addrs6 = book
 	a.mu.Unlock()
 }
 
@@ -432,11 +455,26 @@ func (a *AddressBook) lookup(vm string) (netip.Addr, bool) {
 	return e.addr, ok
 }
 
+// lookup6 is the VM's IPv6 address, if it has one now.
+func (a *AddressBook) lookup6(vm string) (netip.Addr, bool) {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	e, ok := a.addrs6[vm]
+	return e.addr, ok
+}
+
 // Resolve is a proxy.Resolver.
 func (a *AddressBook) Resolve(vm string) string {
 	a.mu.RLock()
 	defer a.mu.RUnlock()
 	return a.addrs[vm].text
+}
+
+// Resolve6 is the proxy's Resolver for IPv6 callers ("" = dial IPv4).
+func (a *AddressBook) Resolve6(vm string) string {
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	return a.addrs6[vm].text
 }
 
 // Close stops the loop's engines without touching what they made: VMs keep
@@ -618,6 +656,9 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 			}
 			if f.Address.IsValid() {
 				r.Address = f.Address.String()
+			}
+			if f.Address6.IsValid() {
+				r.Address6 = f.Address6.String()
 			}
 			if f.Error != "" && r.Detail == "" {
 				r.Detail = "network: " + f.Error

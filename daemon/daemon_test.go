@@ -25,6 +25,7 @@ import (
 	"github.com/brokkr/brokkr/daemon/config"
 	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane"
+	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/stretchr/testify/assert"
@@ -90,6 +91,7 @@ type recNet struct {
 	mu      sync.Mutex
 	last    netplane.Desired
 	leased  bool
+	seen6   bool          // guests answer at their IPv6 addresses
 	block   chan struct{} // when set, Converge waits on it
 	invalid []error
 }
@@ -99,15 +101,17 @@ func (n *recNet) Converge(ctx context.Context, d netplane.Desired) netplane.Repo
 	n.mu.Lock()
 	block := n.block
 	n.last = d
-	leased := n.leased
+	leased, seen6 := n.leased, n.seen6
 	n.mu.Unlock()
 	if block != nil {
 		<-block
 	}
 	var r netplane.Report
 	for i, g := range d.Guests {
+		mac := net.HardwareAddr{0x52, 0x54, 0, 0, 0, byte(i + 1)}
 		r.Guests = append(r.Guests, netplane.GuestStatus{Name: g.Name, Tap: "brk-" + g.Name,
-			MAC: net.HardwareAddr{0x52, 0x54, 0, 0, 0, byte(i + 1)}, Address: netip.AddrFrom4([4]byte{10, 213, 0, byte(10 + i)}), Leased: leased})
+			MAC: mac, Address: netip.AddrFrom4([4]byte{10, 213, 0, byte(10 + i)}), Leased: leased,
+			Address6: ipam.SLAAC(d.Network.CIDR6, mac), Seen6: seen6 && d.Network.CIDR6.IsValid()})
 	}
 	for _, e := range d.Exposures {
 		r.Exposures = append(r.Exposures, netplane.ExposureStatus{Name: e.Name, State: "active"})
@@ -317,7 +321,7 @@ func TestWithoutDHCPTheAddressReachesTheLaunchCommandLine(t *testing.T) {
 		dhcp bool
 		want string
 	}{
-		{false, "console=ttyS0 quiet ip=10.213.0.10::10.213.0.1:255.255.255.0:web:eth0:off"},
+		{false, "console=ttyS0 quiet ip=10.213.0.10::10.213.0.1:255.255.255.0:web:eth0:off brokkr.ip6=fd00:6272:6b72:0:5054:ff:fe00:1/64"},
 		{true, "console=ttyS0 quiet"},
 	} {
 		host, err := config.Parse([]byte(fmt.Sprintf("network: {dhcp: %v}\nvms: [{name: web, kernel: %s, cmdline: \"console=ttyS0 quiet\"}]\n", tc.dhcp, kernel)))
@@ -411,7 +415,39 @@ func TestProxyResolvesOnlyLeasedAddresses(t *testing.T) {
 	st = r.d.Status()
 	assert.Equal(t, "active", expo(st, "web-proxy").State)
 	vm := st.VMs[0]
-	assert.Equal(t, api.VM{Name: "web", Phase: "running", Address: "10.213.0.10", MAC: "52:54:00:00:00:01", Tap: "brk-web", PID: 100, Power: "running"}, vm)
+	assert.Equal(t, api.VM{Name: "web", Phase: "running", Address: "10.213.0.10", Address6: "fd00:6272:6b72:0:5054:ff:fe00:1",
+		MAC: "52:54:00:00:00:01", Tap: "brk-web", PID: 100, Power: "running"}, vm)
+}
+
+// A guest's IPv6 address is in status from the start (it follows from its
+// MAC); the proxy's IPv6 callers and the socket path are sent there only
+// once the guest answers at it. IPv6 off: no address6.
+func TestTheIPv6AddressIsShownAtOnceAndDialledOnceSeen(t *testing.T) {
+	r := newRig(t, rigConfig)
+	r.net.mu.Lock()
+	r.net.leased = true
+	r.net.mu.Unlock()
+	r.d.Pass(context.Background())
+	assert.Equal(t, "fd00:6272:6b72:0:5054:ff:fe00:1", r.d.Status().VMs[0].Address6)
+	assert.Equal(t, "", r.d.addrs.Resolve6("web"), "not seen there yet: IPv6 callers go to its IPv4 address")
+	assert.Equal(t, "10.213.0.10", r.d.addrs.Resolve("web"))
+
+	r.net.mu.Lock()
+	r.net.seen6 = true
+	r.net.mu.Unlock()
+	r.d.Pass(context.Background())
+	assert.Equal(t, "fd00:6272:6b72:0:5054:ff:fe00:1", r.d.addrs.Resolve6("web"))
+	a, ok := r.d.addrs.lookup6("db")
+	assert.True(t, ok)
+	assert.Equal(t, netip.MustParseAddr("fd00:6272:6b72:0:5054:ff:fe00:2"), a)
+
+	off := newRig(t, "network: {cidr6: ''}\n"+rigConfig)
+	off.net.mu.Lock()
+	off.net.leased, off.net.seen6 = true, true
+	off.net.mu.Unlock()
+	off.d.Pass(context.Background())
+	assert.Equal(t, "", off.d.Status().VMs[0].Address6)
+	assert.Equal(t, "", off.d.addrs.Resolve6("web"))
 }
 
 func expo(st api.Status, name string) api.Exposure {
@@ -821,7 +857,7 @@ func TestStatusJSONShape(t *testing.T) {
 	var raw map[string]json.RawMessage
 	require.NoError(t, json.Unmarshal(b, &raw))
 	require.NoError(t, json.Unmarshal(append(append([]byte(`{"vms":`), raw["vms"]...), append([]byte(`,"exposures":`), append(raw["exposures"], '}')...)...), &m))
-	for _, k := range []string{"name", "phase", "detail", "address", "mac", "tap", "pid", "restarts"} {
+	for _, k := range []string{"name", "phase", "detail", "address", "address6", "mac", "tap", "pid", "restarts"} {
 		assert.Contains(t, m["vms"][0], k)
 	}
 	for _, k := range []string{"name", "vm", "state", "mode", "reason", "hostAddress", "hostPort", "protocol",

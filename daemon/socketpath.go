@@ -57,9 +57,10 @@ func interfaceAddrs() ([]netip.Addr, error) {
 }
 
 // converge makes the translations match c: one per auto exposure, to the
-// guest's current address (refusing at once while it has none). It returns
-// each exposure's part for the status.
-func (p *sockPath) converge(m *spec.Desired, lookup func(vm string) (netip.Addr, bool)) (map[string]part, error) {
+// guest's current address (refusing at once while it has none), and for
+// IPv6 callers to its IPv6 address where lookup6 has one. It returns each
+// exposure's part for the status.
+func (p *sockPath) converge(m *spec.Desired, lookup, lookup6 func(vm string) (netip.Addr, bool)) (map[string]part, error) {
 	var errs []error
 	if addrs, err := p.localAddr(); err != nil {
 		errs = append(errs, fmt.Errorf("socket path: local addresses: %w", err))
@@ -89,14 +90,16 @@ func (p *sockPath) converge(m *spec.Desired, lookup func(vm string) (netip.Addr,
 		g := e.Target.Addr
 		if e.Target.IsVM() {
 			g, _ = lookup(e.Target.VM) // the zero Addr while it has none
+			t.Guest6, _ = lookup6(e.Target.VM)
 		}
 		if g.Is4() {
 			t.Guest = netip.AddrPortFrom(g, e.GuestPort)
 		} else {
-			// No address yet: callers are refused at once rather than
-			// left to time out.
+			// No IPv4 address yet: its callers are refused at once
+			// rather than left to time out; with no address at all,
+			// every caller is.
 			t.Guest = netip.AddrPortFrom(netip.IPv4Unspecified(), e.GuestPort)
-			t.Down = true
+			t.Down = !t.Guest6.IsValid()
 		}
 		k := sockKey{e.HostAddr, proto, e.HostPort}
 		want[k] = true

@@ -109,6 +109,15 @@ func TestAutoServesLocalCallersThroughTheSocketPathNotLoopbackProxies(t *testing
 	assert.Equal(t, "active", expo(st, "lo-auto").State)
 	assert.Equal(t, "auto", expo(st, "web-auto").Mode)
 
+	// The guest answers at its IPv6 address: IPv6 callers go there.
+	r.net.mu.Lock()
+	r.net.seen6 = true
+	r.net.mu.Unlock()
+	r.d.Pass(context.Background())
+	web = sock.get()["tcp/0.0.0.0:8080"]
+	assert.Equal(t, bpf.SockTarget{Guest: netip.MustParseAddrPort("10.213.0.10:80"),
+		Guest6: netip.MustParseAddr("fd00:6272:6b72:0:5054:ff:fe00:1"), Slot: web.Slot}, web)
+
 	// An exposure removed: its translation goes.
 	next := *r.d.Desired()
 	next.Exposures = nil
@@ -138,4 +147,19 @@ func TestWithoutTheSocketPathAutoFallsBackToLoopbackProxiesAndSaysWhy(t *testing
 	assert.Contains(t, ids, "web-auto@127.0.0.1")
 	assert.Contains(t, ids, "web-auto@::1")
 	assert.Contains(t, r.d.Status().Warnings, "socket path unavailable: attaching to /sys/fs/cgroup: boom")
+}
+
+// A guest seen at its IPv6 address before it leased its IPv4 one: IPv6
+// callers go through, IPv4 ones are refused at once (the translation is not
+// Down, its IPv4 guest address is unspecified).
+func TestTheSocketPathServesIPv6CallersOfAGuestWithoutIPv4Yet(t *testing.T) {
+	sock := &recSock{targets: map[string]bpf.SockTarget{}}
+	r := newSockRig(t, sock, "")
+	r.net.mu.Lock()
+	r.net.seen6 = true
+	r.net.mu.Unlock()
+	r.d.Pass(context.Background())
+	web := sock.get()["tcp/0.0.0.0:8080"]
+	assert.Equal(t, bpf.SockTarget{Guest: netip.MustParseAddrPort("0.0.0.0:80"),
+		Guest6: netip.MustParseAddr("fd00:6272:6b72:0:5054:ff:fe00:1"), Slot: web.Slot}, web)
 }

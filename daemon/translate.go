@@ -33,11 +33,13 @@ func proxySpecs(m *spec.Desired, ipv6, sock bool) []proxy.Spec {
 
 // guestFacts is what netplane told us about a VM's network.
 type guestFacts struct {
-	Tap     string
-	MAC     net.HardwareAddr
-	Address netip.Addr
-	Leased  bool
-	Error   string
+	Tap      string
+	MAC      net.HardwareAddr
+	Address  netip.Addr
+	Leased   bool
+	Address6 netip.Addr // the zero Addr: IPv6 off
+	Seen6    bool       // the guest answers at Address6
+	Error    string
 }
 
 func vmSpecs(m *spec.Desired, facts map[string]guestFacts) []supervisor.VMSpec {
@@ -58,6 +60,9 @@ func vmSpecs(m *spec.Desired, facts map[string]guestFacts) []supervisor.VMSpec {
 			s.Tap, s.MAC = f.Tap, f.MAC
 			if !m.Network.DHCP && f.Address.IsValid() {
 				s.IP = &spec.StaticIP{Addr: netip.PrefixFrom(f.Address, m.Network.CIDR.Bits()), Gateway: m.Network.CIDR.Addr()}
+				if f.Address6.IsValid() {
+					s.IP.Addr6 = netip.PrefixFrom(f.Address6, m.Network.CIDR6.Bits())
+				}
 			}
 		}
 		out = append(out, s)

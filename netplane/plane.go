@@ -21,6 +21,7 @@ import (
 	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/netplane/link"
 	"github.com/brokkr/brokkr/netplane/nft"
+	"github.com/brokkr/brokkr/netplane/radv"
 )
 
 // How a Plane decides (the reasons are next to the code):
@@ -34,6 +35,12 @@ import (
 //   - An exposure's DNAT is installed as soon as its guest has an assigned
 //     address; State stays "pending" until the guest is seen with it, so a
 //     daemon restart never interrupts traffic while it waits to hear back.
+//   - IPv6 (network.cidr6): router advertisements of the /64, guests form
+//     their addresses from their MACs (SLAAC, ipam.SLAAC), so the address
+//     is known before the guest boots; "seen" means the guest answered a
+//     neighbour solicitation for it from its MAC (package radv). Where the
+//     bridge has no IPv6 (disabled on the host, MTU below 1280) guests get
+//     IPv4 only and Report.Warnings says why.
 //   - DNS is not served: replies carry no DNS option.
 //   - Counters: the nft table's absolute values are added to the
 //     exposure_stats slot as differences since the last read (see
@@ -48,11 +55,12 @@ type Options struct {
 	StateDir string     // IPAM leases persisted here (stateDir/netplane/)
 	Stats    *bpf.Store // counters of the kernel path go into the same slots
 	Logger   *slog.Logger
-	// OnLease, if set, is called when a guest takes its DHCP lease, so the
-	// daemon can converge at once instead of at the next tick. It runs on
-	// the DHCP server's goroutine: it must return at once (a non-blocking
-	// send on a channel) and must never call Converge, Close or Teardown
-	// itself, which wait for that goroutine.
+	// OnLease, if set, is called when a guest takes its DHCP lease, or is
+	// first seen at its IPv6 address, so the daemon can converge at once
+	// instead of at the next tick. It runs on the DHCP server's or the
+	// advertiser's goroutine: it must return at once (a non-blocking send
+	// on a channel) and must never call Converge, Close or Teardown itself,
+	// which wait for that goroutine.
 	OnLease func(vm string, addr netip.Addr)
 	// Overflow, if set, carries the connections the cap's slow path admits
 	// (a capped TCP exposure whose kernel set was full when the caller
@@ -74,6 +82,8 @@ type Plane struct {
 	table      *nft.Table // opened by the first pass that reaches it
 	dhcp       *dhcp.Server
 	dhcpIfIdx  int
+	radv       *radv.Server // nil: IPv6 off, or the bridge not ready for it yet
+	radvIfIdx  int
 	feeds      map[string]*slotFeed
 	nat        *bpf.NatPath // the kernel nat path; nil: the event-fed fallback
 	natReason  string       // why nat is nil
@@ -165,7 +175,7 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	var rep Report
 	n := d.Network
 
-	created, repaired, err := p.links.EnsureBridge(link.BridgeSpec{Name: n.Bridge, Addr: n.CIDR, MTU: n.MTU})
+	created, repaired, err := p.links.EnsureBridge(link.BridgeSpec{Name: n.Bridge, Addr: n.CIDR, Addr6: n.CIDR6, MTU: n.MTU})
 	rep.Repaired = append(rep.Repaired, repaired...)
 	if created && p.madeBridge {
 		rep.Repaired = append(rep.Repaired, fmt.Sprintf("bridge %s was missing", n.Bridge))
@@ -175,6 +185,17 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		return rep
 	}
 	p.madeBridge = true
+	// The guests' /64, where the bridge can carry IPv6.
+	prefix6 := n.CIDR6
+	if prefix6.IsValid() {
+		if on, err := p.links.IPv6Enabled(n.Bridge); err != nil {
+			rep.Err = fmt.Errorf("netplane: network.cidr6: %w", err)
+			return rep
+		} else if !on {
+			rep.Warnings = append(rep.Warnings, fmt.Sprintf("network.cidr6: bridge %s has no IPv6 (disabled on this host, or an MTU below 1280): guests get IPv4 only", n.Bridge))
+			prefix6 = netip.Prefix{}
+		}
+	}
 	if changed, err := p.links.EnableForwarding(); err != nil {
 		rep.Err = fmt.Errorf("netplane: %w", err)
 		return rep
@@ -239,12 +260,22 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	if err := p.convergeDHCP(n, leases); err != nil {
 		rep.Err = fmt.Errorf("netplane: network.dhcp: %w", err)
 	}
+	if err := p.convergeRadv(n, prefix6, leases); err != nil {
+		rep.Err = errors.Join(rep.Err, fmt.Errorf("netplane: network.cidr6: %w", err))
+	}
 	hasAddr := p.guestsWithAddress(n.Bridge, leases)
+	var seen6 map[string]netip.Addr
+	if p.radv != nil {
+		seen6 = p.radv.Seen()
+	}
 
 	for _, g := range d.Guests {
 		st := GuestStatus{Name: g.Name, Tap: link.TapName(g.Name), Error: guestErr[g.Name]}
 		if l, ok := leases[g.Name]; ok {
 			st.MAC, st.Address, st.Leased = l.MAC, l.Addr, hasAddr[g.Name]
+			if st.Address6 = ipam.SLAAC(prefix6, l.MAC); st.Address6.IsValid() {
+				st.Seen6 = seen6[l.MAC.String()] == st.Address6
+			}
 		}
 		rep.Guests = append(rep.Guests, st)
 	}
@@ -298,7 +329,17 @@ func (p *Plane) onLease(mac net.HardwareAddr, addr netip.Addr) {
 	p.macMu.Lock()
 	vm, ok := p.macVM[mac.String()]
 	p.macMu.Unlock()
-	p.log.Info("netplane: guest took its lease", "vm", vm, "mac", mac, "addr", addr)
+	p.log.Info("netplane: guest took its lease", "vm", vm, "mac", mac.String(), "addr", addr)
+	if ok && p.opts.OnLease != nil {
+		p.opts.OnLease(vm, addr)
+	}
+}
+
+func (p *Plane) onSeen6(mac net.HardwareAddr, addr netip.Addr) {
+	p.macMu.Lock()
+	vm, ok := p.macVM[mac.String()]
+	p.macMu.Unlock()
+	p.log.Info("netplane: guest answers at its IPv6 address", "vm", vm, "mac", mac.String(), "addr", addr)
 	if ok && p.opts.OnLease != nil {
 		p.opts.OnLease(vm, addr)
 	}
@@ -336,6 +377,58 @@ func (p *Plane) convergeDHCP(n Network, leases map[string]ipam.Lease) error {
 	}
 	p.dhcp.SetBindings(bs)
 	return nil
+}
+
+// convergeRadv keeps one advertiser on the bridge while the guests have a
+// /64 (prefix6 valid). It is restarted when its settings change or the
+// bridge was re-made; a prefix that changed or went is withdrawn first, so
+// guests stop using it. Until the bridge has a usable link-local address
+// (a port with carrier) there is nothing to start, and no error.
+func (p *Plane) convergeRadv(n Network, prefix6 netip.Prefix, leases map[string]ipam.Lease) error {
+	if !prefix6.IsValid() {
+		p.stopRadv(true)
+		return nil
+	}
+	br, err := nlsafe.LinkByName(p.links.Handle(), n.Bridge)
+	if err != nil {
+		return err
+	}
+	cfg := radv.Config{Interface: n.Bridge, Prefix: prefix6, MTU: n.MTU}
+	if p.radv != nil {
+		if cur := p.radv.Config(); cur != cfg || p.radvIfIdx != br.Attrs().Index {
+			p.stopRadv(cur.Prefix.Masked() != prefix6.Masked())
+		}
+	}
+	if p.radv == nil {
+		s, err := radv.Start(p.opts.NetNS, cfg, p.log, p.onSeen6)
+		if errors.Is(err, radv.ErrNotReady) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		p.radv, p.radvIfIdx = s, br.Attrs().Index
+	}
+	bs := make([]radv.Binding, 0, len(leases))
+	for _, l := range leases {
+		bs = append(bs, radv.Binding{MAC: l.MAC, Addr: ipam.SLAAC(prefix6, l.MAC)})
+	}
+	p.radv.SetBindings(bs)
+	return nil
+}
+
+// stopRadv stops the advertiser, withdrawing its prefix from the guests
+// when asked to.
+func (p *Plane) stopRadv(withdraw bool) {
+	if p.radv == nil {
+		return
+	}
+	if withdraw {
+		_ = p.radv.Withdraw()
+	} else {
+		_ = p.radv.Close()
+	}
+	p.radv = nil
 }
 
 func (p *Plane) stopDHCP() {
@@ -540,7 +633,7 @@ func (p *Plane) feedSlots(counters map[string]nft.ExposureCounters) {
 	}
 }
 
-// Close stops the DHCP server and releases the counter slots (their values
+// Close stops the DHCP server and the advertiser and releases the counter slots (their values
 // stay). Links, addresses and the nft table stay in the kernel.
 func (p *Plane) Close() error {
 	p.mu.Lock()
@@ -550,6 +643,7 @@ func (p *Plane) Close() error {
 	}
 	p.closed = true
 	p.stopDHCP()
+	p.stopRadv(false) // VMs outlive the daemon, and keep their addresses
 	for name, f := range p.feeds {
 		f.slot.Release(false)
 		delete(p.feeds, name)
@@ -579,6 +673,7 @@ func (p *Plane) Teardown() error {
 		return errors.New("netplane: closed")
 	}
 	p.stopDHCP()
+	p.stopRadv(true)
 	var errs []error
 	if p.table == nil {
 		if t, err := nft.Open(p.opts.NetNS, p.nftOptions()...); err == nil {

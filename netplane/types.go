@@ -39,7 +39,11 @@ type GuestStatus struct {
 	MAC     net.HardwareAddr
 	Address netip.Addr // assigned by IPAM (stable); valid even before the lease
 	Leased  bool       // the guest has asked for and taken its DHCP lease
-	Error   string
+	// Address6 is the guest's IPv6 address, formed from its MAC in the /64
+	// (SLAAC); the zero Addr where the guests have no IPv6.
+	Address6 netip.Addr
+	Seen6    bool // the guest answered neighbour discovery at Address6
+	Error    string
 }
 
 // ExposureStatus is one exposure's row.

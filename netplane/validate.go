@@ -67,10 +67,13 @@ func (p *Plane) validateAgainstKernel(d Desired, links []netlink.Link) []error {
 	if err != nil {
 		return append(errs, fmt.Errorf("network: reading addresses: %w", err))
 	}
-	subnet := d.Network.CIDR.Masked()
+	subnet, subnet6 := d.Network.CIDR.Masked(), d.Network.CIDR6.Masked()
 	for _, fp := range prefixes {
 		if fp.Prefix.Masked().Overlaps(subnet) {
 			errs = append(errs, fmt.Errorf("network.cidr: %s overlaps %s on %s", subnet, fp.Prefix, fp.Link))
+		}
+		if subnet6.IsValid() && fp.Prefix.Masked().Overlaps(subnet6) {
+			errs = append(errs, fmt.Errorf("network.cidr6: %s overlaps %s on %s", subnet6, fp.Prefix, fp.Link))
 		}
 	}
 	return errs

@@ -22,9 +22,10 @@ const DefaultDialTimeout = 2 * time.Second
 // the exposure's one slot, found by name. Converge is its only input; it is safe to call from one goroutine
 // at a time, and from many (they serialise on the lock).
 type Manager struct {
-	resolve Resolver
-	stats   *bpf.Store
-	dialer  net.Dialer
+	resolve  Resolver
+	resolve6 Resolver // IPv6 addresses for IPv6 callers; nil: IPv4 for all
+	stats    *bpf.Store
+	dialer   net.Dialer
 	// listenTCP opens a TCP exposure's listener. It is a field so a test can
 	// hand the accept loop a listener whose Accept fails on cue, the way a
 	// real one only does under load a test cannot stage.
@@ -275,7 +276,7 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 	st.Counters = ex.ctr.slot.Read()
 	st.State = StateActive
 	st.Reason = join(note, ex.reason)
-	if m.guestAddr(c.Target) == "" {
+	if m.guestAddr(c.Target, false) == "" {
 		st.State = StatePending
 		st.Reason = join("guest has no address yet", st.Reason)
 	}

@@ -26,6 +26,11 @@ type Spec struct {
 // It is called per connection, so it must be cheap.
 type Resolver func(vm string) string
 
+// WithResolver6 gives the guests' IPv6 addresses: a caller that came over
+// IPv6 is carried to the guest's IPv6 address where resolve6 has one (so
+// the guest sees an IPv6 connection), else to its IPv4 address.
+func WithResolver6(resolve6 Resolver) Option { return func(m *Manager) { m.resolve6 = resolve6 } }
+
 // State values of Status.State (the model's set).
 const (
 	StateActive  = spec.StateActive

@@ -195,7 +195,7 @@ func (m *Manager) carrier(job carryJob) {
 func (m *Manager) carry(ex *exposure, c net.Conn, to spec.Target, guestPort string, hostPort uint16) {
 	slot := ex.ctr.slot
 	client, ok := c.(*net.TCPConn)
-	addr := m.guestAddr(to)
+	addr := m.guestAddr(to, fromIPv6(c.RemoteAddr()))
 	if !ok || addr == "" {
 		slot.AddDropped(1)
 		slot.Closed()

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"fmt"
+	"net"
 	"net/netip"
 	"strconv"
 	"time"
@@ -89,10 +90,27 @@ func validateAll(desired []Spec) (checks []checked, errs []error, owners []bool)
 	return out, errs, owners
 }
 
-// guestAddr is where a connection for t goes now ("" = nowhere yet).
-func (m *Manager) guestAddr(t spec.Target) string {
+// guestAddr is where a connection for t goes now ("" = nowhere yet): for
+// an IPv6 caller (v6) the guest's IPv6 address where it has one, else its
+// IPv4 address, as for every IPv4 caller.
+func (m *Manager) guestAddr(t spec.Target, v6 bool) string {
 	if !t.IsVM() {
 		return t.Addr.String()
 	}
+	if v6 && m.resolve6 != nil {
+		if a := m.resolve6(t.VM); a != "" {
+			return a
+		}
+	}
 	return m.resolve(t.VM)
+}
+
+// fromIPv6 reports whether a caller came over IPv6 (a v4-mapped address on
+// a dual-stack listener is an IPv4 caller).
+func fromIPv6(a net.Addr) bool {
+	ta, ok := a.(*net.TCPAddr)
+	if !ok {
+		return false
+	}
+	return ta.IP.To4() == nil
 }

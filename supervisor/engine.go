@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -336,7 +337,21 @@ func specEqual(a, b *VMSpec) bool {
 func sameMachine(a, b *VMSpec) bool {
 	x, y := *a, *b
 	x.Power, y.Power, x.Restart, y.Restart = "", "", "", ""
+	x.IP, y.IP = withoutIPv6(x.IP), withoutIPv6(y.IP)
 	return specEqual(&x, &y)
+}
+
+// withoutIPv6 is ip without its IPv6 address: a changed one (IPv6 turned on
+// or network.cidr6 changed, with DHCP off) reaches the command line at the
+// VM's next boot but restarts nothing, since the router advertisements
+// already carry the change to the running guest.
+func withoutIPv6(ip *spec.StaticIP) *spec.StaticIP {
+	if ip == nil || !ip.Addr6.IsValid() {
+		return ip
+	}
+	v := *ip
+	v.Addr6 = netip.Prefix{}
+	return &v
 }
 
 // localFiles is the ImageFetcher used when none is configured: local paths

@@ -71,13 +71,20 @@ type VMSpec struct {
 // DHCP its address (Documentation/admin-guide/nfs/nfsroot.rst, "ip="):
 // client, no server, the gateway, the subnet mask, the VM name as hostname,
 // eth0, no autoconfiguration. Kernels without IP autoconfiguration leave it
-// to the guest's init (the test guest reads it). "" for nil.
+// to the guest's init (the test guest reads it). With an IPv6 address,
+// brokkr.ip6=ADDRESS/64 follows: Linux has no kernel parameter for IPv6,
+// so this one is brokkr's (the test guest's init reads it); it is the
+// address the guest's SLAAC forms anyway. "" for nil.
 func KernelIPParam(ip *spec.StaticIP, vm string) string {
 	if ip == nil {
 		return ""
 	}
 	mask := net.IP(net.CIDRMask(ip.Addr.Bits(), 32)).String()
-	return fmt.Sprintf("ip=%s::%s:%s:%s:eth0:off", ip.Addr.Addr(), ip.Gateway, mask, vm)
+	p := fmt.Sprintf("ip=%s::%s:%s:%s:eth0:off", ip.Addr.Addr(), ip.Gateway, mask, vm)
+	if ip.Addr6.IsValid() {
+		p += " brokkr.ip6=" + ip.Addr6.String()
+	}
+	return p
 }
 
 // VMStatus is one VM's row in a Report.

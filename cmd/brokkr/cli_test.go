@@ -188,3 +188,25 @@ func TestVMWaitGivesUp(t *testing.T) {
 	_, _, code = run(t, "vm", "start", "ghost", "--wait", "--socket", f.sock)
 	assert.Equal(t, 1, code, "no such VM")
 }
+
+// status shows each VM's IPv6 address beside its IPv4 one (a dash where
+// the guests have none), and the JSON carries it as address6.
+func TestStatusShowsTheIPv6Address(t *testing.T) {
+	st := twoVMs()
+	st.VMs[0].Address, st.VMs[0].Address6 = "10.213.0.10", "fd00:6272:6b72:0:5054:ff:fe8c:7d82"
+	f := newFakeDaemon(t, st)
+	out, _, code := run(t, "status", "--socket", f.sock)
+	require.Equal(t, 0, code)
+	assert.Regexp(t, `(?m)^VM\s+PHASE\s+PID\s+ADDRESS\s+ADDRESS6\s+MAC`, out)
+	assert.Regexp(t, `(?m)^web\s+running\s+10\s+10\.213\.0\.10\s+fd00:6272:6b72:0:5054:ff:fe8c:7d82\s`, out)
+	assert.Regexp(t, `(?m)^db\s+running\s+11\s+-\s+-\s`, out)
+	out, _, code = run(t, "status", "--socket", f.sock, "-o", "json")
+	require.Equal(t, 0, code)
+	var raw struct {
+		VMs []map[string]any `json:"vms"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &raw))
+	assert.Equal(t, "fd00:6272:6b72:0:5054:ff:fe8c:7d82", raw.VMs[0]["address6"])
+	assert.Contains(t, raw.VMs[1], "address6", "present, empty, where a VM has none")
+	assert.Equal(t, "", raw.VMs[1]["address6"])
+}

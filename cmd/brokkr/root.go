@@ -224,13 +224,13 @@ func dash(s string) string {
 
 func printVMs(w io.Writer, vms []api.VM) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "VM\tPHASE\tPID\tADDRESS\tMAC\tTAP\tRESTARTS\tDETAIL")
+	fmt.Fprintln(tw, "VM\tPHASE\tPID\tADDRESS\tADDRESS6\tMAC\tTAP\tRESTARTS\tDETAIL")
 	for _, v := range vms {
 		pid := "-"
 		if v.PID > 0 {
 			pid = fmt.Sprint(v.PID)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", v.Name, v.Phase, pid, dash(v.Address), dash(v.MAC), dash(v.Tap), v.Restarts, v.Detail)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", v.Name, v.Phase, pid, dash(v.Address), dash(v.Address6), dash(v.MAC), dash(v.Tap), v.Restarts, v.Detail)
 	}
 	tw.Flush()
 }

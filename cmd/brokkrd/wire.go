@@ -85,7 +85,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 
 	var d atomic.Pointer[daemon.Daemon]
 	addrs := daemon.NewAddressBook()
-	px := proxy.NewManager(addrs.Resolve, store, pxOpts...)
+	px := proxy.NewManager(addrs.Resolve, store, append(pxOpts, proxy.WithResolver6(addrs.Resolve6))...)
 	px.Inherit(sd)
 	plane, err := netplane.New(netplane.Options{
 		StateDir: cfg.StateDir,

@@ -50,6 +50,7 @@ type VM struct {
 	Phase    string `json:"phase"`
 	Detail   string `json:"detail"`
 	Address  string `json:"address"`
+	Address6 string `json:"address6"` // "" where the guests have no IPv6
 	MAC      string `json:"mac"`
 	Tap      string `json:"tap"`
 	PID      int    `json:"pid"`

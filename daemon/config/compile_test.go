@@ -52,8 +52,8 @@ exposures:
 `))
 	require.NoError(t, err)
 	require.NotNil(t, c)
-	assert.Equal(t, spec.Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.9.0.1/16"), MTU: 9000,
-		Masquerade: true, IsolateGuests: true}, m.Network)
+	assert.Equal(t, spec.Network{Bridge: "brokkr0", CIDR: netip.MustParsePrefix("10.9.0.1/16"),
+		CIDR6: netip.MustParsePrefix("fd00:6272:6b72::1/64"), MTU: 9000, Masquerade: true, IsolateGuests: true}, m.Network)
 	assert.Equal(t, []spec.VM{{Name: "web", CPUs: 2, MemoryMiB: 1024, Kernel: spec.Source{Location: "/k"},
 		Initramfs: &spec.Source{Location: "/i"}, Cmdline: DefaultCmdline,
 		Disk:  &spec.Disk{Source: spec.Source{Location: "/d"}, Size: 2 << 30},
@@ -71,6 +71,8 @@ exposures:
 // apply to their copies hold for every accepted model.
 func FuzzCompile(f *testing.F) {
 	f.Add([]byte(designExample))
+	f.Add([]byte("network: {cidr6: 'fd00:1::1/64'}"))
+	f.Add([]byte("network: {cidr6: ''}"))
 	f.Add([]byte("network: {cidr: 10.0.0.1/8}\nvms: [{name: a, kernel: /k}]\nexposures: [{name: e, vm: a, guestPort: 1, hostPort: 2}]"))
 	f.Add([]byte("exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::', mode: proxy}]"))
 	f.Add([]byte("network: {cidr: 10.213.0.254/29}\nexposures: [{name: e, target: 10.213.0.253, guestPort: 65535, hostPort: 1, mode: nat}]"))
@@ -79,6 +81,13 @@ func FuzzCompile(f *testing.F) {
 		_, m, err := Load(data)
 		if err != nil {
 			return
+		}
+		if p6 := m.Network.CIDR6; p6.IsValid() {
+			a := p6.Addr().As16()
+			if !p6.Addr().Is6() || p6.Addr().Is4In6() || p6.Bits() != 64 || p6.Addr().IsLinkLocalUnicast() ||
+				p6.Addr().IsMulticast() || p6.Addr() == p6.Masked().Addr() || (a[11] == 0xff && a[12] == 0xfe) {
+				t.Fatalf("accepted network.cidr6 %s", p6)
+			}
 		}
 		p := m.Network.CIDR
 		if !p.Addr().Is4() || p.Bits() < 8 || p.Bits() > 29 || p.Addr() == p.Masked().Addr() || p.Addr() == broadcast(p) ||
@@ -158,4 +167,33 @@ func TestMoreExposuresThanSlotsAreRefusedWhole(t *testing.T) {
 	require.Len(t, errs, 1)
 	assert.Equal(t, "exposures", errs[0].Path)
 	assert.Contains(t, errs[0].Msg, strconv.Itoa(spec.MaxExposures+1)+" exposures, more than the "+strconv.Itoa(spec.MaxExposures))
+}
+
+// network.cidr6: the bridge's IPv6 address on the guests' /64, the ULA by
+// default, "" for IPv4 only; anything that is not a unicast /64 a guest
+// could form its address in is refused, naming the field.
+func TestNetworkCIDR6(t *testing.T) {
+	_, m, err := Load(nil)
+	require.NoError(t, err)
+	assert.Equal(t, netip.MustParsePrefix(DefaultCIDR6), m.Network.CIDR6, "on by default")
+	_, m, err = Load([]byte("network: {cidr6: ''}"))
+	require.NoError(t, err)
+	assert.False(t, m.Network.CIDR6.IsValid(), `"" is IPv4 only`)
+	_, m, err = Load([]byte("network: {cidr6: '2001:db8:7::a/64'}"))
+	require.NoError(t, err)
+	assert.Equal(t, netip.MustParsePrefix("2001:db8:7::a/64"), m.Network.CIDR6, "a global prefix, the address as given")
+
+	for in, want := range map[string]string{
+		"fd00::1":                   `network.cidr6: "fd00::1" is not an IPv6 address with a prefix (like fd00:6272:6b72::1/64), or "" for IPv4 only`,
+		"fd00::1/48":                `network.cidr6: "fd00::1/48": the prefix must be /64 (guests form their addresses from it)`,
+		"10.1.0.1/24":               `network.cidr6: "10.1.0.1/24" is not an IPv6 address`,
+		"::ffff:10.1.0.1/64":        `network.cidr6: "::ffff:10.1.0.1/64" is not an IPv6 address`,
+		"fe80::1/64":                `network.cidr6: fe80::1/64 is link-local; give a unique-local or global address (like fd00:6272:6b72::1/64)`,
+		"ff02::1/64":                `network.cidr6: ff02::1/64 is not a unicast address`,
+		"::1/64":                    `network.cidr6: ::1/64 is not a unicast address`,
+		"fd00:1::/64":               `network.cidr6: "fd00:1::/64" is the subnet-router anycast address; give the bridge's own address (like fd00:6272:6b72::1/64)`,
+		"fd00:1::5054:ff:fe00:1/64": `network.cidr6: fd00:1::5054:ff:fe00:1/64 has the form of a guest's address (ff:fe in the middle of its host part); pick another, like ::1`,
+	} {
+		assert.Equal(t, []string{want}, errorsOf(t, "network: {cidr6: '"+in+"'}"), in)
+	}
 }

@@ -23,6 +23,7 @@ const (
 	DefaultBPFDir          = "/sys/fs/bpf/brokkr"
 	DefaultBridge          = "brokkr0"
 	DefaultCIDR            = "10.213.0.1/24"
+	DefaultCIDR6           = "fd00:6272:6b72::1/64" // a fixed ULA: "brkr" in ASCII is its global ID
 	DefaultMTU             = 1500
 	DefaultHypervisor      = "cloud-hypervisor"
 	DefaultMaxCreates      = 2
@@ -85,12 +86,13 @@ type Metrics struct {
 
 // Network is the guest network section.
 type Network struct {
-	Bridge        string `yaml:"bridge" json:"bridge"`
-	CIDR          string `yaml:"cidr" json:"cidr"`
-	MTU           *int   `yaml:"mtu" json:"mtu"`
-	Masquerade    *bool  `yaml:"masquerade" json:"masquerade"`
-	DHCP          *bool  `yaml:"dhcp" json:"dhcp"`
-	IsolateGuests bool   `yaml:"isolateGuests" json:"isolateGuests"`
+	Bridge        string  `yaml:"bridge" json:"bridge"`
+	CIDR          string  `yaml:"cidr" json:"cidr"`
+	CIDR6         *string `yaml:"cidr6" json:"cidr6"` // a pointer: "" (IPv4 only) is not the default
+	MTU           *int    `yaml:"mtu" json:"mtu"`
+	Masquerade    *bool   `yaml:"masquerade" json:"masquerade"`
+	DHCP          *bool   `yaml:"dhcp" json:"dhcp"`
+	IsolateGuests bool    `yaml:"isolateGuests" json:"isolateGuests"`
 }
 
 // Hypervisor selects and tunes the VMM backend.
@@ -235,8 +237,9 @@ func Decode(data []byte) (*Config, error) {
 	return c, nil
 }
 
-func intp(v int) *int    { return &v }
-func boolp(v bool) *bool { return &v }
+func intp(v int) *int       { return &v }
+func boolp(v bool) *bool    { return &v }
+func strp(v string) *string { return &v }
 
 func (c *Config) applyDefaults() {
 	def := func(s *string, v string) {
@@ -249,6 +252,9 @@ func (c *Config) applyDefaults() {
 	def(&c.BPFDir, DefaultBPFDir)
 	def(&c.Network.Bridge, DefaultBridge)
 	def(&c.Network.CIDR, DefaultCIDR)
+	if c.Network.CIDR6 == nil {
+		c.Network.CIDR6 = strp(DefaultCIDR6)
+	}
 	if c.Network.MTU == nil {
 		c.Network.MTU = intp(DefaultMTU)
 	}

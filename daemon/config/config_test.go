@@ -22,6 +22,7 @@ bpfDir: /sys/fs/bpf/brokkr
 network:
   bridge: brokkr0
   cidr: 10.213.0.1/24
+  cidr6: fd00:6272:6b72::1/64
   mtu: 1500
   masquerade: true
   dhcp: true
@@ -81,6 +82,7 @@ func TestEmptyIsDefaults(t *testing.T) {
 	assert.Equal(t, "/sys/fs/bpf/brokkr", d.BPFDir)
 	assert.Equal(t, "brokkr0", d.Network.Bridge)
 	assert.Equal(t, "10.213.0.1/24", d.Network.CIDR)
+	assert.Equal(t, "fd00:6272:6b72::1/64", *d.Network.CIDR6)
 	assert.Equal(t, 1500, *d.Network.MTU)
 	assert.True(t, *d.Network.Masquerade)
 	assert.True(t, *d.Network.DHCP)
@@ -112,6 +114,15 @@ func TestJSONRoundTrip(t *testing.T) {
 	back, err := Parse(b)
 	require.NoError(t, err, "the JSON form (desired.json, API bodies) goes through the same parser")
 	assert.Equal(t, c, back)
+
+	// IPv4 only ("") is not the default: it survives desired.json.
+	c, err = Parse([]byte("network: {cidr6: ''}"))
+	require.NoError(t, err)
+	b, err = json.Marshal(c)
+	require.NoError(t, err)
+	back, err = Parse(b)
+	require.NoError(t, err)
+	assert.Equal(t, "", *back.Network.CIDR6)
 }
 
 func errorsOf(t *testing.T, in string) []string {

@@ -126,6 +126,11 @@ func compileNetwork(n Network, col *collector) (out spec.Network, cidr netip.Pre
 	default:
 		out.CIDR = cidr
 	}
+	if p6, ferr := compileCIDR6(*n.CIDR6); ferr != nil {
+		col.errs = append(col.errs, *ferr)
+	} else {
+		out.CIDR6 = p6
+	}
 	if *n.MTU < minMTU || *n.MTU > maxMTU {
 		col.add("network.mtu", "%d is out of range (%d..%d)", *n.MTU, minMTU, maxMTU)
 	}

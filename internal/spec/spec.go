@@ -97,8 +97,11 @@ type Desired struct {
 
 // Network is the guest network.
 type Network struct {
-	Bridge        string
-	CIDR          netip.Prefix // the bridge's own address with the subnet's bits
+	Bridge string
+	CIDR   netip.Prefix // the bridge's own address with the subnet's bits
+	// CIDR6 is the bridge's IPv6 address with the guests' /64 (their
+	// addresses come from it by SLAAC); the zero Prefix is IPv4 only.
+	CIDR6         netip.Prefix
 	MTU           int
 	Masquerade    bool
 	DHCP          bool
@@ -224,10 +227,12 @@ func (d *Desired) VM(name string) (VM, bool) {
 }
 
 // StaticIP is a guest's address on a network without DHCP: the address
-// with the subnet's bits, and the gateway (the bridge).
+// with the subnet's bits, and the gateway (the bridge); and its IPv6
+// address with the /64 (the zero Prefix: none).
 type StaticIP struct {
 	Addr    netip.Prefix
 	Gateway netip.Addr
+	Addr6   netip.Prefix
 }
 
 // MaxExposures is how many exposures one host holds: each has a counter

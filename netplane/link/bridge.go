@@ -10,16 +10,20 @@ import (
 )
 
 // BridgeSpec is the bridge brokkr keeps: its name, its address with the
-// subnet's prefix length (e.g. 10.213.0.1/24) and its MTU.
+// subnet's prefix length (e.g. 10.213.0.1/24), its IPv6 address on the
+// guests' /64 (the zero Prefix: none) and its MTU.
 type BridgeSpec struct {
-	Name string
-	Addr netip.Prefix
-	MTU  int
+	Name  string
+	Addr  netip.Prefix
+	Addr6 netip.Prefix
+	MTU   int
 }
 
 // EnsureBridge makes the bridge exist exactly as specified: created with
 // brokkr's alias if missing, else its MTU, address and up state restored.
-// Other IPv4 addresses on it are removed (an old CIDR). It returns whether
+// Other IPv4 addresses on it are removed (an old CIDR), and so are IPv6
+// addresses other than Addr6 and the link-local ones, where the bridge has
+// IPv6 (IPv6Enabled; without it Addr6 is left out). It returns whether
 // the bridge was created, and the drift it repaired on an existing bridge.
 // A link of that name that brokkr did not make is an error and is left alone.
 func (m *Manager) EnsureBridge(s BridgeSpec) (created bool, repaired []string, err error) {
@@ -83,6 +87,14 @@ func (m *Manager) EnsureBridge(s BridgeSpec) (created bool, repaired []string, e
 		fix("was down")
 		if err := m.h.LinkSetUp(l); err != nil {
 			return created, repaired, fmt.Errorf("setting %s up: %w", s.Name, err)
+		}
+	}
+	// After up: taking a link down removes its IPv6 addresses.
+	if on, err := m.IPv6Enabled(s.Name); err != nil {
+		return created, repaired, err
+	} else if on {
+		if err := m.ensureBridge6(l, s.Addr6, fix); err != nil {
+			return created, repaired, err
 		}
 	}
 	return created, repaired, nil

@@ -152,14 +152,15 @@ func (m *Manager) EnableForwarding() (changed bool, err error) {
 	return changed, nil
 }
 
-// InterfacePrefix is an IPv4 prefix on a link brokkr does not own.
+// InterfacePrefix is an IPv4 or IPv6 prefix on a link brokkr does not own.
 type InterfacePrefix struct {
 	Link   string
 	Prefix netip.Prefix
 }
 
-// ForeignPrefixes lists the IPv4 prefixes of every link brokkr did not
-// make, to refuse a bridge subnet that overlaps them.
+// ForeignPrefixes lists the IPv4 and IPv6 prefixes (not loopback, not
+// link-local) of every link brokkr did not make, to refuse a bridge subnet
+// that overlaps them.
 func (m *Manager) ForeignPrefixes() ([]InterfacePrefix, error) {
 	links, err := m.Links()
 	if err != nil {
@@ -176,13 +177,16 @@ func (m *Manager) ForeignPrefixesIn(links []netlink.Link) ([]InterfacePrefix, er
 		if Owned(l) {
 			continue
 		}
-		addrs, err := nlsafe.AddrList(m.h, l, netlink.FAMILY_V4)
+		addrs, err := nlsafe.AddrList(m.h, l, netlink.FAMILY_ALL)
 		if err != nil {
 			return nil, fmt.Errorf("addresses of %s: %w", l.Attrs().Name, err)
 		}
 		for _, a := range addrs {
 			p, ok := prefixOf(a.IPNet)
-			if ok && !p.Addr().IsLoopback() {
+			if !ok {
+				p, ok = prefix6Of(a.IPNet)
+			}
+			if ok && !p.Addr().IsLoopback() && !p.Addr().IsLinkLocalUnicast() {
 				out = append(out, InterfacePrefix{Link: l.Attrs().Name, Prefix: p})
 			}
 		}

@@ -213,8 +213,76 @@ func TestForeignPrefixes(t *testing.T) {
 	require.NoError(t, err)
 	ns.MustRun(t, "ip", "link", "add", "up0", "type", "bridge")
 	ns.MustRun(t, "ip", "addr", "add", "192.168.7.2/16", "dev", "up0")
+	ns.MustRun(t, "ip", "addr", "add", "2001:db8:5::2/56", "dev", "up0", "nodad")
+	ns.MustRun(t, "ip", "addr", "add", "fe80::2/64", "dev", "up0", "nodad")
 	ps, err := m.ForeignPrefixes()
 	require.NoError(t, err)
-	assert.Equal(t, []InterfacePrefix{{Link: "up0", Prefix: netip.MustParsePrefix("192.168.7.2/16")}}, ps,
-		"brokkr's own bridge and loopback are not foreign")
+	assert.ElementsMatch(t, []InterfacePrefix{
+		{Link: "up0", Prefix: netip.MustParsePrefix("192.168.7.2/16")},
+		{Link: "up0", Prefix: netip.MustParsePrefix("2001:db8:5::2/56")},
+	}, ps, "brokkr's own bridge, loopback and link-local addresses are not foreign")
+}
+
+// The bridge's IPv6 address is kept like its IPv4 one: added (usable at
+// once, no duplicate address detection), put back when lost, strays
+// removed, all of it gone with cidr6 off; its link-local address stays; it
+// never takes router advertisements. Without IPv6 on the bridge nothing of
+// this is tried.
+func TestBridgeIPv6AddressKeptLikeTheIPv4One(t *testing.T) {
+	m, ns := newManager(t)
+	spec := testBridge
+	spec.Addr6 = netip.MustParsePrefix("fd00:6272:6b72::1/64")
+	_, rep, err := m.EnsureBridge(spec)
+	require.NoError(t, err)
+	assert.Empty(t, rep)
+	addr6 := func() string { return ns.MustRun(t, "ip", "-6", "addr", "show", "dev", "brokkr0") }
+	out := addr6()
+	assert.Contains(t, out, "inet6 fd00:6272:6b72::1/64 scope global nodad")
+	assert.NotContains(t, out, "tentative")
+	assert.Equal(t, "0", strings.TrimSpace(ns.MustRun(t, "cat", "/proc/sys/net/ipv6/conf/brokkr0/accept_ra")))
+	_, rep, err = m.EnsureBridge(spec)
+	require.NoError(t, err)
+	assert.Empty(t, rep, "a second pass changes nothing")
+
+	ns.MustRun(t, "ip", "addr", "del", "fd00:6272:6b72::1/64", "dev", "brokkr0")
+	ns.MustRun(t, "ip", "addr", "add", "fd00:9::1/64", "dev", "brokkr0", "nodad")
+	ns.MustRun(t, "ip", "addr", "add", "fe80::77/64", "dev", "brokkr0", "nodad")
+	ns.MustRun(t, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/brokkr0/accept_ra")
+	_, rep, err = m.EnsureBridge(spec)
+	require.NoError(t, err)
+	assert.ElementsMatch(t, []string{
+		"bridge brokkr0 accepted router advertisements",
+		"bridge brokkr0 had stray address fd00:9::1/64",
+		"bridge brokkr0 lost its address fd00:6272:6b72::1/64",
+	}, rep)
+	out = addr6()
+	assert.Contains(t, out, "fd00:6272:6b72::1/64")
+	assert.NotContains(t, out, "fd00:9::1")
+	assert.Contains(t, out, "fe80::77/64", "link-local addresses are the kernel's")
+	assert.Equal(t, "0", strings.TrimSpace(ns.MustRun(t, "cat", "/proc/sys/net/ipv6/conf/brokkr0/accept_ra")))
+
+	// Down and up again: the kernel drops IPv6 addresses with the link.
+	ns.MustRun(t, "ip", "link", "set", "brokkr0", "down")
+	_, rep, err = m.EnsureBridge(spec)
+	require.NoError(t, err)
+	assert.Contains(t, rep, "bridge brokkr0 lost its address fd00:6272:6b72::1/64")
+	assert.Contains(t, addr6(), "fd00:6272:6b72::1/64")
+
+	// cidr6 off: the address goes, the link-local stays.
+	_, rep, err = m.EnsureBridge(testBridge)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"bridge brokkr0 had stray address fd00:6272:6b72::1/64"}, rep)
+	assert.NotContains(t, addr6(), "scope global")
+
+	// IPv6 disabled on the bridge: nothing is tried, nothing fails.
+	ns.MustRun(t, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/brokkr0/disable_ipv6")
+	on, err := m.IPv6Enabled("brokkr0")
+	require.NoError(t, err)
+	assert.False(t, on)
+	_, rep, err = m.EnsureBridge(spec)
+	require.NoError(t, err)
+	assert.Empty(t, rep)
+	on, err = m.IPv6Enabled("no-such-link")
+	require.NoError(t, err)
+	assert.False(t, on)
 }

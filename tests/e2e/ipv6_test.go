@@ -1,0 +1,78 @@
+package e2e
+
+import (
+	"bytes"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// eui64 is the address a NIC with mac forms in prefix by SLAAC (RFC 4291
+// appendix A), computed here on its own so the test checks brokkr's.
+func eui64(prefix string, mac net.HardwareAddr) netip.Addr {
+	a := netip.MustParsePrefix(prefix).Masked().Addr().As16()
+	copy(a[8:], []byte{mac[0] ^ 2, mac[1], mac[2], 0xff, 0xfe, mac[3], mac[4], mac[5]})
+	return netip.AddrFrom16(a)
+}
+
+// neighbourAdvert waits for the guest's answer to brokkr's neighbour
+// solicitations, read off its tap (before the bridge): an ICMPv6 neighbour
+// advertisement from mac for target. It proves the guest holds target.
+func (e *env) neighbourAdvert(tap string, mac net.HardwareAddr, target netip.Addr, timeout time.Duration) bool {
+	e.t.Helper()
+	var fd int
+	require.NoError(e.t, e.host.Do(func() error {
+		ifi, err := net.InterfaceByName(tap)
+		if err != nil {
+			return err
+		}
+		// ETH_P_ALL (in network order): the bridge takes a port's frames
+		// before any socket bound to one protocol would see them.
+		const p = 0x0300
+		if fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(p)); err != nil {
+			return err
+		}
+		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: p, Ifindex: ifi.Index})
+	}))
+	defer unix.Close(fd)
+	tv := unix.Timeval{Usec: 200_000}
+	require.NoError(e.t, unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv))
+	want := target.As16()
+	buf := make([]byte, 2048)
+	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); {
+		n, _, err := unix.Recvfrom(fd, buf, 0)
+		if err != nil || n < 14+40+24 {
+			continue
+		}
+		f := buf[:n]
+		// Ethernet source, IPv6, next header ICMPv6, type 136, its target.
+		if bytes.Equal(f[6:12], mac) && f[12] == 0x86 && f[13] == 0xdd && f[14+6] == 58 && f[14+40] == 136 && bytes.Equal(f[14+40+8:14+40+24], want[:]) {
+			return true
+		}
+	}
+	return false
+}
+
+// The real guest (Debian's kernel, the test guest's init unchanged) takes
+// its IPv6 address from brokkr's router advertisements: status shows it as
+// address6, the EUI-64 address of its MAC in the default ULA, and the guest
+// answers neighbour discovery for exactly that address on its tap.
+func TestTheGuestTakesItsIPv6AddressBySLAAC(t *testing.T) {
+	e := sharedEnv(t)
+	v := vm(e.status(), vmName)
+	mac, err := net.ParseMAC(v.MAC)
+	require.NoError(t, err)
+	want := eui64("fd00:6272:6b72::/64", mac)
+	assert.Equal(t, want.String(), v.Address6, "status shows the address the guest forms")
+	out, _, code := e.brokkr("status")
+	require.Equal(t, 0, code)
+	assert.Contains(t, out, want.String(), "the status table too")
+	assert.True(t, e.neighbourAdvert(v.Tap, mac, want, 90*time.Second),
+		"the guest answers for %s from %s on %s", want, mac, v.Tap)
+	assert.Contains(t, e.host.MustRun(t, "ip", "-6", "addr", "show", "dev", "brk-e2e0"), "fd00:6272:6b72::1/64 scope global")
+}
