@@ -59,6 +59,10 @@ type Config struct {
 	// SuspendRetry is how long a VM whose suspend failed keeps running
 	// before the next try; default 1 min.
 	SuspendRetry time.Duration
+	// Notify, when set, is told each VM's phase when it changes (the
+	// daemon holds a suspended VM's callers until it runs). It must not
+	// block.
+	Notify func(vm, phase string)
 	// Resumed, when set, is told how long each wake took: from the
 	// Engine.Wake that asked for it to the guest running again. It must
 	// not block.

@@ -40,6 +40,24 @@ func (w *worker) requestWake() {
 	w.signal()
 }
 
+// wakeKeep is how long a wake waits for the desired state that acts on it:
+// a VM whose power is suspended is woken by the daemon making it running,
+// and the wake may reach the worker before that spec does.
+const wakeKeep = 30 * time.Second
+
+// keepWake puts a wake this pass cannot act on back in the mailbox, without
+// a signal (the spec that acts on it brings one), unless it is stale.
+func (w *worker) keepWake(wakeAt time.Time) {
+	if wakeAt.IsZero() || time.Since(wakeAt) > wakeKeep {
+		return
+	}
+	w.mu.Lock()
+	if w.wakeAt.IsZero() {
+		w.wakeAt = wakeAt
+	}
+	w.mu.Unlock()
+}
+
 // stayIdle: the VM was suspended by its idleSuspend, is still desired
 // running with one, and no caller asked for it.
 func (w *worker) stayIdle(spec *VMSpec, wakeAt time.Time) bool {
@@ -323,10 +341,12 @@ func (w *worker) settleAdopted(ctx context.Context) {
 			}
 		} else {
 			w.e.cfg.Logger.Info("continued a guest left paused by a daemon that died", "vm", w.name)
-			w.publish(PhaseRunning, w.unplaced)
 		}
 	}
 	w.dropState()
+	if w.inst != nil {
+		w.publish(PhaseRunning, w.unplaced)
+	}
 }
 
 // idleClock tracks the traffic of a VM with idleSuspend.

@@ -146,6 +146,12 @@ func (w *worker) row() VMStatus {
 
 func (w *worker) publish(phase, detail string) {
 	w.mu.Lock()
+	changed := w.status.Phase != phase
+	defer func() {
+		if n := w.e.cfg.Notify; changed && n != nil {
+			n(w.name, phase)
+		}
+	}()
 	w.status.Phase, w.status.Detail, w.status.Progress = phase, detail, nil
 	w.status.PID = 0
 	if w.inst != nil {
@@ -285,6 +291,7 @@ func (w *worker) pass(ctx context.Context) {
 		w.dropState() // a restart is a cold boot
 	}
 	if w.stayIdle(spec, wakeAt) || spec.Power == PowerSuspended {
+		w.keepWake(wakeAt)
 		w.keepSuspended(ctx, spec)
 		return
 	}
@@ -462,6 +469,9 @@ func (w *worker) adopt(ctx context.Context, inst Instance) {
 	w.e.cfg.Logger.Info("adopted VM", "vm", w.name, "pid", inst.PID)
 	w.unplaced = ""
 	w.placeAdopted(ctx)
+	if w.rec.Suspending || w.rec.Resuming {
+		return // its guest may be paused: settleAdopted says when it runs
+	}
 	w.publish(PhaseRunning, w.unplaced)
 }
 
