@@ -202,7 +202,7 @@ func (m *Manager) carry(ex *exposure, c net.Conn, to spec.Target, guestPort stri
 		reset(c)
 		return
 	}
-	g, err := m.dialer.Dial("tcp", net.JoinHostPort(addr, guestPort))
+	g, err := m.dialGuest(to, addr, guestPort)
 	if err != nil {
 		slot.AddDropped(1)
 		slot.Closed()

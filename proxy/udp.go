@@ -173,6 +173,7 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 		return nil
 	}
 	ex.conns.Add(1)
+	r.m.wakeFor(r.target)
 	addr := r.m.guestAddr(r.target)
 	var guest *net.UDPConn
 	if addr != "" {
