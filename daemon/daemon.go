@@ -604,6 +604,7 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		r := api.VM{Name: name, Phase: supervisor.PhasePending, Power: power}
 		if s, ok := sv[name]; ok {
 			r.Phase, r.Detail, r.PID, r.Restarts = s.Phase, s.Detail, s.PID, s.Restarts
+			r.StateBytes, r.Wakes = s.StateBytes, s.Wakes
 			if s.Progress != nil {
 				r.Progress = &api.Progress{Done: s.Progress.Done, Total: s.Progress.Total}
 			}
@@ -696,6 +697,7 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		r.Active, r.Accepted, r.Refused, r.Dropped, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.BytesIn, c.BytesOut
 		st.Exposures = append(st.Exposures, r)
 	}
+	markAsleep(&st)
 	st.Warnings = append(st.Warnings, d.opts.Warnings...)
 	st.Warnings = append(st.Warnings, nrep.Warnings...)
 	if w := budgetWarning(model); w != "" {

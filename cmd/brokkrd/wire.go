@@ -85,6 +85,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 
 	var d atomic.Pointer[daemon.Daemon]
 	addrs := daemon.NewAddressBook()
+	// A suspended VM's callers are held by the proxy until it runs again.
+	wakes := daemon.NewWakes()
+	pxOpts = append(pxOpts, proxy.WithWaker(wakes, proxy.DefaultWakeHold))
 	px := proxy.NewManager(addrs.Resolve, store, pxOpts...)
 	px.Inherit(sd)
 	plane, err := netplane.New(netplane.Options{
@@ -136,6 +139,18 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		Images:               cache,
 		MaxConcurrentCreates: *cfg.Hypervisor.MaxConcurrentCreates,
 		Logger:               log.With("engine", "supervisor"),
+		Notify:               wakes.Phase,
+		Traffic: func(vm string) (supervisor.Traffic, bool) {
+			if dd := d.Load(); dd != nil {
+				return dd.VMTraffic(vm)
+			}
+			return supervisor.Traffic{}, false
+		},
+		Resumed: func(vm string, took time.Duration) {
+			if dd := d.Load(); dd != nil {
+				dd.ObserveResume(vm, took)
+			}
+		},
 	}
 	if scopes != nil {
 		supCfg.Placer = scopes // never a nil *scope.Systemd in the interface
@@ -191,6 +206,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		return fail(err)
 	}
 	d.Store(dd)
+	wakes.Route(dd.WakeVM)
 	if h != nil {
 		// One Manager takes every snapshot: a process from before the
 		// listeners were keyed by (name, address) hands over a second

@@ -162,9 +162,7 @@ func Compile(c *Config) (*spec.Desired, Errors) {
 				}
 			}
 		}
-		if mv.Power != spec.PowerRunning && mv.Power != spec.PowerStopped {
-			add(p+".power", "%q is not one of running, stopped", v.Power)
-		}
+		compileSuspend(add, p, v, &mv)
 		if mv.Restart != spec.RestartAlways && mv.Restart != spec.RestartOnFailure && mv.Restart != spec.RestartNever {
 			add(p+".restart", "%q is not one of always, on-failure, never", v.Restart)
 		}
