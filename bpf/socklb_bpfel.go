@@ -74,10 +74,12 @@ type socklbSockXlate struct {
 const (
 	socklbMapExposureLimits       = "exposure_limits"
 	socklbMapExposureStats        = "exposure_stats"
+	socklbMapExposureWake         = "exposure_wake"
 	socklbMapSockConfig           = "sock_config"
 	socklbMapSockLocal            = "sock_local"
 	socklbMapSockSocks            = "sock_socks"
 	socklbMapSockTargets          = "sock_targets"
+	socklbMapWakeEvents           = "wake_events"
 	socklbProgBrkSockConnect4     = "brk_sock_connect4"
 	socklbProgBrkSockConnect6     = "brk_sock_connect6"
 	socklbProgBrkSockEgress       = "brk_sock_egress"
@@ -154,10 +156,12 @@ type socklbProgramSpecs struct {
 type socklbMapSpecs struct {
 	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
 	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
+	ExposureWake   *ebpf.MapSpec `ebpf:"exposure_wake"`
 	SockConfig     *ebpf.MapSpec `ebpf:"sock_config"`
 	SockLocal      *ebpf.MapSpec `ebpf:"sock_local"`
 	SockSocks      *ebpf.MapSpec `ebpf:"sock_socks"`
 	SockTargets    *ebpf.MapSpec `ebpf:"sock_targets"`
+	WakeEvents     *ebpf.MapSpec `ebpf:"wake_events"`
 }
 
 // socklbVariableSpecs contains global variables before they are loaded into the kernel.
@@ -188,20 +192,24 @@ func (o *socklbObjects) Close() error {
 type socklbMaps struct {
 	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
 	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
+	ExposureWake   *ebpf.Map `ebpf:"exposure_wake"`
 	SockConfig     *ebpf.Map `ebpf:"sock_config"`
 	SockLocal      *ebpf.Map `ebpf:"sock_local"`
 	SockSocks      *ebpf.Map `ebpf:"sock_socks"`
 	SockTargets    *ebpf.Map `ebpf:"sock_targets"`
+	WakeEvents     *ebpf.Map `ebpf:"wake_events"`
 }
 
 func (m *socklbMaps) Close() error {
 	return _SocklbClose(
 		m.ExposureLimits,
 		m.ExposureStats,
+		m.ExposureWake,
 		m.SockConfig,
 		m.SockLocal,
 		m.SockSocks,
 		m.SockTargets,
+		m.WakeEvents,
 	)
 }
 

@@ -1,11 +1,14 @@
 package daemon
 
 import (
+	"context"
+	"errors"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/supervisor"
@@ -19,9 +22,10 @@ import (
 // suspended, or to the VM's desired power for one an operator did.
 // Everything here is an event: nothing polls.
 type Wakes struct {
-	mu     sync.Mutex
-	asleep map[string]*sleeper
-	route  func(vm string)
+	mu      sync.Mutex
+	asleep  map[string]*sleeper
+	route   func(vm string)
+	changed func() // told after a VM falls asleep or wakes (kernelWakes.sync)
 }
 
 // sleeper is one VM that is suspending, suspended or resuming.
@@ -53,15 +57,28 @@ func asleepPhase(phase string) bool {
 // up (stopped, failed), which their dial then finds out.
 func (w *Wakes) Phase(vm, phase string) {
 	w.mu.Lock()
-	defer w.mu.Unlock()
 	s := w.asleep[vm]
+	flipped := true
 	switch {
 	case asleepPhase(phase) && s == nil:
 		w.asleep[vm] = &sleeper{ready: make(chan struct{})}
 	case !asleepPhase(phase) && s != nil:
 		close(s.ready)
 		delete(w.asleep, vm)
+	default:
+		flipped = false
 	}
+	changed := w.changed
+	w.mu.Unlock()
+	if flipped && changed != nil {
+		changed()
+	}
+}
+
+func (w *Wakes) onChange(f func()) {
+	w.mu.Lock()
+	w.changed = f
+	w.mu.Unlock()
 }
 
 // Wake asks for vm to be resumed and returns a channel closed once it runs
@@ -243,6 +260,109 @@ func markAsleep(st *api.Status) {
 			e.Reason = asleepReason
 		} else {
 			e.Reason = asleepReason + "; " + e.Reason
+		}
+	}
+}
+
+// kernelWakes is the daemon's side of the kernel paths' wake (bpf.Wake):
+// it keeps exposure_wake's flags in step with which VMs are asleep (at
+// every phase change the board hears of, and again at every pass), and
+// turns each event the nat path or the socket path sends into a WakeVM.
+type kernelWakes struct {
+	d     *Daemon
+	w     *bpf.Wake
+	board *Wakes
+
+	mu      sync.Mutex
+	set     map[int]bool      // what each slot's flag was last set to (asleep)
+	askedAt map[int]time.Time // when a slot's event came
+	done    chan struct{}
+}
+
+func newKernelWakes(d *Daemon, w *bpf.Wake, board *Wakes) *kernelWakes {
+	if w == nil || board == nil || d.store == nil {
+		return nil
+	}
+	k := &kernelWakes{d: d, w: w, board: board, set: map[int]bool{}, askedAt: map[int]time.Time{}, done: make(chan struct{})}
+	board.onChange(k.sync)
+	return k
+}
+
+// sync sets the flag of every kernel-path exposure of a VM to whether the
+// VM is asleep; only changes are written. A wake asked more than wakeAgain
+// ago for a VM still asleep is re-armed, so the next caller asks again.
+func (k *kernelWakes) sync() {
+	if k == nil {
+		return
+	}
+	k.d.mu.Lock()
+	model := k.d.model
+	k.d.mu.Unlock()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, e := range model.Exposures {
+		if !e.Target.IsVM() || (!e.UsesKernel() && !e.UsesSocketPath()) {
+			continue
+		}
+		slot, ok := k.d.store.SlotOf(e.Name)
+		if !ok {
+			continue
+		}
+		asleep := k.board.Asleep(e.Target.VM)
+		was, known := k.set[slot]
+		var err error
+		switch {
+		case asleep && (!known || !was):
+			err = k.w.Sleep(slot)
+		case !asleep && (!known || was):
+			err = k.w.Awake(slot)
+			delete(k.askedAt, slot)
+		case asleep && !k.askedAt[slot].IsZero() && time.Since(k.askedAt[slot]) > wakeAgain:
+			delete(k.askedAt, slot)
+			if err = k.w.Awake(slot); err == nil {
+				err = k.w.Sleep(slot)
+			}
+		}
+		if err != nil {
+			k.d.log.Warn("exposure_wake", "exposure", e.Name, "err", err)
+			continue
+		}
+		k.set[slot] = asleep
+	}
+}
+
+// serve turns wake events into wakes until ctx ends.
+func (k *kernelWakes) serve(ctx context.Context) {
+	if k == nil {
+		return
+	}
+	go func() {
+		<-ctx.Done()
+		_ = k.w.Close() // ends Next
+	}()
+	defer close(k.done)
+	for {
+		slot, err := k.w.Next()
+		if errors.Is(err, bpf.ErrWakeClosed) {
+			return
+		}
+		if err != nil {
+			k.d.log.Warn("wake events", "err", err)
+			continue
+		}
+		name := k.d.store.NameOf(slot)
+		k.d.mu.Lock()
+		model := k.d.model
+		k.d.mu.Unlock()
+		for _, e := range model.Exposures {
+			if e.Name == name && e.Target.IsVM() {
+				k.mu.Lock()
+				k.askedAt[slot] = time.Now()
+				k.mu.Unlock()
+				k.d.log.Info("a caller on a kernel path wakes a suspended VM", "vm", e.Target.VM, "exposure", name)
+				go k.d.WakeVM(e.Target.VM)
+				break
+			}
 		}
 	}
 }

@@ -37,6 +37,8 @@ type system struct {
 	scopes *scope.Systemd
 	// The proxy's Manager, for the hand-over.
 	px *proxy.Manager
+	// kwake is where the kernel paths ask for wakes; nil when off.
+	kwake *bpf.Wake
 }
 
 func (s *system) countersWhere() string {
@@ -55,6 +57,9 @@ func (s *system) close() {
 	}
 	if s.scopes != nil {
 		s.scopes.Close()
+	}
+	if s.kwake != nil {
+		_ = s.kwake.Close()
 	}
 	_ = s.store.Close()
 	_ = s.lock.Close()
@@ -181,10 +186,14 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		src = agent
 	}
 	sock, sockReason := openSocketPath(cfg, store)
+	kwake, warn := openKernelWake(cfg, store, log)
+	if warn != "" {
+		warnings = append(warnings, warn)
+	}
 	opts := daemon.Options{
 		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
 		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, SocketPathReason: sockReason, Source: src,
-		KeptProxyActive: kept,
+		KeptProxyActive: kept, Wakes: wakes, KernelWake: kwake,
 	}
 	if sock != nil {
 		opts.SocketPath = sock
@@ -193,6 +202,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 	}
 	dd, err := daemon.New(opts)
 	if err != nil {
+		if kwake != nil {
+			kwake.Close()
+		}
 		if agent != nil {
 			agent.Close()
 		}
@@ -216,7 +228,22 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 			px.Adopt(sn.Pairs)
 		}
 	}
-	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, px: px, scopes: scopes}, nil
+	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, px: px, scopes: scopes, kwake: kwake}, nil
+}
+
+// openKernelWake opens the maps through which the nat path and the socket
+// path ask for a suspended VM's wake (bpf.Wake), or says why not: then
+// only the proxy's callers wake a suspended VM.
+func openKernelWake(cfg *config.Config, store *bpf.Store, log *slog.Logger) (*bpf.Wake, string) {
+	if !store.Pinned() {
+		return nil, ""
+	}
+	w, err := bpf.OpenWake(cfg.BPFDir)
+	if err != nil {
+		log.Warn("callers on the nat and socket paths do not wake a suspended VM", "err", err)
+		return nil, "callers on the nat and socket paths do not wake a suspended VM: " + err.Error()
+	}
+	return w, ""
 }
 
 // openScopes gives every VMM a systemd scope of its own where systemd runs
