@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -296,4 +297,54 @@ func TestSuspendOntoAFullDiskKeepsTheVMRunning(t *testing.T) {
 	assert.Contains(t, body, "brokkr-guest")
 	_, err = os.Stat(filepath.Join(e.state, "vms", vmName, "suspend"))
 	assert.ErrorIs(t, err, os.ErrNotExist, "the partial state is removed")
+}
+
+// The nat path: twenty outside callers of a suspended VM at once. The first
+// SYN asks the kernel's one wake event; the SYNs are lost at the sleeping
+// guest and their retransmissions reach the resumed one: every caller is
+// answered, none refused, none reset, nothing counted dropped.
+func TestNatCallersWakeASuspendedVMAndNoneIsRefused(t *testing.T) {
+	e := sharedEnv(t)
+	boots := e.guestBoots()
+	st := e.status()
+	before, _ := exposure(st, "web-nat")
+	wakes := vm(st, vmName).Wakes
+	_, errs, code := e.brokkr("vm", "suspend", vmName, "--wait", "--timeout", "2m")
+	require.Equal(t, 0, code, errs)
+	require.Empty(t, e.vmmPIDs())
+
+	const callers = 20
+	var wg sync.WaitGroup
+	type answer struct {
+		body  string
+		first time.Duration
+		err   error
+	}
+	answers := make(chan answer, callers)
+	for range callers {
+		wg.Go(func() {
+			body, first, err := getSlowly(e.client, hostIP+":8080")
+			answers <- answer{body, first, err}
+		})
+	}
+	wg.Wait()
+	close(answers)
+	var firsts []time.Duration
+	for a := range answers {
+		require.NoError(t, a.err, "a nat caller of the suspended VM")
+		assert.Contains(t, a.body, "brokkr-guest name=e2e")
+		firsts = append(firsts, a.first)
+	}
+	slices.Sort(firsts)
+	t.Logf("20 nat callers answered after %s (fastest) to %s (slowest)", firsts[0].Round(time.Millisecond), firsts[len(firsts)-1].Round(time.Millisecond))
+	st = e.waitStatus("running again", time.Minute, func(st api.Status) bool { return vm(st, vmName).Phase == "running" })
+	assert.Equal(t, wakes+1, vm(st, vmName).Wakes, "one wake for all callers")
+	assert.Equal(t, boots, e.guestBoots(), "resumed, not booted")
+	after := e.waitStatus("the calls counted", 10*time.Second, func(st api.Status) bool {
+		x, _ := exposure(st, "web-nat")
+		return x.Accepted >= before.Accepted+callers && x.Active == 0
+	})
+	x, _ := exposure(after, "web-nat")
+	assert.Equal(t, before.Refused, x.Refused, "none refused")
+	assert.Equal(t, before.Dropped, x.Dropped, "the wait is not counted as dropped")
 }
