@@ -26,11 +26,11 @@ type Wake struct {
 	closeErr      error
 }
 
-// Flag values of exposure_wake (wake.h).
+// Flag values of exposure_wake (wake.h; 2, a wake asked, is set by the
+// programs alone).
 const (
 	wakeAwake  uint32 = 0
 	wakeAsleep uint32 = 1
-	wakeAsked  uint32 = 2
 )
 
 // wakeOnly is the two maps of wake.c, loaded without exposure.h's others.
@@ -62,23 +62,22 @@ func OpenWake(dir string) (*Wake, error) {
 }
 
 // Sleep marks slot asleep: the next new flow or connect of the exposure
-// asks for a wake. A slot whose wake was already asked stays so.
+// asks for a wake (again, if one was asked before: a re-arm).
 func (w *Wake) Sleep(slot int) error {
 	k := uint32(slot)
-	var cur uint32
-	if err := w.flags.Lookup(&k, &cur); err != nil {
+	if err := w.flags.Update(&k, wakeAsleep, ebpf.UpdateExist); err != nil {
 		return fmt.Errorf("exposure_wake[%d]: %w", slot, err)
 	}
-	if cur != wakeAwake {
-		return nil
-	}
-	return w.flags.Update(&k, wakeAsleep, ebpf.UpdateExist)
+	return nil
 }
 
 // Awake clears slot's flag: its VM runs.
 func (w *Wake) Awake(slot int) error {
 	k := uint32(slot)
-	return w.flags.Update(&k, wakeAwake, ebpf.UpdateExist)
+	if err := w.flags.Update(&k, wakeAwake, ebpf.UpdateExist); err != nil {
+		return fmt.Errorf("exposure_wake[%d]: %w", slot, err)
+	}
+	return nil
 }
 
 // Asleep reports slot's flag: asleep (with or without a wake asked).

@@ -189,8 +189,8 @@ func TestTheSocketPathAsksToWakeAndItsCallerGetsThrough(t *testing.T) {
 	assert.Zero(t, c.Dropped)
 }
 
-// Sleep keeps a wake already asked (the ring gets one event per wake);
-// Awake clears it; the maps are pinned and found again by a second open.
+// Sleep and Awake set a slot's flag; the maps are pinned and found again
+// by a second open.
 func TestWakeFlags(t *testing.T) {
 	pins := nstest.PrivateBPFFS(t)
 	w := openWake(t, pins)

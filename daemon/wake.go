@@ -289,8 +289,10 @@ func newKernelWakes(d *Daemon, w *bpf.Wake, board *Wakes) *kernelWakes {
 }
 
 // sync sets the flag of every kernel-path exposure of a VM to whether the
-// VM is asleep; only changes are written. A wake asked more than wakeAgain
-// ago for a VM still asleep is re-armed, so the next caller asks again.
+// VM is asleep; only changes are written, and every flag once when this
+// daemon first sees it (a wake the previous one was asked for and did not
+// route is re-armed so). A wake asked more than wakeAgain ago for a VM
+// still asleep is re-armed too, so the next caller asks again.
 func (k *kernelWakes) sync() {
 	if k == nil {
 		return
@@ -319,9 +321,7 @@ func (k *kernelWakes) sync() {
 			delete(k.askedAt, slot)
 		case asleep && !k.askedAt[slot].IsZero() && time.Since(k.askedAt[slot]) > wakeAgain:
 			delete(k.askedAt, slot)
-			if err = k.w.Awake(slot); err == nil {
-				err = k.w.Sleep(slot)
-			}
+			err = k.w.Sleep(slot)
 		}
 		if err != nil {
 			k.d.log.Warn("exposure_wake", "exposure", e.Name, "err", err)

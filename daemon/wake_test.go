@@ -12,7 +12,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/supervisor"
 )
@@ -145,4 +147,48 @@ func TestResumeSecondsPerVM(t *testing.T) {
 	assert.Contains(t, text, `brokkr_vm_resume_seconds_bucket{vm="web",le="1"} 1`)
 	assert.Contains(t, text, `brokkr_vm_resume_seconds_count{vm="db"} 0`)
 	assert.Contains(t, text, `brokkr_vm_wakes_total{vm="db"} 0`)
+}
+
+// The kernel paths' flags follow the board: set for the VM's nat and
+// socket-path exposures while it sleeps (not for a proxy-only one, not for
+// another VM's), cleared when it runs, and re-armed once a wake asked has
+// stood for wakeAgain.
+func TestKernelWakeFlagsFollowTheBoard(t *testing.T) {
+	pins := nstest.PrivateBPFFS(t)
+	kw, err := bpf.OpenWake(pins)
+	require.NoError(t, err)
+	defer kw.Close()
+	r := newRig(t, rigConfig)
+	slots := map[string]int{}
+	for _, e := range []string{"web-auto", "web-nat", "web-proxy", "lo-auto"} {
+		sl, err := r.store.Attach(e, 6, 1)
+		require.NoError(t, err)
+		slots[e] = sl.Index()
+	}
+	board := NewWakes()
+	k := newKernelWakes(r.d, kw, board)
+	require.NotNil(t, k)
+	flags := func() map[string]bool {
+		out := map[string]bool{}
+		for e, s := range slots {
+			v, err := kw.Asleep(s)
+			require.NoError(t, err)
+			out[e] = v
+		}
+		return out
+	}
+	board.Phase("web", supervisor.PhaseSuspending)
+	assert.Equal(t, map[string]bool{"web-auto": true, "web-nat": true, "web-proxy": false, "lo-auto": false}, flags())
+	board.Phase("web", supervisor.PhaseSuspended)
+	board.Phase("web", supervisor.PhaseRunning)
+	assert.Equal(t, map[string]bool{"web-auto": false, "web-nat": false, "web-proxy": false, "lo-auto": false}, flags())
+	board.Phase("db", supervisor.PhaseSuspended)
+	assert.True(t, flags()["lo-auto"])
+	// A pass re-writes nothing that is right, and puts back what is not.
+	require.NoError(t, kw.Awake(slots["lo-auto"]))
+	k.mu.Lock()
+	delete(k.set, slots["lo-auto"])
+	k.mu.Unlock()
+	k.sync()
+	assert.True(t, flags()["lo-auto"])
 }
