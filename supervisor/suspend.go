@@ -91,6 +91,14 @@ func (w *worker) keepSuspended(ctx context.Context, spec *VMSpec) {
 		w.publish(PhaseSuspended, "no saved state: the resume boots cold")
 		return
 	}
+	if w.rec.Suspended != nil {
+		// Saved, its VMM still there (it did not end after the save).
+		w.endSaved(ctx, *w.inst)
+		if w.inst == nil {
+			w.publish(PhaseSuspended, "")
+		}
+		return
+	}
 	if !sameMachine(&w.rec.Spec, spec) {
 		// A state of the old machine would be useless to the new one.
 		if w.stopVM(ctx) {
@@ -144,6 +152,17 @@ func (w *worker) suspend(ctx context.Context, spec *VMSpec, idle bool) {
 		}
 		return nil
 	})
+	if err != nil && w.rec.Suspended != nil && ctx.Err() == nil {
+		// Saved, but the VMM did not end: the state is good and the guest
+		// paused. endSaved ends it harder.
+		w.e.cfg.Logger.Warn("the VMM did not end after its guest was saved", "vm", w.name, "pid", inst.PID, "err", err)
+		w.endSaved(ctx, inst)
+		if w.inst == nil {
+			w.suspendFailed, w.suspendRetry, w.coldReason = "", time.Time{}, ""
+			w.publish(PhaseSuspended, "")
+		}
+		return
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return // the engine is stopping: the next one reads the record
@@ -296,29 +315,47 @@ func (w *worker) dropState() {
 	}
 }
 
-// endSaved ends a VMM a daemon left running after its state was saved (it
-// died between saved and the VMM's end): the guest is paused and on disk.
+// endSaved ends a VMM whose guest is saved and paused: a daemon died
+// between the save and the VMM's end, or the VMM did not end after it.
+// Its end is no crash. Only a VMM that survives SIGKILL stays: recorded
+// (nothing starts a second one) and the VM failed, saying so.
 func (w *worker) endSaved(ctx context.Context, inst Instance) {
+	if w.watch != nil {
+		w.watch.cancel()
+		<-w.watch.done
+	}
 	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	err := w.e.cfg.Hypervisor.Adopt(actx, inst)
+	err := w.e.cfg.Hypervisor.Adopt(actx, inst) // still that VMM?
 	cancel()
 	if err == nil {
 		w.e.cfg.Logger.Info("ending the VMM of a VM whose state was saved", "vm", w.name, "pid", inst.PID)
-		if err := w.e.cfg.Hypervisor.Stop(ctx, inst, 0); err != nil {
-			w.e.cfg.Logger.Warn("end the VMM of a suspended VM", "vm", w.name, "pid", inst.PID, "err", err)
-			// Still alive: watch it as a running VM. Its state is not
-			// used while it lives; the next suspend replaces it.
-			if werr := w.startWatch(inst); werr == nil {
-				w.dropState()
-				w.publish(PhaseRunning, "")
+		err = w.e.cfg.Hypervisor.Stop(ctx, inst, 0)
+		if pfd, perr := OpenPidfd(inst); perr == nil {
+			alive := !pfd.Exited()
+			pfd.Close()
+			if alive {
+				// Watched again: its end, when it comes, is an exit.
+				if w.watch != nil {
+					w.watch.endConsole(0)
+					w.watch.pfd.Close()
+					w.watch, w.inst = nil, nil
+				}
+				_ = w.startWatch(inst)
+				w.publish(PhaseFailed, fmt.Sprintf("suspended, but its VMM pid %d does not end: %v", inst.PID, err))
 				return
 			}
 		}
-		if pfd, err := OpenPidfd(inst); err == nil {
-			pfd.Reap()
-			pfd.Close()
-		}
 	}
+	if w.watch != nil {
+		w.watch.endConsole(2 * time.Second)
+		w.watch.pfd.Reap()
+		w.watch.pfd.Close()
+		w.watch = nil
+	} else if pfd, err := OpenPidfd(inst); err == nil {
+		pfd.Reap()
+		pfd.Close()
+	}
+	w.inst = nil
 	w.rec.Instance = nil
 	w.save()
 }

@@ -402,3 +402,27 @@ func smallTmpfs(t *testing.T, size int64) string {
 	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
 	return dir
 }
+
+// A VMM that does not end after its guest was saved is ended harder (its
+// state is good): the VM ends suspended, its state kept, no process left.
+func TestAVMMThatDoesNotEndAfterTheSaveIsEnded(t *testing.T) {
+	f := newFixture(t, nil)
+	f.hv.suspendHook = func(ctx context.Context, stage string) error {
+		if stage == "saved" {
+			return errors.New("vmm.shutdown: HTTP 500")
+		}
+		return nil
+	}
+	up := waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm"))
+	r := waitRow(t, f.eng, "vm", phaseIs(PhaseSuspended), vmSpec("vm", suspended))
+	assert.Zero(t, r.PID)
+	assert.Empty(t, f.hv.liveVMMs())
+	assert.Error(t, CheckIdentity(Instance{PID: up.PID}))
+	rec := readRec(t, f, "vm")
+	require.NotNil(t, rec.Suspended, "the state is kept")
+	assert.Nil(t, rec.Instance)
+	f.hv.suspendHook = nil
+	back := waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm"))
+	got, _ := f.hv.guest(back.PID)
+	assert.Equal(t, f.hv.guestOf[up.PID], got, "the same guest, restored")
+}
