@@ -29,6 +29,7 @@
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_endian.h>
 #include "exposure.h"
+#include "wake.h"
 
 #define NF_DROP 0
 #define NF_ACCEPT 1
@@ -376,6 +377,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 		if (!fresh)
 			return NF_ACCEPT;
 		struct nat_flow nf = {.slot = slot, .gen = lim->gen};
+		brk_wake(slot);
 		if (brk_admit(st, lim)) {
 			nf.flags = F_OPEN;
 			nf.next_seq[0] = p.seq + 1;

@@ -74,9 +74,11 @@ type natpathNatSweeper struct {
 const (
 	natpathMapExposureLimits = "exposure_limits"
 	natpathMapExposureStats  = "exposure_stats"
+	natpathMapExposureWake   = "exposure_wake"
 	natpathMapNatConfig      = "nat_config"
 	natpathMapNatFlows       = "nat_flows"
 	natpathMapNatSweep       = "nat_sweep"
+	natpathMapWakeEvents     = "wake_events"
 	natpathProgBrkNatOut     = "brk_nat_out"
 	natpathProgBrkNatPre     = "brk_nat_pre"
 	natpathProgBrkNatReflect = "brk_nat_reflect"
@@ -135,9 +137,11 @@ type natpathProgramSpecs struct {
 type natpathMapSpecs struct {
 	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
 	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
+	ExposureWake   *ebpf.MapSpec `ebpf:"exposure_wake"`
 	NatConfig      *ebpf.MapSpec `ebpf:"nat_config"`
 	NatFlows       *ebpf.MapSpec `ebpf:"nat_flows"`
 	NatSweep       *ebpf.MapSpec `ebpf:"nat_sweep"`
+	WakeEvents     *ebpf.MapSpec `ebpf:"wake_events"`
 }
 
 // natpathVariableSpecs contains global variables before they are loaded into the kernel.
@@ -168,18 +172,22 @@ func (o *natpathObjects) Close() error {
 type natpathMaps struct {
 	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
 	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
+	ExposureWake   *ebpf.Map `ebpf:"exposure_wake"`
 	NatConfig      *ebpf.Map `ebpf:"nat_config"`
 	NatFlows       *ebpf.Map `ebpf:"nat_flows"`
 	NatSweep       *ebpf.Map `ebpf:"nat_sweep"`
+	WakeEvents     *ebpf.Map `ebpf:"wake_events"`
 }
 
 func (m *natpathMaps) Close() error {
 	return _NatpathClose(
 		m.ExposureLimits,
 		m.ExposureStats,
+		m.ExposureWake,
 		m.NatConfig,
 		m.NatFlows,
 		m.NatSweep,
+		m.WakeEvents,
 	)
 }
 

@@ -30,6 +30,7 @@
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_endian.h>
 #include "exposure.h"
+#include "wake.h"
 
 #define IPPROTO_TCP 6
 #define IPPROTO_UDP 17
@@ -284,6 +285,7 @@ static __always_inline int translate(struct bpf_sock_addr *ctx, const __u32 a[4]
 		}
 		if (x)
 			release_x(x);
+		brk_wake(slot);
 		if (!brk_admit(st, lim)) {
 			__sync_fetch_and_add(&st->refused, 1);
 			bpf_set_retval(-ECONNREFUSED);

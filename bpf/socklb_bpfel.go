@@ -84,12 +84,14 @@ type socklbSockXlate6 struct {
 const (
 	socklbMapExposureLimits       = "exposure_limits"
 	socklbMapExposureStats        = "exposure_stats"
+	socklbMapExposureWake         = "exposure_wake"
 	socklbMapSockConfig           = "sock_config"
 	socklbMapSockLocal            = "sock_local"
 	socklbMapSockSocks            = "sock_socks"
 	socklbMapSockSocks6           = "sock_socks6"
 	socklbMapSockTargets          = "sock_targets"
 	socklbMapSockTargets6         = "sock_targets6"
+	socklbMapWakeEvents           = "wake_events"
 	socklbProgBrkSockConnect4     = "brk_sock_connect4"
 	socklbProgBrkSockConnect6     = "brk_sock_connect6"
 	socklbProgBrkSockEgress       = "brk_sock_egress"
@@ -166,12 +168,14 @@ type socklbProgramSpecs struct {
 type socklbMapSpecs struct {
 	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
 	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
+	ExposureWake   *ebpf.MapSpec `ebpf:"exposure_wake"`
 	SockConfig     *ebpf.MapSpec `ebpf:"sock_config"`
 	SockLocal      *ebpf.MapSpec `ebpf:"sock_local"`
 	SockSocks      *ebpf.MapSpec `ebpf:"sock_socks"`
 	SockSocks6     *ebpf.MapSpec `ebpf:"sock_socks6"`
 	SockTargets    *ebpf.MapSpec `ebpf:"sock_targets"`
 	SockTargets6   *ebpf.MapSpec `ebpf:"sock_targets6"`
+	WakeEvents     *ebpf.MapSpec `ebpf:"wake_events"`
 }
 
 // socklbVariableSpecs contains global variables before they are loaded into the kernel.
@@ -202,24 +206,28 @@ func (o *socklbObjects) Close() error {
 type socklbMaps struct {
 	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
 	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
+	ExposureWake   *ebpf.Map `ebpf:"exposure_wake"`
 	SockConfig     *ebpf.Map `ebpf:"sock_config"`
 	SockLocal      *ebpf.Map `ebpf:"sock_local"`
 	SockSocks      *ebpf.Map `ebpf:"sock_socks"`
 	SockSocks6     *ebpf.Map `ebpf:"sock_socks6"`
 	SockTargets    *ebpf.Map `ebpf:"sock_targets"`
 	SockTargets6   *ebpf.Map `ebpf:"sock_targets6"`
+	WakeEvents     *ebpf.Map `ebpf:"wake_events"`
 }
 
 func (m *socklbMaps) Close() error {
 	return _SocklbClose(
 		m.ExposureLimits,
 		m.ExposureStats,
+		m.ExposureWake,
 		m.SockConfig,
 		m.SockLocal,
 		m.SockSocks,
 		m.SockSocks6,
 		m.SockTargets,
 		m.SockTargets6,
+		m.WakeEvents,
 	)
 }
 

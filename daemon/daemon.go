@@ -57,6 +57,10 @@ type Options struct {
 	// process took over from the previous one (a hand-over): their places
 	// stay in the slots' proxy share instead of being reset at start.
 	KeptProxyActive map[string]uint64
+	// Wakes is the board of suspended VMs (wake.go); with KernelWake the
+	// nat path's and the socket path's callers wake them too.
+	Wakes      *Wakes
+	KernelWake *bpf.Wake
 }
 
 // Daemon is one running brokkrd.
@@ -74,6 +78,7 @@ type Daemon struct {
 	// sockParts is the socket path's last report per exposure (the loop's
 	// goroutine only).
 	sockParts map[string]part
+	kw        *kernelWakes // nil: the kernel paths do not wake suspended VMs
 
 	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
 	// parseGate lets one API request at a time parse a config: parsing a
@@ -159,6 +164,7 @@ func New(opts Options) (*Daemon, error) {
 		pxRun:  bounded[[]proxy.Status]{name: "proxy"},
 	}
 	d.m = newMetrics(d)
+	d.kw = newKernelWakes(d, opts.KernelWake, opts.Wakes)
 	if opts.SocketPath != nil && opts.Store != nil {
 		d.sock = newSockPath(opts.SocketPath, opts.Store)
 	}
@@ -222,10 +228,13 @@ func (d *Daemon) Wake() {
 func (d *Daemon) Run(ctx context.Context) {
 	t := time.NewTicker(d.opts.Tick)
 	defer t.Stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
 	if d.opts.Source != nil {
-		var wg sync.WaitGroup
 		wg.Go(func() { d.opts.Source.Run(ctx, d) })
-		defer wg.Wait()
+	}
+	if d.kw != nil {
+		wg.Go(func() { d.kw.serve(ctx) })
 	}
 	for {
 		d.Pass(ctx)
@@ -315,6 +324,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 		}
 	}
 
+	d.kw.sync()
 	st := d.mergeStatus(want, model, srep, nrep, pst, errs)
 	d.mu.Lock()
 	d.status = st
@@ -642,6 +652,7 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		r := api.VM{Name: name, Phase: supervisor.PhasePending, Power: power}
 		if s, ok := sv[name]; ok {
 			r.Phase, r.Detail, r.PID, r.Restarts = s.Phase, s.Detail, s.PID, s.Restarts
+			r.StateBytes, r.Wakes = s.StateBytes, s.Wakes
 			if s.Progress != nil {
 				r.Progress = &api.Progress{Done: s.Progress.Done, Total: s.Progress.Total}
 			}
@@ -745,6 +756,7 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		r.Active, r.Accepted, r.Refused, r.Dropped, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.BytesIn, c.BytesOut
 		st.Exposures = append(st.Exposures, r)
 	}
+	markAsleep(&st)
 	st.Warnings = append(st.Warnings, d.opts.Warnings...)
 	st.Warnings = append(st.Warnings, nrep.Warnings...)
 	if w := budgetWarning(model); w != "" {

@@ -79,7 +79,8 @@ func (s *recSup) Restart(name string) error {
 	s.restarts = append(s.restarts, name)
 	return nil
 }
-func (s *recSup) Stop() { s.calls.add("supervisor.Stop") }
+func (s *recSup) Stop()                 { s.calls.add("supervisor.Stop") }
+func (s *recSup) Wake(name string) bool { s.calls.add("supervisor.Wake " + name); return true }
 func (s *recSup) specs() []supervisor.VMSpec {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -304,6 +305,15 @@ func (h *launchRecorder) Info(context.Context, supervisor.Instance) (supervisor.
 	return supervisor.VMShutdown, nil
 }
 func (h *launchRecorder) Stop(context.Context, supervisor.Instance, time.Duration) error { return nil }
+func (h *launchRecorder) Suspend(context.Context, supervisor.Instance, string, func() error) error {
+	return errors.New("none")
+}
+func (h *launchRecorder) Restore(context.Context, supervisor.LaunchConfig, string) (supervisor.Instance, error) {
+	return supervisor.Instance{}, errors.New("none")
+}
+func (h *launchRecorder) Continue(context.Context, supervisor.Instance) error {
+	return errors.New("none")
+}
 func (h *launchRecorder) launches() []supervisor.LaunchConfig {
 	h.mu.Lock()
 	defer h.mu.Unlock()

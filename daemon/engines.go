@@ -19,6 +19,8 @@ type (
 	Supervisor interface {
 		Step(ctx context.Context, desired []supervisor.VMSpec) supervisor.Report
 		Restart(name string) error
+		// Wake resumes a VM its idleSuspend suspended (wake.go).
+		Wake(name string) bool
 		Stop()
 	}
 	Network interface {

@@ -27,6 +27,7 @@ type metrics struct {
 	errors      *prometheus.CounterVec
 	repaired    *prometheus.CounterVec
 	lastSuccess prometheus.Gauge
+	resume      resumeTimes
 
 	mu        sync.Mutex
 	lastPass  time.Time
@@ -45,11 +46,13 @@ var (
 	descExpInfo    = prometheus.NewDesc("brokkr_exposure_info", "Always 1; the labels describe the exposure.", []string{"exposure", "mode", "protocol", "host_address", "host_port"}, nil)
 	descVMPhase    = prometheus.NewDesc("brokkr_vm_phase", "1 for the VM's current phase.", []string{"vm", "phase"}, nil)
 	descVMRestarts = prometheus.NewDesc("brokkr_vm_restarts_total", "Restarts of the VM by its restart policy or an operator.", []string{"vm"}, nil)
+	descVMWakes    = prometheus.NewDesc("brokkr_vm_wakes_total", "Resumes of the suspended VM that a caller asked for.", []string{"vm"}, nil)
 	descBuild      = prometheus.NewDesc("brokkr_build_info", "Always 1; the labels say which brokkrd build is running.", []string{"version", "commit", "goversion"}, nil)
 )
 
 var vmPhases = []string{supervisor.PhasePending, supervisor.PhaseCreating, supervisor.PhaseStarting, supervisor.PhaseRunning,
-	supervisor.PhaseStopping, supervisor.PhaseStopped, supervisor.PhaseFailed}
+	supervisor.PhaseStopping, supervisor.PhaseStopped, supervisor.PhaseFailed,
+	supervisor.PhaseSuspending, supervisor.PhaseSuspended, supervisor.PhaseResuming}
 
 func newMetrics(d *Daemon) *metrics {
 	m := &metrics{
@@ -71,6 +74,7 @@ func newMetrics(d *Daemon) *metrics {
 			Name: "brokkr_last_converge_success_timestamp_seconds",
 			Help: "Unix time of the end of the last pass in which every engine succeeded (0: none yet).",
 		}),
+		resume:    resumeTimes{byVM: map[string]*resumeHist{}},
 		firstPass: make(chan struct{}),
 	}
 	for _, e := range []string{"supervisor", "netplane", "proxy"} {
@@ -133,7 +137,7 @@ type statusCollector struct{ d *Daemon }
 
 func (c statusCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descActive, descAccepted, descRefused, descDropped, descBytes,
-		descMaxConns, descExpState, descExpInfo, descVMPhase, descVMRestarts, descBuild} {
+		descMaxConns, descExpState, descExpInfo, descVMPhase, descVMRestarts, descVMWakes, descVMResume, descBuild} {
 		ch <- d
 	}
 }
@@ -169,5 +173,7 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descVMPhase, prometheus.GaugeValue, x, v.Name, p)
 		}
 		ch <- prometheus.MustNewConstMetric(descVMRestarts, prometheus.CounterValue, float64(v.Restarts), v.Name)
+		ch <- prometheus.MustNewConstMetric(descVMWakes, prometheus.CounterValue, float64(v.Wakes), v.Name)
+		ch <- c.d.m.resume.metric(v.Name)
 	}
 }

@@ -123,8 +123,10 @@ func (d *Daemon) handleVMAction(w http.ResponseWriter, r *http.Request) {
 		err = d.SetPower(name, supervisor.PowerStopped)
 	case "restart":
 		err = d.Restart(name)
+	case "suspend", "resume":
+		err = d.suspendAction(name, action)
 	default:
-		writeError(w, http.StatusNotFound, fmt.Sprintf("no such VM action %q (start, stop, restart)", action), nil)
+		writeError(w, http.StatusNotFound, fmt.Sprintf("no such VM action %q (start, stop, restart, suspend, resume)", action), nil)
 		return
 	}
 	switch {

@@ -55,6 +55,8 @@ func vmSpecs(m *spec.Desired, facts map[string]guestFacts) []supervisor.VMSpec {
 			Disk:      v.Disk,
 			Power:     v.Power,
 			Restart:   v.Restart,
+
+			IdleSuspend: v.IdleSuspend,
 		}
 		if f, ok := facts[v.Name]; ok {
 			s.Tap, s.MAC = f.Tap, f.MAC

@@ -76,6 +76,10 @@ type Manager struct {
 	// UDP flows adopted before their socket is bound, by listener name
 	// (guarded by mu).
 	inheritFlows map[string][]FrozenPair
+
+	// Waking suspended VMs (wake.go); nil: a caller of one is dropped.
+	waker    Waker
+	wakeHold time.Duration
 }
 
 // NewManager returns a Manager that finds guests through resolve and counts

@@ -195,14 +195,15 @@ func (m *Manager) carrier(job carryJob) {
 func (m *Manager) carry(ex *exposure, c net.Conn, to spec.Target, guestPort string, hostPort uint16) {
 	slot := ex.ctr.slot
 	client, ok := c.(*net.TCPConn)
-	addr := m.guestAddr(to, fromIPv6(c.RemoteAddr()))
+	v6 := fromIPv6(c.RemoteAddr())
+	addr := m.guestAddr(to, v6)
 	if !ok || addr == "" {
 		slot.AddDropped(1)
 		slot.Closed()
 		reset(c)
 		return
 	}
-	g, err := m.dialer.Dial("tcp", net.JoinHostPort(addr, guestPort))
+	g, err := m.dialGuest(to, addr, guestPort, v6)
 	if err != nil {
 		slot.AddDropped(1)
 		slot.Closed()

@@ -173,6 +173,7 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 		return nil
 	}
 	ex.conns.Add(1)
+	r.m.wakeFor(r.target)
 	addr := r.m.guestAddr(r.target, key.client.Addr().Is6() && !key.client.Addr().Is4In6())
 	var guest *net.UDPConn
 	if addr != "" {

@@ -2,7 +2,8 @@
 # brokkr demo: boots one VM under brokkrd in network namespaces of its own,
 # publishes a guest port, shows it answering from a client namespace, shows
 # the connection cap refusing a caller, prints `brokkr status` and the pinned
-# counter map, and removes everything on exit (also on failure or Ctrl-C).
+# counter map, suspends the VM to disk and shows its first caller waking it,
+# and removes everything on exit (also on failure or Ctrl-C).
 #
 #   brk-demo-client (192.0.2.2) --veth-- brk-demo-host (192.0.2.1, brokkrd,
 #                                         bridge brk-demo0, tap, QEMU guest)
@@ -176,6 +177,20 @@ bpftool map dump pinned "$bpf_dir/exposure_stats" | awk '
   /"name": "[^"]/ { keep = 1 }
   /^        }/ { if (keep) printf "%s", buf; keep = 0; buf = "" }'
 
+
+step "scale to zero: brokkr vm suspend saves the guest to disk and ends its process"
+"$bin/brokkr" vm suspend demo --wait --timeout 2m
+"$bin/brokkr" vm ls demo
+echo "hypervisor processes of demo: $(pgrep -f -- "$tmp/run/vms/demo/" | wc -l)"
+"$bin/brokkr" expose ls demo-http
+
+step "its first caller wakes it: the SYN asks the kernel for the wake, its retransmission reaches the resumed guest"
+echo "\$ curl http://$host_ip:8080/   (from $client_ns, the VM suspended)"
+t0=$(date +%s%N)
+in_client curl -sS --max-time 30 "http://$host_ip:8080/"
+t1=$(date +%s%N)
+echo "answered after $(( (t1 - t0) / 1000000 )) ms (a cold boot takes several seconds here)"
+"$bin/brokkr" vm ls demo
 
 step "brokkr stats (reads the pinned map directly)"
 "$bin/brokkr" stats --bpf-dir "$bpf_dir"

@@ -49,6 +49,25 @@ type Config struct {
 	BackoffBase     time.Duration // first restart delay; default 100 ms
 	BackoffMax      time.Duration // delay cap; default 1 min
 	StableRun       time.Duration // an up-time that resets the backoff; default 60 s
+
+	// Traffic reads the counters of a VM's exposures, for idleSuspend; ok
+	// false when they cannot be read (the VM is then never taken for
+	// idle). nil: idleSuspend is never acted on.
+	Traffic func(vm string) (t Traffic, ok bool)
+	// IdleCheck is how often a VM with idleSuspend has its traffic read;
+	// default 1 s.
+	IdleCheck time.Duration
+	// SuspendRetry is how long a VM whose suspend failed keeps running
+	// before the next try; default 1 min.
+	SuspendRetry time.Duration
+	// Notify, when set, is told each VM's phase when it changes (the
+	// daemon holds a suspended VM's callers until it runs). It must not
+	// block.
+	Notify func(vm, phase string)
+	// Resumed, when set, is told how long each wake took: from the
+	// Engine.Wake that asked for it to the guest running again. It must
+	// not block.
+	Resumed func(vm string, took time.Duration)
 }
 
 func (c *Config) applyDefaults() {
@@ -62,6 +81,8 @@ func (c *Config) applyDefaults() {
 	def(&c.BackoffBase, 100*time.Millisecond)
 	def(&c.BackoffMax, time.Minute)
 	def(&c.StableRun, 60*time.Second)
+	def(&c.IdleCheck, time.Second)
+	def(&c.SuspendRetry, time.Minute)
 	if c.ConsoleMaxBytes <= 0 {
 		c.ConsoleMaxBytes = 4 << 20
 	}
@@ -219,6 +240,21 @@ func (e *Engine) Step(ctx context.Context, desired []VMSpec) Report {
 	return Report{VMs: rows}
 }
 
+// Wake asks a VM suspended by its idleSuspend to resume: a caller arrived
+// through one of its exposures. A VM that is not suspended is left alone,
+// and wakes that come while one is being acted on coalesce. It reports
+// whether the engine knows the VM.
+func (e *Engine) Wake(name string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	w := e.workers[name]
+	if e.stopped || w == nil {
+		return false
+	}
+	w.requestWake()
+	return true
+}
+
 // Restart asks the VM's worker to stop and start its hypervisor again (an
 // operator's request: no backoff, and a crash history is forgotten).
 func (e *Engine) Restart(name string) error {
@@ -277,9 +313,12 @@ func ValidateSpec(s *VMSpec) error {
 		return fmt.Errorf("disk.size: %d is negative", s.Disk.Size)
 	}
 	switch s.Power {
-	case "", PowerRunning, PowerStopped:
+	case "", PowerRunning, PowerStopped, PowerSuspended:
 	default:
-		return fmt.Errorf("power: %q must be running or stopped", s.Power)
+		return fmt.Errorf("power: %q must be running, stopped or suspended", s.Power)
+	}
+	if s.IdleSuspend < 0 {
+		return fmt.Errorf("idleSuspend: %s is negative", s.IdleSuspend)
 	}
 	switch s.Restart {
 	case "", RestartAlways, RestartOnFailure, RestartNever:
@@ -319,7 +358,7 @@ func specEqual(a, b *VMSpec) bool {
 		return a == b
 	}
 	if a.Name != b.Name || a.CPUs != b.CPUs || a.MemoryMiB != b.MemoryMiB || a.Kernel != b.Kernel ||
-		a.Cmdline != b.Cmdline || a.Power != b.Power || a.Restart != b.Restart || a.Tap != b.Tap ||
+		a.Cmdline != b.Cmdline || a.Power != b.Power || a.Restart != b.Restart || a.IdleSuspend != b.IdleSuspend || a.Tap != b.Tap ||
 		!sameIP(a.IP, b.IP) || string(a.MAC) != string(b.MAC) {
 		return false
 	}
@@ -332,12 +371,14 @@ func specEqual(a, b *VMSpec) bool {
 	return true
 }
 
-// sameMachine says whether a running VM started from a can serve b: power
-// and restart policy change without a restart, anything else needs one.
+// sameMachine says whether a running VM started from a can serve b: power,
+// restart policy and idleSuspend change without a restart, anything else
+// needs one (and makes a suspended VM's saved state useless).
 func sameMachine(a, b *VMSpec) bool {
 	x, y := *a, *b
 	x.Power, y.Power, x.Restart, y.Restart = "", "", "", ""
 	x.IP, y.IP = withoutIPv6(x.IP), withoutIPv6(y.IP)
+	x.IdleSuspend, y.IdleSuspend = 0, 0
 	return specEqual(&x, &y)
 }
 

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -61,16 +62,31 @@ type procHV struct {
 	beforeStart func(ctx context.Context, lc LaunchConfig) error
 	// beforeStop, when set, runs inside Stop before the process is killed.
 	beforeStop func(ctx context.Context, inst Instance)
+	// suspendHook, when set, runs inside Suspend at each stage ("paused":
+	// before the state is written; "saved": after saved, before the
+	// process ends); an error fails the suspend there (and, like a real
+	// backend, runs the guest again, unless ctx has ended: a daemon that
+	// died there does nothing more).
+	suspendHook func(ctx context.Context, stage string) error
+	// restoreHook runs inside Restore once the new process exists
+	// ("loaded"), and continueHook inside Continue; an error fails them.
+	restoreHook  func(ctx context.Context, lc LaunchConfig) error
+	continueHook func(ctx context.Context, inst Instance) error
+	stateBytes   int // bytes written besides the guest's id
 
-	mu      sync.Mutex
-	starts  []LaunchConfig
-	stops   []string
-	pids    []int
-	pidName map[int]string
+	mu       sync.Mutex
+	starts   []LaunchConfig
+	stops    []string
+	pids     []int
+	pidName  map[int]string
+	guestOf  map[int]string // pid -> the guest it runs (its first pid)
+	paused   map[int]bool
+	restores int
 }
 
 func newProcHV(t *testing.T) *procHV {
-	h := &procHV{t: t, command: []string{"sleep", "600"}, gauge: newGauge(), pidName: map[int]string{}}
+	h := &procHV{t: t, command: []string{"sleep", "600"}, gauge: newGauge(), pidName: map[int]string{},
+		guestOf: map[int]string{}, paused: map[int]bool{}}
 	t.Cleanup(h.killAll)
 	return h
 }
@@ -101,8 +117,121 @@ func (h *procHV) Start(ctx context.Context, lc LaunchConfig) (Instance, error) {
 	h.mu.Lock()
 	h.pids = append(h.pids, inst.PID)
 	h.pidName[inst.PID] = lc.Name
+	h.guestOf[inst.PID] = fmt.Sprint(inst.PID)
 	h.mu.Unlock()
 	return inst, nil
+}
+
+// Suspend writes the guest's id (and stateBytes more) into dir/state, calls
+// saved, and kills the process.
+func (h *procHV) Suspend(ctx context.Context, inst Instance, dir string, saved func() error) error {
+	if err := CheckIdentity(inst); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	guest := h.guestOf[inst.PID]
+	h.paused[inst.PID] = true
+	pad := h.stateBytes
+	h.mu.Unlock()
+	stage := func(s string) error {
+		if h.suspendHook == nil {
+			return nil
+		}
+		return h.suspendHook(ctx, s)
+	}
+	fail := func(err error) error {
+		if ctx.Err() == nil {
+			h.mu.Lock()
+			h.paused[inst.PID] = false
+			h.mu.Unlock()
+		}
+		return err
+	}
+	if err := stage("paused"); err != nil {
+		return fail(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "state"), append([]byte(guest+"\n"), make([]byte, pad)...), 0o600); err != nil {
+		return fail(err)
+	}
+	if err := saved(); err != nil {
+		return fail(err)
+	}
+	if err := stage("saved"); err != nil {
+		return err // saved: the state is on disk and the guest stays paused
+	}
+	pfd, err := OpenPidfd(inst)
+	if err != nil {
+		return nil
+	}
+	defer pfd.Close()
+	_ = pfd.Signal(syscall.SIGKILL)
+	return pfd.Wait(ctx)
+}
+
+// Restore starts a process for the guest in dir/state, paused. It has the
+// run directory on its command line and leads its session, as a VMM does,
+// so that a daemon that died inside Restore leaves a findable orphan.
+func (h *procHV) Restore(ctx context.Context, lc LaunchConfig, dir string) (Instance, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "state"))
+	if err != nil {
+		return Instance{}, err
+	}
+	guest, _, _ := strings.Cut(string(b), "\n")
+	cmd := exec.Command("sh", "-c", "while :; do sleep 1; done", filepath.Join(lc.RunDir, "vmm"))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return Instance{}, err
+	}
+	inst, err := Identify(cmd.Process.Pid)
+	cmd.Process.Release()
+	if err != nil {
+		return Instance{}, err
+	}
+	h.mu.Lock()
+	h.pids = append(h.pids, inst.PID)
+	h.pidName[inst.PID] = lc.Name
+	h.guestOf[inst.PID] = guest
+	h.paused[inst.PID] = true
+	h.restores++
+	h.mu.Unlock()
+	if h.restoreHook != nil {
+		if err := h.restoreHook(ctx, lc); err != nil {
+			if ctx.Err() == nil {
+				_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+				_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+			}
+			return Instance{}, err
+		}
+	}
+	return inst, nil
+}
+
+func (h *procHV) Continue(ctx context.Context, inst Instance) error {
+	if err := CheckIdentity(inst); err != nil {
+		return err
+	}
+	if h.continueHook != nil {
+		if err := h.continueHook(ctx, inst); err != nil {
+			return err
+		}
+	}
+	h.mu.Lock()
+	h.paused[inst.PID] = false
+	h.mu.Unlock()
+	return nil
+}
+
+// guest is the guest a live pid runs and whether it is paused.
+func (h *procHV) guest(pid int) (string, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.guestOf[pid], h.paused[pid]
+}
+
+func (h *procHV) restoreCount() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.restores
 }
 
 func (h *procHV) Adopt(ctx context.Context, inst Instance) error {

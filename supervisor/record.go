@@ -27,6 +27,34 @@ type record struct {
 	Starting  bool      `json:"starting,omitempty"`
 	StartedAt time.Time `json:"startedAt,omitzero"`
 	Restarts  int       `json:"restarts"`
+
+	// Suspend and resume (docs/ARCHITECTURE.md, "Suspend and resume"): at
+	// most one of the flags is set, and each says what the next daemon
+	// does if this one dies there.
+	//
+	// Suspending: a suspend is under way and its state is not complete;
+	// the VMM (Instance) runs, maybe paused: it is continued and the
+	// partial state removed.
+	Suspending bool `json:"suspending,omitempty"`
+	// Suspended: the state in the VM's suspend directory is complete. An
+	// Instance still set is a VMM that had not ended yet: it is ended.
+	Suspended *savedState `json:"suspended,omitempty"`
+	// Resuming: Restore was under way. Without an Instance, the VMM it
+	// started (its guest never ran) is killed and the state kept; with
+	// one, the guest is continued (or, its VMM dead, the state is dropped
+	// for a cold boot: that guest may have run on its disk since).
+	Resuming bool `json:"resuming,omitempty"`
+	Wakes    int  `json:"wakes,omitempty"`
+}
+
+// savedState describes a suspended VM's state on disk.
+type savedState struct {
+	Bytes int64     `json:"bytes"` // size on disk
+	At    time.Time `json:"at"`
+	Kind  string    `json:"kind"` // the backend that wrote it
+	// Idle: suspended by idleSuspend (desired power stays running), so a
+	// wake resumes it.
+	Idle bool `json:"idle,omitempty"`
 }
 
 func recordPath(vmDir string) string { return filepath.Join(vmDir, "record.json") }

@@ -20,8 +20,9 @@ type (
 
 // Power and restart values of the model.
 const (
-	PowerRunning = spec.PowerRunning
-	PowerStopped = spec.PowerStopped
+	PowerRunning   = spec.PowerRunning
+	PowerStopped   = spec.PowerStopped
+	PowerSuspended = spec.PowerSuspended
 
 	RestartAlways    = spec.RestartAlways
 	RestartOnFailure = spec.RestartOnFailure
@@ -38,6 +39,10 @@ const (
 	PhaseStopping = string(spec.PhaseStopping)
 	PhaseStopped  = string(spec.PhaseStopped)
 	PhaseFailed   = string(spec.PhaseFailed)
+
+	PhaseSuspending = string(spec.PhaseSuspending)
+	PhaseSuspended  = string(spec.PhaseSuspended)
+	PhaseResuming   = string(spec.PhaseResuming)
 )
 
 // Source is a local path or an http(s) URL, with the sha256 it must have
@@ -59,6 +64,9 @@ type VMSpec struct {
 	Disk      *Disk
 	Power     spec.Power
 	Restart   spec.Restart
+	// IdleSuspend: suspend the VM after this long without traffic through
+	// its exposures (Config.Traffic), resume it on Engine.Wake; 0 = never.
+	IdleSuspend time.Duration
 
 	Tap string           // tap device to attach (made by netplane)
 	MAC net.HardwareAddr // the guest's MAC (stable per VM)
@@ -94,6 +102,12 @@ type VMStatus struct {
 	Detail   string // the step in progress or what failed ("downloading image 40%")
 	PID      int
 	Restarts int
+	// StateBytes is the size on disk of the saved state of a suspended VM
+	// (0 otherwise).
+	StateBytes int64
+	// Wakes counts the resumes that Engine.Wake asked for (callers of a
+	// suspended VM), over the VM's life.
+	Wakes int
 	// Progress of the step in progress, when it is measurable (an image
 	// download): nil otherwise.
 	Progress *Progress
@@ -191,4 +205,28 @@ type Hypervisor interface {
 	// Stop: power button (pressed again every PowerButtonEvery while the guest
 	// runs), wait up to grace, then API shutdown or SIGTERM, then SIGKILL.
 	Stop(ctx context.Context, inst Instance, grace time.Duration) error
+
+	// Suspend pauses the guest, writes its whole state (memory and devices)
+	// into dir (an empty directory the engine made), calls saved once the
+	// state is complete on disk, and then ends the VMM without touching the
+	// guest. On an error before saved returned nil (the disk is full, the
+	// VMM refuses, saved fails) the guest runs again in the same process
+	// and the error says why; dir may then hold a partial state.
+	Suspend(ctx context.Context, inst Instance, dir string, saved func() error) error
+	// Restore starts a new VMM from the state Suspend wrote into dir for a
+	// VM launched with cfg (the same tap, MAC and disk) and returns once the
+	// guest is loaded and paused. Like Start it does not reap the process,
+	// calls cfg.Place, and on an error kills what it started.
+	Restore(ctx context.Context, cfg LaunchConfig, dir string) (Instance, error)
+	// Continue runs a guest that is paused in a live VMM: one Restore
+	// loaded, or one a daemon left paused when it died inside Suspend. A
+	// guest already running is left alone.
+	Continue(ctx context.Context, inst Instance) error
+}
+
+// Traffic is what a VM's exposures carried, summed over all of them: the
+// counters of the pinned slot map.
+type Traffic struct {
+	Active   uint64 // connections open now
+	Accepted uint64 // connections admitted since the exposures exist
 }

@@ -25,12 +25,13 @@ type worker struct {
 	gen  uint64        // the last Step that named this VM; guarded by Engine.mu
 
 	mu        sync.Mutex
-	desired   *VMSpec // newest desired spec; nil = not desired
-	seen      bool    // some Step has said whether the VM is desired
-	fresh     bool    // desired changed since the worker last took it
-	restart   bool    // operator asked for a restart
-	busy      bool    // a pass is running
-	hasRecord bool    // a record exists on disk (so the VM is still ours)
+	desired   *VMSpec   // newest desired spec; nil = not desired
+	seen      bool      // some Step has said whether the VM is desired
+	fresh     bool      // desired changed since the worker last took it
+	restart   bool      // operator asked for a restart
+	busy      bool      // a pass is running
+	hasRecord bool      // a record exists on disk (so the VM is still ours)
+	wakeAt    time.Time // when Engine.Wake first asked for a resume (zero: not asked)
 	status    VMStatus
 	fetchID   uint64 // names the fetch whose progress may update the row
 
@@ -46,6 +47,14 @@ type worker struct {
 	delay     time.Duration
 	nextStart time.Time
 	timer     *time.Timer
+	timerAt   time.Time
+	idle      idleClock
+	// suspendFailed says why the last suspend failed (the VM runs on);
+	// suspendRetry is when the next one may be tried.
+	suspendFailed string
+	suspendRetry  time.Time
+	// coldReason says why the VM was booted cold instead of resumed.
+	coldReason string
 }
 
 // exitEvent says the watched process ended (or a start failed).
@@ -137,13 +146,23 @@ func (w *worker) row() VMStatus {
 
 func (w *worker) publish(phase, detail string) {
 	w.mu.Lock()
+	changed := w.status.Phase != phase
+	defer func() {
+		if n := w.e.cfg.Notify; changed && n != nil {
+			n(w.name, phase)
+		}
+	}()
 	w.status.Phase, w.status.Detail, w.status.Progress = phase, detail, nil
 	w.status.PID = 0
 	if w.inst != nil {
 		w.status.PID = w.inst.PID
 	}
+	w.status.StateBytes = 0
 	if w.rec != nil {
-		w.status.Restarts = w.rec.Restarts
+		w.status.Restarts, w.status.Wakes = w.rec.Restarts, w.rec.Wakes
+		if w.rec.Suspended != nil && w.inst == nil {
+			w.status.StateBytes = w.rec.Suspended.Bytes
+		}
 	}
 	w.mu.Unlock()
 }
@@ -151,13 +170,13 @@ func (w *worker) publish(phase, detail string) {
 // take starts a pass: it marks the worker busy and hands over the newest
 // desired state in the same critical section, so there is no moment at
 // which pending work exists while the worker looks idle.
-func (w *worker) take() (spec *VMSpec, seen, restart bool) {
+func (w *worker) take() (spec *VMSpec, seen, restart bool, wakeAt time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.busy, w.fresh = true, false
-	spec, seen, restart = w.desired, w.seen, w.restart
-	w.restart = false
-	return spec, seen, restart
+	spec, seen, restart, wakeAt = w.desired, w.seen, w.restart, w.wakeAt
+	w.restart, w.wakeAt = false, time.Time{}
+	return spec, seen, restart, wakeAt
 }
 
 // isFresh reports whether desired state changed since this pass took it.
@@ -180,11 +199,16 @@ func (w *worker) timerC() <-chan time.Time {
 	return w.timer.C
 }
 
+// arm makes sure a pass runs at or before at: an earlier pending timer is
+// kept (passes are idempotent, so an early one only looks again).
 func (w *worker) arm(at time.Time) {
 	if w.timer != nil {
+		if !w.timerAt.After(at) {
+			return
+		}
 		w.timer.Stop()
 	}
-	w.timer = time.NewTimer(max(time.Until(at), 0))
+	w.timer, w.timerAt = time.NewTimer(max(time.Until(at), 0)), at
 }
 
 func (w *worker) disarm() {
@@ -229,7 +253,7 @@ func (w *worker) shutdown() {
 }
 
 func (w *worker) pass(ctx context.Context) {
-	spec, seen, restartReq := w.take()
+	spec, seen, restartReq, wakeAt := w.take()
 	defer w.endPass()
 
 	if err := w.acquireLock(); err != nil {
@@ -256,6 +280,7 @@ func (w *worker) pass(ctx context.Context) {
 		if w.inst != nil && !w.stopVM(ctx) {
 			return
 		}
+		w.dropState() // a stopped VM boots cold
 		w.saveSpec(spec)
 		w.publish(PhaseStopped, "")
 		return
@@ -263,6 +288,16 @@ func (w *worker) pass(ctx context.Context) {
 	if restartReq {
 		w.lastExit, w.failedFor, w.delay = nil, nil, 0
 		w.disarm()
+		w.dropState() // a restart is a cold boot
+	}
+	if w.stayIdle(spec, wakeAt) || spec.Power == PowerSuspended {
+		w.keepWake(wakeAt)
+		w.keepSuspended(ctx, spec)
+		return
+	}
+	if w.rec.Suspended != nil && w.inst == nil {
+		w.resume(ctx, spec, wakeAt)
+		return
 	}
 	if w.failedFor != nil && !sameMachine(w.failedFor, spec) {
 		// A new spec deserves a fresh try, not the old one's backoff.
@@ -276,7 +311,11 @@ func (w *worker) pass(ctx context.Context) {
 			if w.unplaced != "" {
 				w.placeAdopted(ctx)
 			}
-			w.publish(PhaseRunning, w.unplaced)
+			if w.idleFor(spec) {
+				w.suspend(ctx, spec, true)
+				return
+			}
+			w.publish(PhaseRunning, w.runningDetail())
 			return
 		}
 		if !w.stopVM(ctx) {
@@ -371,11 +410,17 @@ func (w *worker) load(ctx context.Context) error {
 	w.mu.Lock()
 	w.hasRecord = true
 	w.mu.Unlock()
-	if rec.Starting {
+	if rec.Starting || (rec.Resuming && rec.Instance == nil) {
 		w.killUnrecorded(ctx)
 	}
-	if rec.Instance != nil {
+	switch {
+	case rec.Instance != nil && rec.Suspended != nil && !rec.Resuming:
+		w.endSaved(ctx, *rec.Instance)
+	case rec.Instance != nil:
 		w.adopt(ctx, *rec.Instance)
+		w.settleAdopted(ctx)
+	case rec.Suspended == nil:
+		w.dropState() // leftovers of a suspend that never completed
 	}
 	return nil
 }
@@ -397,7 +442,9 @@ func (w *worker) killUnrecorded(ctx context.Context) {
 		cancel()
 		pfd.Close()
 	}
-	w.rec.Starting = false
+	// A VMM Restore started had not run its guest (Continue comes only
+	// after the instance is recorded): the saved state is still good.
+	w.rec.Starting, w.rec.Resuming = false, false
 	w.save()
 }
 
@@ -422,6 +469,9 @@ func (w *worker) adopt(ctx context.Context, inst Instance) {
 	w.e.cfg.Logger.Info("adopted VM", "vm", w.name, "pid", inst.PID)
 	w.unplaced = ""
 	w.placeAdopted(ctx)
+	if w.rec.Suspending || w.rec.Resuming {
+		return // its guest may be paused: settleAdopted says when it runs
+	}
 	w.publish(PhaseRunning, w.unplaced)
 }
 
@@ -455,6 +505,8 @@ const placeRetry = 5 * time.Second
 func (w *worker) publishObserved() {
 	if w.inst != nil {
 		w.publish(PhaseRunning, w.unplaced)
+	} else if w.rec.Suspended != nil {
+		w.publish(PhaseSuspended, "")
 	} else if w.lastExit != nil {
 		w.publish(PhaseFailed, w.lastExit.reason)
 	} else {
@@ -463,14 +515,23 @@ func (w *worker) publishObserved() {
 }
 
 func (w *worker) save() {
+	if err := w.saveChecked(); err != nil {
+		w.e.cfg.Logger.Error("write record", "vm", w.name, "err", err)
+	}
+}
+
+// saveChecked writes the record and says whether it reached the disk: a
+// step whose crash safety rests on the record (a suspend, a resume) does
+// not go ahead without it.
+func (w *worker) saveChecked() error {
 	w.rec.Name = w.name
 	if err := writeRecord(w.e.vmDir(w.name), w.rec); err != nil {
-		w.e.cfg.Logger.Error("write record", "vm", w.name, "err", err)
-		return
+		return err
 	}
 	w.mu.Lock()
 	w.hasRecord = true
 	w.mu.Unlock()
+	return nil
 }
 
 func (w *worker) saveSpec(spec *VMSpec) {
@@ -556,7 +617,8 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 		return
 	}
 	w.lastExit, w.failedFor, w.unplaced = nil, nil, ""
-	w.publish(PhaseRunning, "")
+	w.startIdleClock(spec)
+	w.publish(PhaseRunning, w.runningDetail())
 }
 
 // fail records a failed start as an exit: the restart policy and backoff

@@ -189,13 +189,16 @@ func failedExit(st *api.Status) error {
 func vmCmd(client func() *api.Client) *cobra.Command {
 	c := &cobra.Command{
 		Use:   "vm",
-		Short: "List, start, stop, restart VMs; follow a VM's console",
+		Short: "List, start, stop, restart, suspend, resume VMs; follow a VM's console",
 		Long: `vm lists the VMs brokkrd runs and changes their power. start and stop change the VM's
 desired power, which is persisted (a restarted daemon keeps it) until the next apply
 of a file that says otherwise; restart restarts a running VM once.
 
 Stopping presses the guest's ACPI power button and gives it 30 s to power off (pressing
-again every 5 s) before the hypervisor is told to quit, then SIGTERM, then SIGKILL.`,
+again every 5 s) before the hypervisor is told to quit, then SIGTERM, then SIGKILL.
+Suspending saves the guest's memory and devices to stateDir/vms/NAME/suspend and ends its
+hypervisor process; resuming (or the VM's first caller through an exposure) brings the
+same guest back where it was.`,
 		Example: `  brokkr vm ls
   brokkr vm stop web --wait
   brokkr vm console web`,
@@ -215,6 +218,10 @@ again every 5 s) before the hypervisor is told to quit, then SIGTERM, then SIGKI
 			"stop sets the VM's desired power to stopped (persisted in desired.json) and returns;\nwith --wait it waits until the VM has stopped (the guest may take up to 30 s to\npower off before it is stopped harder).", "stopped"},
 		{"restart", "Restart a running VM",
 			"restart stops a running VM and starts it again (a new hypervisor process) and returns;\nwith --wait it waits until the new process runs. A VM whose desired power is\nstopped cannot be restarted: start it.", "restarted"},
+		{"suspend", "Suspend a VM to disk: its state saved, no process (persisted)",
+			"suspend sets the VM's desired power to suspended (persisted in desired.json): its memory\nand devices are saved under stateDir/vms/NAME/suspend and its hypervisor process ends;\nits exposures stay published, and the first caller through one resumes it. A state\nthat cannot be saved (a full disk) leaves the VM running, the reason in its detail.\nWith --wait it waits until the VM is suspended.", "suspended"},
+		{"resume", "Resume a suspended VM (persisted)",
+			"resume sets the VM's desired power to running (persisted in desired.json) and wakes a VM\nits idleSuspend suspended: the same guest comes back where it was, in a new process.\nA state that cannot be restored boots the VM cold, with the reason in its detail.\nWith --wait it waits until the VM runs.", "running"},
 	} {
 		c.AddCommand(vmActionCmd(client, a.verb, a.short, a.long, a.until))
 	}

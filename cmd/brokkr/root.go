@@ -230,7 +230,11 @@ func printVMs(w io.Writer, vms []api.VM) {
 		if v.PID > 0 {
 			pid = fmt.Sprint(v.PID)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", v.Name, v.Phase, pid, dash(v.Address), dash(v.Address6), dash(v.MAC), dash(v.Tap), v.Restarts, v.Detail)
+		detail := v.Detail
+		if v.StateBytes > 0 {
+			detail = strings.TrimSuffix("state "+human(uint64(v.StateBytes))+" on disk; "+detail, "; ")
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", v.Name, v.Phase, pid, dash(v.Address), dash(v.Address6), dash(v.MAC), dash(v.Tap), v.Restarts, detail)
 	}
 	tw.Flush()
 }

@@ -38,7 +38,8 @@ func bar(v api.VM) string {
 		return "[" + strings.Repeat("#", n) + strings.Repeat(".", width-n) + "]"
 	}
 	steps := map[spec.Phase]int{spec.PhasePending: 1, spec.PhaseCreating: 2, spec.PhaseStarting: 3, spec.PhaseRunning: 4,
-		spec.PhaseStopping: 2, spec.PhaseStopped: 4, spec.PhaseFailed: 4}
+		spec.PhaseStopping: 2, spec.PhaseStopped: 4, spec.PhaseFailed: 4,
+		spec.PhaseSuspending: 2, spec.PhaseSuspended: 4, spec.PhaseResuming: 3}
 	n := steps[spec.Phase(v.Phase)] * width / 4
 	return "[" + strings.Repeat("=", n) + strings.Repeat(" ", width-n) + "]"
 }
@@ -56,9 +57,13 @@ func converged(st *api.Status) (done bool, failed []string) {
 		switch {
 		case v.Phase == string(spec.PhaseFailed):
 			failed = append(failed, fmt.Sprintf("vm %s failed: %s", v.Name, v.Detail))
+		case want == string(spec.PowerRunning) && v.Phase == string(spec.PhaseSuspended):
+			// Suspended by its idleSuspend: where a running VM rests.
 		case want == string(spec.PowerRunning) && v.Phase != string(spec.PhaseRunning):
 			done = false
 		case want == string(spec.PowerStopped) && v.Phase != string(spec.PhaseStopped):
+			done = false
+		case want == string(spec.PowerSuspended) && v.Phase != string(spec.PhaseSuspended):
 			done = false
 		}
 	}
@@ -173,6 +178,8 @@ func vmReached(v api.VM, until string, before api.VM) bool {
 		return v.Phase == string(spec.PhaseRunning)
 	case "stopped":
 		return v.Phase == string(spec.PhaseStopped)
+	case "suspended":
+		return v.Phase == string(spec.PhaseSuspended)
 	case "restarted":
 		return v.Phase == string(spec.PhaseRunning) && ((v.PID > 0 && v.PID != before.PID) || v.Restarts > before.Restarts)
 	}

@@ -37,6 +37,8 @@ type system struct {
 	scopes *scope.Systemd
 	// The proxy's Manager, for the hand-over.
 	px *proxy.Manager
+	// kwake is where the kernel paths ask for wakes; nil when off.
+	kwake *bpf.Wake
 }
 
 func (s *system) countersWhere() string {
@@ -55,6 +57,9 @@ func (s *system) close() {
 	}
 	if s.scopes != nil {
 		s.scopes.Close()
+	}
+	if s.kwake != nil {
+		_ = s.kwake.Close()
 	}
 	_ = s.store.Close()
 	_ = s.lock.Close()
@@ -85,6 +90,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 
 	var d atomic.Pointer[daemon.Daemon]
 	addrs := daemon.NewAddressBook()
+	// A suspended VM's callers are held by the proxy until it runs again.
+	wakes := daemon.NewWakes()
+	pxOpts = append(pxOpts, proxy.WithWaker(wakes, proxy.DefaultWakeHold))
 	px := proxy.NewManager(addrs.Resolve, store, append(pxOpts, proxy.WithResolver6(addrs.Resolve6))...)
 	px.Inherit(sd)
 	plane, err := netplane.New(netplane.Options{
@@ -136,6 +144,18 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		Images:               cache,
 		MaxConcurrentCreates: *cfg.Hypervisor.MaxConcurrentCreates,
 		Logger:               log.With("engine", "supervisor"),
+		Notify:               wakes.Phase,
+		Traffic: func(vm string) (supervisor.Traffic, bool) {
+			if dd := d.Load(); dd != nil {
+				return dd.VMTraffic(vm)
+			}
+			return supervisor.Traffic{}, false
+		},
+		Resumed: func(vm string, took time.Duration) {
+			if dd := d.Load(); dd != nil {
+				dd.ObserveResume(vm, took)
+			}
+		},
 	}
 	if scopes != nil {
 		supCfg.Placer = scopes // never a nil *scope.Systemd in the interface
@@ -166,10 +186,14 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		src = agent
 	}
 	sock, sockReason := openSocketPath(cfg, store)
+	kwake, warn := openKernelWake(cfg, store, log)
+	if warn != "" {
+		warnings = append(warnings, warn)
+	}
 	opts := daemon.Options{
 		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
 		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, SocketPathReason: sockReason, Source: src,
-		KeptProxyActive: kept,
+		KeptProxyActive: kept, Wakes: wakes, KernelWake: kwake,
 	}
 	if sock != nil {
 		opts.SocketPath = sock
@@ -178,6 +202,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 	}
 	dd, err := daemon.New(opts)
 	if err != nil {
+		if kwake != nil {
+			kwake.Close()
+		}
 		if agent != nil {
 			agent.Close()
 		}
@@ -191,6 +218,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		return fail(err)
 	}
 	d.Store(dd)
+	wakes.Route(dd.WakeVM)
 	if h != nil {
 		// One Manager takes every snapshot: a process from before the
 		// listeners were keyed by (name, address) hands over a second
@@ -200,7 +228,22 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 			px.Adopt(sn.Pairs)
 		}
 	}
-	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, px: px, scopes: scopes}, nil
+	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, px: px, scopes: scopes, kwake: kwake}, nil
+}
+
+// openKernelWake opens the maps through which the nat path and the socket
+// path ask for a suspended VM's wake (bpf.Wake), or says why not: then
+// only the proxy's callers wake a suspended VM.
+func openKernelWake(cfg *config.Config, store *bpf.Store, log *slog.Logger) (*bpf.Wake, string) {
+	if !store.Pinned() {
+		return nil, ""
+	}
+	w, err := bpf.OpenWake(cfg.BPFDir)
+	if err != nil {
+		log.Warn("callers on the nat and socket paths do not wake a suspended VM", "err", err)
+		return nil, "callers on the nat and socket paths do not wake a suspended VM: " + err.Error()
+	}
+	return w, ""
 }
 
 // openScopes gives every VMM a systemd scope of its own where systemd runs

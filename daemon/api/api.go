@@ -56,6 +56,11 @@ type VM struct {
 	PID      int    `json:"pid"`
 	Restarts int    `json:"restarts"`
 	Power    string `json:"power,omitempty"` // desired power
+	// StateBytes is the size on disk of a suspended VM's saved state.
+	StateBytes int64 `json:"stateBytes,omitempty"`
+	// Wakes counts the resumes callers asked for (a suspended VM's first
+	// caller), over the VM's life.
+	Wakes int `json:"wakes,omitempty"`
 	// Progress of the step in progress when it is measurable (an image
 	// download, in bytes); absent otherwise.
 	Progress *Progress `json:"progress,omitempty"`

@@ -115,6 +115,8 @@ type VM struct {
 	Disk            *Disk  `yaml:"disk" json:"disk,omitempty"`
 	Power           string `yaml:"power" json:"power"`
 	Restart         string `yaml:"restart" json:"restart"`
+	// IdleSuspend is a duration ("10m"); "" or "0" = never (suspend.go).
+	IdleSuspend string `yaml:"idleSuspend" json:"idleSuspend,omitempty"`
 }
 
 // Disk is a VM's root disk.

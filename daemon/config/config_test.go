@@ -188,7 +188,7 @@ exposures:
 		`vms[1].cpus: 0 is out of range (1..256)`,
 		`vms[1].memory: "12Q" is not a size (like 256M or 2G)`,
 		`vms[1].kernelSha256: is required when kernel is a URL`,
-		`vms[1].power: "paused" is not one of running, stopped`,
+		`vms[1].power: "paused" is not one of running, stopped, suspended`,
 		`vms[1].restart: "sometimes" is not one of always, on-failure, never`,
 		`vms[2].name: "ok" is already the name of vms[0]`,
 		`vms[2].kernel: "relative/k" is neither an absolute path nor an http(s) URL`,

@@ -218,9 +218,7 @@ func compileVM(p string, v VM, col *collector) spec.VM {
 			}
 		}
 	}
-	if mv.Power != spec.PowerRunning && mv.Power != spec.PowerStopped {
-		col.add(p+".power", "%q is not one of running, stopped", v.Power)
-	}
+	compileSuspend(col.add, p, v, &mv)
 	if mv.Restart != spec.RestartAlways && mv.Restart != spec.RestartOnFailure && mv.Restart != spec.RestartNever {
 		col.add(p+".restart", "%q is not one of always, on-failure, never", v.Restart)
 	}

@@ -50,6 +50,21 @@ func PrivateBPFFS(t testing.TB) string {
 	return dir
 }
 
+// SmallTmpfs mounts a tmpfs of size bytes of the test's own (a disk that
+// fills up) on a temporary directory, unmounted when the test ends.
+func SmallTmpfs(t testing.TB, size int64) string {
+	t.Helper()
+	if !Privileged() {
+		t.Skip("needs root: mounts a tmpfs")
+	}
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, fmt.Sprintf("size=%d,mode=0700", size)); err != nil {
+		t.Fatalf("mount tmpfs on %s: %v", dir, err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
+	return dir
+}
+
 // RequireRoot skips the test when not running as root.
 func RequireRoot(t testing.TB) {
 	t.Helper()

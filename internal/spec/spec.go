@@ -6,7 +6,10 @@
 // engines check only facts of their environment.
 package spec
 
-import "net/netip"
+import (
+	"net/netip"
+	"time"
+)
 
 // Mode says which paths carry an exposure.
 type Mode string
@@ -34,6 +37,9 @@ type Power string
 const (
 	PowerRunning Power = "running"
 	PowerStopped Power = "stopped"
+	// PowerSuspended: the VM's memory state is on disk and no process runs
+	// (docs/ARCHITECTURE.md, "Suspend and resume").
+	PowerSuspended Power = "suspended"
 )
 
 // Restart is a VM's restart policy.
@@ -58,6 +64,10 @@ const (
 	PhaseStopping Phase = "stopping"
 	PhaseStopped  Phase = "stopped"
 	PhaseFailed   Phase = "failed"
+	// Suspend and resume (docs/ARCHITECTURE.md, "Suspend and resume").
+	PhaseSuspending Phase = "suspending"
+	PhaseSuspended  Phase = "suspended"
+	PhaseResuming   Phase = "resuming"
 )
 
 // ExposureState is an exposure's status "state", and the state each path
@@ -131,6 +141,10 @@ type VM struct {
 	Disk      *Disk
 	Power     Power
 	Restart   Restart
+	// IdleSuspend: suspended after this long with no connection open and
+	// none accepted through its exposures, woken by the next caller; 0 =
+	// never.
+	IdleSuspend time.Duration
 }
 
 // Target is where an exposure sends callers: a VM brokkr runs (its leased

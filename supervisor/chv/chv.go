@@ -7,6 +7,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -83,7 +85,38 @@ func VMConfigFor(lc supervisor.LaunchConfig) *VMConfig {
 // Start launches cloud-hypervisor in its own session (it outlives the
 // daemon), waits for its API, creates and boots the VM, and returns once
 // vm.info says Running. On any failure the process it started is killed.
-func (b *Backend) Start(ctx context.Context, lc supervisor.LaunchConfig) (inst supervisor.Instance, err error) {
+func (b *Backend) Start(ctx context.Context, lc supervisor.LaunchConfig) (supervisor.Instance, error) {
+	return b.launch(ctx, lc, func(c *client) error {
+		if err := c.create(ctx, VMConfigFor(lc)); err != nil {
+			return err
+		}
+		if err := expectState(ctx, c, "Created"); err != nil {
+			return err
+		}
+		if err := c.put(ctx, "vm.boot"); err != nil {
+			return err
+		}
+		return expectState(ctx, c, "Running")
+	})
+}
+
+// Restore implements supervisor.Hypervisor: a new VMM, then vm.restore from
+// the snapshot directory; the guest stays paused until Continue. The
+// snapshot names the tap, which is still the VM's own (the old VMM is gone,
+// so it is free to open).
+func (b *Backend) Restore(ctx context.Context, lc supervisor.LaunchConfig, dir string) (supervisor.Instance, error) {
+	return b.launch(ctx, lc, func(c *client) error {
+		if err := c.do(ctx, http.MethodPut, "vm.restore", RestoreConfig{SourceURL: fileURL(dir)}, nil, http.StatusNoContent, http.StatusOK); err != nil {
+			return err
+		}
+		return expectState(ctx, c, "Paused")
+	})
+}
+
+// launch starts the VMM with only its API socket, waits for the API, and
+// runs setup (which makes the guest) on it. On any failure the process is
+// killed and reaped.
+func (b *Backend) launch(ctx context.Context, lc supervisor.LaunchConfig, setup func(*client) error) (inst supervisor.Instance, err error) {
 	bin, err := b.binary()
 	if err != nil {
 		return inst, err
@@ -150,16 +183,7 @@ func (b *Backend) Start(ctx context.Context, lc supervisor.LaunchConfig) (inst s
 	if inst.Exe, err = supervisor.ProcExe(pid); err != nil {
 		return inst, err
 	}
-	if err := c.create(ctx, VMConfigFor(lc)); err != nil {
-		return inst, err
-	}
-	if err := expectState(ctx, c, "Created"); err != nil {
-		return inst, err
-	}
-	if err := c.put(ctx, "vm.boot"); err != nil {
-		return inst, err
-	}
-	if err := expectState(ctx, c, "Running"); err != nil {
+	if err := setup(c); err != nil {
 		return inst, err
 	}
 	return inst, nil
@@ -327,4 +351,104 @@ func (b *Backend) Stop(ctx context.Context, inst supervisor.Instance, grace time
 		return errors.Join(append(steps, fmt.Errorf("pid %d survived SIGKILL", inst.PID))...)
 	}
 	return nil
+}
+
+// fileURL is the file:// URL of a local directory, as vm.snapshot and
+// vm.restore take it.
+func fileURL(dir string) string { return (&url.URL{Scheme: "file", Path: dir}).String() }
+
+// Suspend implements supervisor.Hypervisor: vm.pause, vm.snapshot into dir,
+// saved, then the VMM is ended (vmm.shutdown, SIGTERM, SIGKILL: the guest is
+// paused and its state on disk, so nothing is lost however it ends). A
+// failure before that resumes the guest.
+func (b *Backend) Suspend(ctx context.Context, inst supervisor.Instance, dir string, saved func() error) error {
+	pfd, err := supervisor.OpenPidfd(inst)
+	if err != nil {
+		return fmt.Errorf("VMM pid %d: %w", inst.PID, err)
+	}
+	defer pfd.Close()
+	c := newClient(inst.APISocket)
+	defer c.close()
+	i, err := c.info(ctx)
+	if err != nil {
+		return err
+	}
+	if i.State != "Paused" {
+		if err := c.put(ctx, "vm.pause"); err != nil {
+			return err
+		}
+	}
+	err = c.do(ctx, http.MethodPut, "vm.snapshot", SnapshotConfig{DestinationURL: fileURL(dir)}, nil, http.StatusNoContent, http.StatusOK)
+	if err == nil {
+		err = saved()
+	}
+	if err != nil {
+		return b.resumeAfter(c, err)
+	}
+	return b.end(ctx, pfd, c, inst)
+}
+
+// resumeAfter runs the guest again after a failed suspend, even when the
+// caller's ctx has ended (a paused guest serves nobody), and returns cause
+// (with the resume's own failure, if any).
+func (b *Backend) resumeAfter(c *client, cause error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := c.put(ctx, "vm.resume"); err != nil {
+		return errors.Join(cause, fmt.Errorf("and the guest stays paused: %w", err))
+	}
+	return cause
+}
+
+// end ends a VMM whose guest is paused and saved: vmm.shutdown, then
+// SIGTERM, then SIGKILL, each given ForceWait.
+func (b *Backend) end(ctx context.Context, pfd *supervisor.Pidfd, c *client, inst supervisor.Instance) error {
+	force := b.ForceWait
+	if force <= 0 {
+		force = 3 * time.Second
+	}
+	wait := func() bool {
+		wctx, cancel := context.WithTimeout(ctx, force)
+		defer cancel()
+		return pfd.Wait(wctx) == nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, force)
+	err := c.put(cctx, "vmm.shutdown")
+	cancel()
+	if err == nil && wait() {
+		return nil
+	}
+	if err := pfd.Signal(syscall.SIGTERM); err == nil && wait() {
+		return nil
+	}
+	if err := pfd.Signal(syscall.SIGKILL); err != nil && !pfd.Exited() {
+		return fmt.Errorf("SIGKILL pid %d: %w", inst.PID, err)
+	}
+	if !wait() {
+		return fmt.Errorf("pid %d survived SIGKILL", inst.PID)
+	}
+	return nil
+}
+
+// Continue implements supervisor.Hypervisor: vm.resume of a paused guest.
+// cloud-hypervisor has no call that sets the guest's clock: a restored
+// guest's wall clock runs on from where it was paused until the guest's
+// own NTP steps it (docs/ARCHITECTURE.md, "Suspend and resume").
+func (b *Backend) Continue(ctx context.Context, inst supervisor.Instance) error {
+	c := newClient(inst.APISocket)
+	defer c.close()
+	i, err := c.info(ctx)
+	if err != nil {
+		return err
+	}
+	switch i.State {
+	case "Running":
+		return nil
+	case "Paused":
+		if err := c.put(ctx, "vm.resume"); err != nil {
+			return err
+		}
+		return expectState(ctx, c, "Running")
+	}
+	return fmt.Errorf("vm.info: state %q, want Paused", i.State)
 }

@@ -182,3 +182,15 @@ type ConsoleConfig struct {
 	File   string `json:"file,omitempty"`
 	Socket string `json:"socket,omitempty"`
 }
+
+// SnapshotConfig is VmSnapshotConfig.
+type SnapshotConfig struct {
+	DestinationURL string `json:"destination_url"`
+}
+
+// RestoreConfig is RestoreConfig. The guest's memory is copied in at
+// restore (no prefault, no on-demand paging): the snapshot may be deleted
+// once the guest runs.
+type RestoreConfig struct {
+	SourceURL string `json:"source_url"`
+}

@@ -281,7 +281,7 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 
 	// QMP comes up once qemu has set the machine up; an exit before that is
 	// a bad command line, a missing tap, or (under KVM) a CPU qemu refused.
-	if err := b.waitQMP(ctx, inst); err != nil {
+	if err := b.waitQMP(ctx, inst, "running"); err != nil {
 		detail := logTail(qemuLog(cfg), logStart)
 		if accel == AccelKVM && !running(pid, st.StartTime) {
 			return fail(&kvmFailure{reason: "qemu exited at start under KVM: " + detail})
@@ -298,9 +298,15 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 	return inst, nil
 }
 
-// waitQMP polls until QMP answers query-status with a live guest state.
-func (b *Backend) waitQMP(ctx context.Context, inst supervisor.Instance) error {
+// waitQMP polls until QMP answers query-status with want ("running" after
+// a boot, "paused" once an incoming state is loaded).
+func (b *Backend) waitQMP(ctx context.Context, inst supervisor.Instance, want string) error {
+	// A boot reports within 30 s; loading a state takes as long as its
+	// size does, bounded by ctx.
 	deadline := time.Now().Add(30 * time.Second)
+	if want != "running" {
+		deadline = time.Time{}
+	}
 	var last error
 	for {
 		if !running(inst.PID, inst.StartTime) {
@@ -311,7 +317,7 @@ func (b *Backend) waitQMP(ctx context.Context, inst supervisor.Instance) error {
 			status, err := qmpStatus(qctx, inst.APISocket)
 			cancel()
 			if err == nil {
-				if status == "running" {
+				if status == want {
 					return nil
 				}
 				last = fmt.Errorf("guest status %q", status)
@@ -325,8 +331,8 @@ func (b *Backend) waitQMP(ctx context.Context, inst supervisor.Instance) error {
 		if ctx.Err() != nil {
 			return fmt.Errorf("waiting for QMP: %w (last: %v)", ctx.Err(), last)
 		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("QMP did not report the guest running within 30s (last: %v)", last)
+		if !deadline.IsZero() && time.Now().After(deadline) {
+			return fmt.Errorf("QMP did not report the guest %s within 30s (last: %v)", want, last)
 		}
 		select {
 		case <-ctx.Done():

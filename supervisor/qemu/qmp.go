@@ -6,36 +6,53 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"time"
 
 	"github.com/digitalocean/go-qemu/qmp"
 	"golang.org/x/sys/unix"
 )
 
-// qmpRun opens a QMP session on sock, runs the commands in order, and returns
-// the last reply's "return" value. go-qemu's SocketMonitor has no deadlines,
-// so the session runs in its own goroutine: when ctx ends first the caller
-// gets ctx's error, and the goroutine disconnects as soon as qemu answers or
-// its socket closes (a wedged qemu is killed by Stop's escalation).
+// qmpRun opens a QMP session on sock, runs the commands (without
+// arguments) in order, and returns the last reply's "return" value.
 func qmpRun(ctx context.Context, sock string, cmds ...string) (json.RawMessage, error) {
-	type result struct {
-		ret json.RawMessage
-		err error
-	}
-	done := make(chan result, 1)
+	var ret json.RawMessage
+	err := qmpWith(ctx, sock, func(m *monitor) error {
+		for _, c := range cmds {
+			var err error
+			if ret, err = m.run(c, nil); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	return ret, err
+}
+
+// qmpWith opens a QMP session on sock and runs fn in it. go-qemu's
+// SocketMonitor has no deadlines, so the session runs in its own
+// goroutine: when ctx ends first the caller gets ctx's error, and the
+// goroutine disconnects as soon as qemu answers or its socket closes (a
+// wedged qemu is killed by Stop's escalation).
+func qmpWith(ctx context.Context, sock string, fn func(*monitor) error) error {
+	done := make(chan error, 1)
 	go func() {
-		ret, err := qmpSession(sock, cmds)
-		done <- result{ret, err}
+		mon, err := qmpConnect(sock)
+		if err == nil {
+			err = fn(&monitor{mon: mon})
+			_ = mon.Disconnect()
+		}
+		done <- err
 	}()
 	select {
-	case r := <-done:
-		return r.ret, r.err
+	case err := <-done:
+		return err
 	case <-ctx.Done():
-		return nil, fmt.Errorf("qmp %s: %w", sock, ctx.Err())
+		return fmt.Errorf("qmp %s: %w", sock, ctx.Err())
 	}
 }
 
-func qmpSession(sock string, cmds []string) (json.RawMessage, error) {
+func qmpConnect(sock string) (*qmp.SocketMonitor, error) {
 	// QEMU accepts one QMP client at a time from a short listen backlog; a
 	// connect while the backlog is full fails with EAGAIN. Retry briefly.
 	var mon *qmp.SocketMonitor
@@ -54,22 +71,45 @@ func qmpSession(sock string, cmds []string) (json.RawMessage, error) {
 		_ = mon.Disconnect()
 		return nil, fmt.Errorf("qmp handshake %s: %w", sock, err)
 	}
-	defer mon.Disconnect()
-	var ret json.RawMessage
-	for _, c := range cmds {
-		raw, err := mon.Run([]byte(`{"execute":"` + c + `"}`))
-		if err != nil {
-			return nil, fmt.Errorf("qmp %s: %w", c, err)
-		}
-		var reply struct {
-			Return json.RawMessage `json:"return"`
-		}
-		if err := json.Unmarshal(raw, &reply); err != nil {
-			return nil, fmt.Errorf("qmp %s: reply %q: %w", c, raw, err)
-		}
-		ret = reply.Return
+	return mon, nil
+}
+
+// monitor runs commands in one QMP session.
+type monitor struct{ mon *qmp.SocketMonitor }
+
+// run executes cmd with args (nil: none) and returns its "return" value.
+func (m *monitor) run(cmd string, args any) (json.RawMessage, error) {
+	return m.runWithFile(cmd, args, nil)
+}
+
+// runWithFile is run with f passed to qemu in the same message
+// (SCM_RIGHTS), as getfd takes it. A file descriptor passed so belongs to
+// this session: the command that uses it must run in the same session.
+func (m *monitor) runWithFile(cmd string, args any, f *os.File) (json.RawMessage, error) {
+	req := map[string]any{"execute": cmd}
+	if args != nil {
+		req["arguments"] = args
 	}
-	return ret, nil
+	b, err := json.Marshal(req)
+	if err != nil {
+		return nil, fmt.Errorf("qmp %s: %w", cmd, err)
+	}
+	var raw []byte
+	if f != nil {
+		raw, err = m.mon.RunWithFile(b, f)
+	} else {
+		raw, err = m.mon.Run(b)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("qmp %s: %w", cmd, err)
+	}
+	var reply struct {
+		Return json.RawMessage `json:"return"`
+	}
+	if err := json.Unmarshal(raw, &reply); err != nil {
+		return nil, fmt.Errorf("qmp %s: reply %q: %w", cmd, raw, err)
+	}
+	return reply.Return, nil
 }
 
 // qmpStatus is query-status's "status" (running, paused, shutdown,

@@ -6,11 +6,20 @@
 // boot, hang on boot, ignore the power button, refuse endpoints, ignore
 // SIGTERM. The program in cmd/chfake runs it as a real process so process
 // supervision (Setsid, pidfd, kill -9, stale sockets, adoption) is real.
+//
+// Snapshots are real files: vm.snapshot writes config.json, state.json and
+// memory-ranges (as many bytes as the guest has memory, so a full disk
+// fails it as it fails cloud-hypervisor) into the destination directory,
+// and vm.restore reads them back into a new process, which keeps the
+// guest's boot id: the serial console says "restored boot <id>" where a
+// fresh guest says "booting".
 package chfake
 
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -167,10 +176,19 @@ type Server struct {
 	log  io.Writer
 
 	mu      sync.Mutex
-	state   string // "", Created, Running, Shutdown
+	state   string // "", Created, Running, Paused, Shutdown
 	presses int    // vm.power-button calls while Running
 	config  json.RawMessage
+	guest   guestState
 	closers []io.Closer
+}
+
+// guestState is what a snapshot carries besides the config: the fake
+// guest's identity, which survives a snapshot and restore and is new on
+// every boot.
+type guestState struct {
+	BootID    string `json:"boot_id"`
+	Snapshots int    `json:"snapshots"` // snapshots this guest went through
 }
 
 // New makes a fake over a loaded spec. log receives one line per request:
@@ -325,7 +343,8 @@ func (s *Server) handle(ctx context.Context, endpoint string, body []byte, rec *
 			s.mu.Lock()
 			return nil
 		}
-		if err := s.boot(); err != nil {
+		s.guest = guestState{BootID: newBootID()}
+		if err := s.boot("booting"); err != nil {
 			rec.status = http.StatusInternalServerError
 			rec.body.WriteString(err.Error())
 			return nil
@@ -356,6 +375,55 @@ func (s *Server) handle(ctx context.Context, endpoint string, body []byte, rec *
 		default:
 			rec.status = http.StatusMethodNotAllowed
 		}
+	case "vm.pause":
+		switch s.state {
+		case "":
+			rec.status = http.StatusNotFound
+		case "Running":
+			s.state, rec.status = "Paused", http.StatusNoContent
+		default:
+			rec.status = http.StatusMethodNotAllowed
+		}
+	case "vm.resume":
+		switch s.state {
+		case "":
+			rec.status = http.StatusNotFound
+		case "Paused":
+			s.state, rec.status = "Running", http.StatusNoContent
+		default:
+			rec.status = http.StatusMethodNotAllowed
+		}
+	case "vm.snapshot":
+		switch s.state {
+		case "":
+			rec.status = http.StatusNotFound
+		case "Paused":
+			if err := s.snapshot(body); err != nil {
+				rec.status = http.StatusInternalServerError
+				rec.body.WriteString("Error snapshotting VM: " + err.Error())
+				return nil
+			}
+			rec.status = http.StatusNoContent
+		default:
+			// cloud-hypervisor snapshots only a paused VM.
+			rec.status = http.StatusMethodNotAllowed
+		}
+	case "vm.restore":
+		if s.state != "" {
+			rec.status = http.StatusNotFound // "already created"
+			return nil
+		}
+		resume, err := s.restore(body)
+		if err != nil {
+			rec.status = http.StatusBadRequest
+			rec.body.WriteString("Error restoring VM: " + err.Error())
+			return nil
+		}
+		s.state = "Paused"
+		if resume {
+			s.state = "Running"
+		}
+		rec.status = http.StatusNoContent
 	case "vm.counters":
 		if s.state == "" {
 			writeJSON(rec, map[string]any{})
@@ -373,8 +441,8 @@ func (s *Server) handle(ctx context.Context, endpoint string, body []byte, rec *
 }
 
 // boot starts the guest's side effects: the serial socket and the crash
-// timer. s.mu is held.
-func (s *Server) boot() error {
+// timer. how is "booting" or "restored". s.mu is held.
+func (s *Server) boot(how string) error {
 	var cfg struct {
 		Payload struct{ Kernel, Cmdline string }
 		Serial  struct {
@@ -384,7 +452,10 @@ func (s *Server) boot() error {
 	if err := json.Unmarshal(s.config, &cfg); err != nil {
 		return err
 	}
-	banner := fmt.Sprintf("chfake: booting %s with %q\n", cfg.Payload.Kernel, cfg.Payload.Cmdline)
+	banner := fmt.Sprintf("chfake: booting %s with %q (boot %s)\n", cfg.Payload.Kernel, cfg.Payload.Cmdline, s.guest.BootID)
+	if how == "restored" {
+		banner = fmt.Sprintf("chfake: restored boot %s (snapshot %d)\n", s.guest.BootID, s.guest.Snapshots)
+	}
 	out := append([]byte(banner), bytes.Repeat([]byte("console filler line .........................\n"), s.b.ConsoleBytes/46+1)[:s.b.ConsoleBytes]...)
 	switch cfg.Serial.Mode {
 	case "Socket":
@@ -414,4 +485,132 @@ func (s *Server) boot() error {
 		time.AfterFunc(s.b.CrashAfter, func() { s.exit(1) })
 	}
 	return nil
+}
+
+// Files of a snapshot directory, as cloud-hypervisor names them.
+const (
+	snapConfig = "config.json"
+	snapState  = "state.json"
+	snapMemory = "memory-ranges"
+)
+
+func newBootID() string {
+	b := make([]byte, 8)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// fileURLDir is the directory a file:// URL of a snapshot names.
+func fileURLDir(raw string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil || u.Scheme != "file" || u.Path == "" {
+		return "", fmt.Errorf("%q is not a file:// URL", raw)
+	}
+	return u.Path, nil
+}
+
+// snapshot writes the paused guest into the directory the body names:
+// config, state, and its memory (memory.size bytes). s.mu is held.
+func (s *Server) snapshot(body []byte) error {
+	var req struct {
+		DestinationURL string `json:"destination_url"`
+	}
+	if err := json.Unmarshal(body, &req); err != nil {
+		return err
+	}
+	dir, err := fileURLDir(req.DestinationURL)
+	if err != nil {
+		return err
+	}
+	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+		return fmt.Errorf("destination %s is not a directory", dir)
+	}
+	var cfg struct {
+		Memory struct{ Size int64 }
+	}
+	if err := json.Unmarshal(s.config, &cfg); err != nil {
+		return err
+	}
+	st := s.guest
+	st.Snapshots++
+	stb, _ := json.Marshal(st)
+	if err := os.WriteFile(filepath.Join(dir, snapConfig), s.config, 0o600); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, snapState), stb, 0o600); err != nil {
+		return err
+	}
+	if err := writeMemory(filepath.Join(dir, snapMemory), cfg.Memory.Size); err != nil {
+		return err
+	}
+	s.guest = st
+	return nil
+}
+
+// writeMemory writes size bytes of non-zero data (a sparse file would not
+// fill a disk) and syncs them.
+func writeMemory(path string, size int64) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	chunk := bytes.Repeat([]byte("guest memory page "), 1<<16/18+1)[:1<<16]
+	for left := size; left > 0; left -= int64(len(chunk)) {
+		if _, err := f.Write(chunk[:min(int64(len(chunk)), left)]); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// restore loads a snapshot directory into this (fresh) VMM. It refuses a
+// snapshot whose files are missing, corrupt or whose memory is short, as
+// cloud-hypervisor does. s.mu is held.
+func (s *Server) restore(body []byte) (resume bool, err error) {
+	var req struct {
+		SourceURL string `json:"source_url"`
+		Resume    bool   `json:"resume"`
+	}
+	if err := json.Unmarshal(body, &req); err != nil {
+		return false, err
+	}
+	dir, err := fileURLDir(req.SourceURL)
+	if err != nil {
+		return false, err
+	}
+	cfgb, err := os.ReadFile(filepath.Join(dir, snapConfig))
+	if err != nil {
+		return false, err
+	}
+	var cfg struct {
+		Memory struct{ Size int64 }
+	}
+	if err := json.Unmarshal(cfgb, &cfg); err != nil {
+		return false, fmt.Errorf("%s: %w", snapConfig, err)
+	}
+	stb, err := os.ReadFile(filepath.Join(dir, snapState))
+	if err != nil {
+		return false, err
+	}
+	var st guestState
+	if err := json.Unmarshal(stb, &st); err != nil || st.BootID == "" {
+		return false, fmt.Errorf("%s: corrupt (%v)", snapState, err)
+	}
+	fi, err := os.Stat(filepath.Join(dir, snapMemory))
+	if err != nil {
+		return false, err
+	}
+	if fi.Size() != cfg.Memory.Size {
+		return false, fmt.Errorf("%s: %d bytes, the guest has %d", snapMemory, fi.Size(), cfg.Memory.Size)
+	}
+	s.config, s.guest = cfgb, st
+	if err := s.boot("restored"); err != nil {
+		return false, err
+	}
+	return req.Resume, nil
 }

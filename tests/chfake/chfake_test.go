@@ -150,3 +150,68 @@ func TestBehaviourFromEnv(t *testing.T) {
 	_, err = BehaviourFromEnv()
 	assert.ErrorContains(t, err, "CHFAKE_CRASH_AFTER")
 }
+
+// Pause, snapshot, restore in a new VMM, resume: the endpoints' bodies are
+// checked against the schema, the states follow cloud-hypervisor's, and the
+// restored guest is the same boot (its serial console says so).
+func TestSnapshotAndRestore(t *testing.T) {
+	dir := t.TempDir()
+	serial := filepath.Join(dir, "serial")
+	snap := filepath.Join(dir, "snap")
+	require.NoError(t, os.Mkdir(snap, 0o700))
+	create := strings.Replace(goodCreate, `{"mode":"Null"}`, `{"mode":"File","file":"`+serial+`"}`, 1)
+	ts, _ := newFake(t, Behaviour{})
+	code, body := call(t, ts, "PUT", "vm.pause", "")
+	assert.Equal(t, 404, code, "pause before create: %s", body)
+	call(t, ts, "PUT", "vm.create", create)
+	call(t, ts, "PUT", "vm.boot", "")
+	booted, err := os.ReadFile(serial)
+	require.NoError(t, err)
+	bootID := strings.TrimSuffix(strings.SplitAfter(string(booted), "(boot ")[1], ")\n")
+	require.Len(t, bootID, 16, "%q", booted)
+
+	snapBody := `{"destination_url":"file://` + snap + `"}`
+	code, _ = call(t, ts, "PUT", "vm.snapshot", "")
+	assert.Equal(t, 400, code, "the schema requires a body")
+	code, _ = call(t, ts, "PUT", "vm.snapshot", snapBody)
+	assert.Equal(t, 405, code, "a running VM is not snapshotted")
+	code, _ = call(t, ts, "PUT", "vm.resume", "")
+	assert.Equal(t, 405, code, "resume of a running VM")
+	code, body = call(t, ts, "PUT", "vm.pause", "")
+	require.Equal(t, 204, code, body)
+	_, body = call(t, ts, "GET", "vm.info", "")
+	assert.Contains(t, body, `"state":"Paused"`)
+	code, body = call(t, ts, "PUT", "vm.snapshot", `{"destination_url":"file://`+filepath.Join(dir, "absent")+`"}`)
+	assert.Equal(t, 500, code, body)
+	code, body = call(t, ts, "PUT", "vm.snapshot", snapBody)
+	require.Equal(t, 204, code, body)
+	fi, err := os.Stat(filepath.Join(snap, "memory-ranges"))
+	require.NoError(t, err)
+	assert.Equal(t, int64(67108864), fi.Size(), "the guest's memory, all of it")
+
+	ts2, _ := newFake(t, Behaviour{})
+	code, _ = call(t, ts2, "PUT", "vm.restore", `{"prefault":false}`)
+	assert.Equal(t, 400, code, "source_url is required")
+	code, body = call(t, ts2, "PUT", "vm.restore", `{"source_url":"file://`+snap+`"}`)
+	require.Equal(t, 204, code, body)
+	_, body = call(t, ts2, "GET", "vm.info", "")
+	assert.Contains(t, body, `"state":"Paused"`)
+	code, _ = call(t, ts2, "PUT", "vm.restore", `{"source_url":"file://`+snap+`"}`)
+	assert.Equal(t, 404, code, "restore into a VMM that has a VM")
+	code, body = call(t, ts2, "PUT", "vm.resume", "")
+	require.Equal(t, 204, code, body)
+	_, body = call(t, ts2, "GET", "vm.info", "")
+	assert.Contains(t, body, `"state":"Running"`)
+	restored, err := os.ReadFile(serial)
+	require.NoError(t, err)
+	assert.Equal(t, "chfake: restored boot "+bootID+" (snapshot 1)\n", string(restored))
+
+	// A snapshot with its memory cut short is refused, not half-loaded.
+	require.NoError(t, os.Truncate(filepath.Join(snap, "memory-ranges"), 4096))
+	ts3, _ := newFake(t, Behaviour{})
+	code, body = call(t, ts3, "PUT", "vm.restore", `{"source_url":"file://`+snap+`"}`)
+	assert.Equal(t, 400, code)
+	assert.Contains(t, body, "memory-ranges: 4096 bytes")
+	code, _ = call(t, ts3, "GET", "vm.info", "")
+	assert.Equal(t, 404, code, "a refused restore leaves no VM")
+}

@@ -73,7 +73,7 @@ func echo(c net.Conn, msg string) (string, error) {
 }
 
 // hold opens a connection that is carried end to end (the echo came back).
-func hold(t *testing.T, ns *nstest.NS, addr string) net.Conn {
+func hold(t testing.TB, ns *nstest.NS, addr string) net.Conn {
 	t.Helper()
 	c, err := dial(ns, addr, 5*time.Second)
 	require.NoError(t, err, "dial %s", addr)
@@ -121,7 +121,7 @@ type bpftoolEntry struct {
 }
 
 // bpftoolDump reads the pinned map with bpftool itself, as an operator would.
-func (e *env) bpftoolDump(t *testing.T) map[string]bpftoolEntry {
+func (e *env) bpftoolDump(t testing.TB) map[string]bpftoolEntry {
 	t.Helper()
 	out, err := exec.Command("bpftool", "-j", "map", "dump", "pinned", filepath.Join(e.bpfDir, "exposure_stats")).Output()
 	require.NoError(t, err, "bpftool map dump")
@@ -146,7 +146,7 @@ func (e *env) bpftoolDump(t *testing.T) map[string]bpftoolEntry {
 	return got
 }
 
-func conntrackEntries(t *testing.T, ns *nstest.NS, port int) int {
+func conntrackEntries(t testing.TB, ns *nstest.NS, port int) int {
 	t.Helper()
 	out, _ := ns.Run("conntrack", "-L", "-p", "tcp", "--orig-port-dst", strconv.Itoa(port))
 	n := 0

@@ -49,7 +49,7 @@ type fixture struct {
 
 // env is a fixture seen from one test: its failures and logs go to t.
 type env struct {
-	t *testing.T
+	t testing.TB
 	*fixture
 }
 
@@ -84,7 +84,7 @@ const allExposures = `  - {name: web-nat, vm: e2e, guestPort: 8080, hostPort: 80
 
 // requireVM skips a test that boots a real VM where it cannot, and returns
 // the guest image's directory.
-func requireVM(t *testing.T) string {
+func requireVM(t testing.TB) string {
 	t.Helper()
 	nstest.RequireRoot(t)
 	if testing.Short() {

@@ -5,6 +5,7 @@ package supervisor_bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -40,6 +41,13 @@ func (h *benchHV) Info(context.Context, supervisor.Instance) (supervisor.VMState
 	return supervisor.VMRunning, nil
 }
 func (h *benchHV) Stop(context.Context, supervisor.Instance, time.Duration) error { return nil }
+func (h *benchHV) Suspend(context.Context, supervisor.Instance, string, func() error) error {
+	return errors.New("the benchmark's hypervisor does not suspend")
+}
+func (h *benchHV) Restore(context.Context, supervisor.LaunchConfig, string) (supervisor.Instance, error) {
+	return supervisor.Instance{}, errors.New("the benchmark's hypervisor does not restore")
+}
+func (h *benchHV) Continue(context.Context, supervisor.Instance) error { return nil }
 
 // wedgeImages blocks every fetch of a kernel named "wedged" until release.
 type wedgeImages struct {
