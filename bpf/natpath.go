@@ -62,6 +62,9 @@ func LoadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	if err := checkBPFFS(cfg.PinDir); err != nil {
 		return nil, err
 	}
+	if err := liftMemlock(); err != nil {
+		return nil, err
+	}
 	if err := kernelfeat.Running().Missing(kernelfeat.NatPath...); err != nil {
 		return nil, err
 	}

@@ -84,6 +84,9 @@ func LoadSockLB(cfg SockLBConfig) (*SockLB, error) {
 	if err := checkBPFFS(cfg.PinDir); err != nil {
 		return nil, err
 	}
+	if err := liftMemlock(); err != nil {
+		return nil, err
+	}
 	if err := kernelfeat.Running().Missing(kernelfeat.SocketPath...); err != nil {
 		return nil, err
 	}

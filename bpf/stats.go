@@ -22,6 +22,7 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 )
 
@@ -141,6 +142,9 @@ func Open(dir string) (*Store, error) {
 	if err := checkBPFFS(dir); err != nil {
 		return nil, err
 	}
+	if err := liftMemlock(); err != nil {
+		return nil, err
+	}
 	spec, err := loadStats()
 	if err != nil {
 		return nil, fmt.Errorf("exposure_stats: %w", err)
@@ -169,6 +173,17 @@ func Open(dir string) (*Store, error) {
 	s.index()
 	return s, nil
 }
+
+// liftMemlock removes RLIMIT_MEMLOCK for this process where the kernel
+// still charges BPF maps and programs to it (before 5.11: Debian 11's 5.10
+// refuses the 16,384-slot maps under the default 8 MiB); newer kernels
+// charge the memory cgroup, and this does nothing.
+var liftMemlock = sync.OnceValue(func() error {
+	if err := rlimit.RemoveMemlock(); err != nil {
+		return fmt.Errorf("raising RLIMIT_MEMLOCK for BPF maps: %w", err)
+	}
+	return nil
+})
 
 func mmapValues(m *ebpf.Map, size int) ([]byte, error) {
 	n := Slots * size
