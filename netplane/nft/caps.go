@@ -347,9 +347,9 @@ type ExposureCounters struct {
 	// kernel, where it outlives the daemon (the slow path's part is this
 	// process's alone).
 	KernelAccepted, KernelRefused uint64
-	BytesIn  uint64 // caller -> guest, conntrack accounting (live + ended)
-	BytesOut uint64 // guest -> caller
-	Active   uint64 // conntrack entries with the exposure's mark that are still open
+	BytesIn                       uint64 // caller -> guest, conntrack accounting (live + ended)
+	BytesOut                      uint64 // guest -> caller
+	Active                        uint64 // conntrack entries with the exposure's mark that are still open
 }
 
 // Counters reads every exposure's counters.
