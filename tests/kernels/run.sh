@@ -170,12 +170,12 @@ details() {
     /^BRK-BEGIN / { pkg=$2; next }
     /^BRK-END / { if ($3 != 0) print "    " pkg ": exit " $3; next }
     /^BRK-NOMOD / { print "    module " $2 " did not load"; next }
-    /^=== (RUN|CONT)/ { last=""; next }
-    /^[[:space:]]+[A-Za-z0-9_]+\.go:[0-9]+: / { l=$0; sub(/^[[:space:]]+[A-Za-z0-9_]+\.go:[0-9]+: /, "", l); last=l; next }
+    /^=== (RUN|CONT|NAME)/ { cur=$3; next }
+    /^[[:space:]]+[A-Za-z0-9_]+\.go:[0-9]+: / { l=$0; sub(/^[[:space:]]+[A-Za-z0-9_]+\.go:[0-9]+: /, "", l); said[cur]=l; next }
     /^[[:space:]]*--- FAIL:/ { l=$0; sub(/^[[:space:]]*--- FAIL: /, "", l); print "    " pkg ": FAIL " l; next }
     /^[[:space:]]*--- SKIP:/ {
       l=$0; sub(/^[[:space:]]*--- SKIP: /, "", l); sub(/ \(.*$/, "", l)
-      k=pkg ": " last; if (!(k in n)) order[++m]=k; n[k]++; if (n[k] <= 2) names[k]=names[k] (n[k]>1 ? ", " : "") l
+      k=pkg ": " said[l]; if (!(k in n)) order[++m]=k; n[k]++; if (n[k] <= 2) names[k]=names[k] (n[k]>1 ? ", " : "") l
     }
     END { for (i=1; i<=m; i++) { k=order[i]; printf "    skipped %d in %s\n        (%s%s)\n", n[k], k, names[k], (n[k] > 2 ? ", ..." : "") } }' "$1"
 }
