@@ -6,7 +6,7 @@ GO ?= go
 BIN := bin
 TEST_TIMEOUT ?= 45m
 
-.PHONY: all build deps test restart-soak soak test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet
+.PHONY: all build deps test restart-soak soak test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet test-kernels
 
 all: build
 
@@ -51,6 +51,14 @@ check-generate:
 # initramfs) used by real-VM tests and the demo; cached under .cache/guest.
 guest-image:
 	@tests/guest/build.sh
+
+# The kernel matrix (tests/kernels/run.sh): Debian's 5.10, 6.1 and 6.12
+# cloud kernels booted under QEMU, the kernel-touching tests run in each,
+# then on this host; one line per kernel. KERNELS=6.1 runs one. Downloads
+# are cached under .cache/kernels (a second run needs no network).
+KERNELS ?= 5.10 6.1 6.12
+test-kernels: deps
+	KERNELS="$(KERNELS)" tests/kernels/run.sh
 
 clean-ns:
 	@scripts/clean-ns.sh

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 )
@@ -59,6 +60,12 @@ type NatPathConfig struct {
 // stops and is never attached twice.
 func LoadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	if err := checkBPFFS(cfg.PinDir); err != nil {
+		return nil, err
+	}
+	if err := liftMemlock(); err != nil {
+		return nil, err
+	}
+	if err := kernelfeat.Running().Missing(kernelfeat.NatPath...); err != nil {
 		return nil, err
 	}
 	if cfg.InNS == nil {

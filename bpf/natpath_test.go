@@ -1,7 +1,6 @@
 package bpf
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -11,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -91,10 +91,8 @@ func ifindex(t *testing.T, n *nstest.NS, name string) int {
 
 func (tp *natTopo) load(t *testing.T) *NatPath {
 	t.Helper()
+	kernelfeat.Require(t, kernelfeat.NatPath...)
 	np, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do})
-	if errors.Is(err, ebpf.ErrNotSupported) {
-		t.Skipf("kernel lacks the nat path's hooks: %v", err)
-	}
 	require.NoError(t, err)
 	return np
 }

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
@@ -88,6 +89,12 @@ func (s *SockLB) hooks() []struct {
 // translation never stops and no hook ever runs two copies.
 func LoadSockLB(cfg SockLBConfig) (*SockLB, error) {
 	if err := checkBPFFS(cfg.PinDir); err != nil {
+		return nil, err
+	}
+	if err := liftMemlock(); err != nil {
+		return nil, err
+	}
+	if err := kernelfeat.Running().Missing(kernelfeat.SocketPath...); err != nil {
 		return nil, err
 	}
 	if cfg.InNS == nil {

@@ -1,20 +1,16 @@
 package bpf
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -36,29 +32,7 @@ func joinCgroup(t *testing.T) string {
 		require.NoError(t, unix.Mount("cgroup2", root, "cgroup2", 0, ""))
 		t.Cleanup(func() { _ = unix.Unmount(root, unix.MNT_DETACH) })
 	}
-	orig := ""
-	b, err := os.ReadFile("/proc/self/cgroup")
-	require.NoError(t, err)
-	for _, l := range strings.Split(string(b), "\n") {
-		if p, ok := strings.CutPrefix(l, "0::"); ok {
-			orig = p
-		}
-	}
-	require.NotEmpty(t, orig, "this process has no cgroup v2 path")
-	dir := filepath.Join(root, nstest.Name(t, "cg"))
-	_ = os.Remove(dir) // a leftover of a killed run
-	require.NoError(t, os.Mkdir(dir, 0o755))
-	pid := []byte(strconv.Itoa(os.Getpid()))
-	t.Cleanup(func() {
-		if err := os.WriteFile(filepath.Join(root, orig, "cgroup.procs"), pid, 0); err != nil {
-			t.Errorf("moving back to %s: %v", orig, err)
-		}
-		if err := os.Remove(dir); err != nil {
-			t.Errorf("removing cgroup %s: %v", dir, err)
-		}
-	})
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "cgroup.procs"), pid, 0))
-	return dir
+	return nstest.JoinCgroup(t, root)
 }
 
 // sockTopo: a host namespace (the managed one) with bridge br0
@@ -107,10 +81,8 @@ func (tp *sockTopo) load(t *testing.T) *SockLB {
 
 func loadSockLB(t *testing.T, pins, cgroup string, host *nstest.NS) *SockLB {
 	t.Helper()
+	kernelfeat.Require(t, kernelfeat.SocketPath...)
 	s, err := LoadSockLB(SockLBConfig{PinDir: pins, Cgroup: cgroup, InNS: host.Do})
-	if errors.Is(err, ebpf.ErrNotSupported) {
-		t.Skipf("kernel lacks the socket path's hooks: %v", err)
-	}
 	require.NoError(t, err)
 	return s
 }
@@ -503,10 +475,8 @@ func cgroupLinksRunning(t *testing.T, cgroup string, prog *ebpf.Program, attach 
 // protocol test (TCP is counted once, at close), a translated UDP datagram
 // is counted. The figures are logged (go test -v); the counts are checked.
 func TestSockLBCountingCostPerPacket(t *testing.T) {
+	kernelfeat.Require(t, kernelfeat.RunTimeStats)
 	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
-	if errors.Is(err, ebpf.ErrNotSupported) {
-		t.Skipf("no BPF run-time statistics: %v", err)
-	}
 	require.NoError(t, err)
 	defer stats.Close()
 	tp := newSockTopo(t, ProtoUDP, 0)

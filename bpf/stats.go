@@ -22,6 +22,7 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
 	"github.com/brokkr/brokkr/internal/spec"
@@ -128,8 +129,10 @@ type Store struct {
 	mu     sync.Mutex
 	m      *ebpf.Map // nil in memory mode
 	lm     *ebpf.Map // exposure_limits; nil in memory mode
+	fm     *ebpf.Map // fallback_fed; nil in memory mode
 	mem    []byte    // mmapped map values, or heap memory
 	lmem   []byte    // mmapped exposure_limits values, or heap memory
+	fmem   []byte    // mmapped fallback_fed values, or heap memory
 	path   string    // pin path; "" in memory mode
 	reason string    // why the store is in memory, if it is
 	byName map[string]int
@@ -141,6 +144,9 @@ type Store struct {
 // into memory. dir must be on a bpffs; see EnsureBPFFS.
 func Open(dir string) (*Store, error) {
 	if err := checkBPFFS(dir); err != nil {
+		return nil, err
+	}
+	if err := liftMemlock(); err != nil {
 		return nil, err
 	}
 	cs, err := loadStats()
@@ -167,10 +173,54 @@ func Open(dir string) (*Store, error) {
 		objs.Close()
 		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, LimitsMapName), err)
 	}
-	s := &Store{m: m, lm: lm, mem: mem, lmem: lmem, path: filepath.Join(dir, MapName)}
+	fm, err := ebpf.NewMapWithOptions(fedSpec(), ebpf.MapOptions{PinPath: dir})
+	if err != nil {
+		_ = unix.Munmap(mem)
+		_ = unix.Munmap(lmem)
+		objs.Close()
+		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, FedMapName), err)
+	}
+	fmem, err := mmapValues(fm, fedSize)
+	if err != nil {
+		_ = unix.Munmap(mem)
+		_ = unix.Munmap(lmem)
+		fm.Close()
+		objs.Close()
+		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, FedMapName), err)
+	}
+	s := &Store{m: m, lm: lm, fm: fm, mem: mem, lmem: lmem, fmem: fmem, path: filepath.Join(dir, MapName)}
 	s.index()
 	return s, nil
 }
+
+// FedMapName is the pin of what the daemon last fed into each slot from
+// kernel counters it reads itself (the event-fed fallback's nft counters):
+// per slot {valid, accepted, refused}, zeroed and made valid with the slot.
+// Only brokkrd reads it; no program does.
+const FedMapName = "fallback_fed"
+
+const (
+	fedSize      = 24
+	offFedValid  = 0
+	offFedAccept = 8
+	offFedRefuse = 16
+)
+
+func fedSpec() *ebpf.MapSpec {
+	return &ebpf.MapSpec{Name: FedMapName, Type: ebpf.Array, KeySize: 4, ValueSize: fedSize,
+		MaxEntries: Slots, Flags: unix.BPF_F_MMAPABLE, Pinning: ebpf.PinByName}
+}
+
+// liftMemlock removes RLIMIT_MEMLOCK for this process where the kernel
+// still charges BPF maps and programs to it (before 5.11: Debian 11's 5.10
+// refuses the 16,384-slot maps under the default 8 MiB); newer kernels
+// charge the memory cgroup, and this does nothing.
+var liftMemlock = sync.OnceValue(func() error {
+	if err := rlimit.RemoveMemlock(); err != nil {
+		return fmt.Errorf("raising RLIMIT_MEMLOCK for BPF maps: %w", err)
+	}
+	return nil
+})
 
 func mmapValues(m *ebpf.Map, size int) ([]byte, error) {
 	n := Slots * size
@@ -186,7 +236,7 @@ func heapWords(n int) []byte {
 // NewInMemory returns a Store that counts in process memory only; reason says
 // why (it is reported in status so an operator knows bpftool will not see it).
 func NewInMemory(reason string) *Store {
-	s := &Store{mem: heapWords(Slots * valueSize), lmem: heapWords(Slots * limitSize), reason: reason}
+	s := &Store{mem: heapWords(Slots * valueSize), lmem: heapWords(Slots * limitSize), fmem: heapWords(Slots * fedSize), reason: reason}
 	s.index()
 	return s
 }
@@ -222,8 +272,8 @@ func (s *Store) Close() error {
 	if s.m == nil {
 		return nil
 	}
-	err := errors.Join(unix.Munmap(s.mem), unix.Munmap(s.lmem))
-	return errors.Join(err, s.m.Close(), s.lm.Close())
+	err := errors.Join(unix.Munmap(s.mem), unix.Munmap(s.lmem), unix.Munmap(s.fmem))
+	return errors.Join(err, s.m.Close(), s.lm.Close(), s.fm.Close())
 }
 
 func (s *Store) base(i int) int { return i * valueSize }
@@ -276,6 +326,15 @@ func (s *Store) zero(i int) {
 	s.limit64(i, offProxyActive).Store(0)
 	s.limit64(i, offKernelActive).Store(0)
 	s.limit32(i, offGen).Add(1)
+	// Nothing fed yet, and that is known: the exposure's kernel counters
+	// are made after its slot, from zero.
+	s.fed(i, offFedAccept).Store(0)
+	s.fed(i, offFedRefuse).Store(0)
+	s.fed(i, offFedValid).Store(1)
+}
+
+func (s *Store) fed(i, off int) *atomic.Uint64 {
+	return (*atomic.Uint64)(unsafe.Pointer(&s.fmem[i*fedSize+off]))
 }
 
 // ValidName reports whether name fits a slot.
@@ -479,6 +538,35 @@ func (sl *Slot) AddBytes(in, out uint64) {
 	if out != 0 {
 		sl.add(offBytesOut, out)
 	}
+}
+
+// FeedKernelTotals adds to accepted and refused what two kernel counters
+// the daemon reads itself (the event-fed fallback's nft counters, absolute
+// since the table made them) gained since the values last fed. Those are
+// kept beside the slot in the pinned fallback_fed map, so a new daemon goes
+// on exactly where the last one stopped and counts what the kernel admitted
+// while no daemon ran: never a first-read baseline. A value below the last
+// one is a counter made anew (the table re-created): all of it is new. A
+// slot that an older brokkrd left without a fed record takes the first
+// values as its baseline, once.
+func (sl *Slot) FeedKernelTotals(accepted, refused uint64) {
+	s := sl.s
+	lastA := s.fed(sl.i, offFedAccept).Swap(accepted)
+	lastR := s.fed(sl.i, offFedRefuse).Swap(refused)
+	if s.fed(sl.i, offFedValid).Swap(1) == 0 {
+		return
+	}
+	sl.AddAccepted(grown(lastA, accepted))
+	sl.AddRefused(grown(lastR, refused))
+}
+
+// grown is how much a monotonic counter that may have restarted from zero
+// went up from last to cur.
+func grown(last, cur uint64) uint64 {
+	if cur >= last {
+		return cur - last
+	}
+	return cur
 }
 
 // Read returns the slot's current counters.

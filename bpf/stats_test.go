@@ -178,3 +178,43 @@ func TestOpenRefusesADirectoryThatIsNotBPFFS(t *testing.T) {
 	_, err := Open(t.TempDir())
 	assert.ErrorContains(t, err, "not on a bpffs")
 }
+
+// FeedKernelTotals remembers, in the pinned fallback_fed map, what it fed:
+// a reopened store (a new daemon) goes on from there.
+func TestFeedKernelTotalsGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
+	dir := nstest.PrivateBPFFS(t)
+	s, err := Open(dir)
+	require.NoError(t, err)
+	sl, err := s.Attach("web", ProtoTCP, 80)
+	require.NoError(t, err)
+	sl.FeedKernelTotals(10, 1)
+	sl.FeedKernelTotals(12, 1)
+	assert.EqualValues(t, 12, sl.Read().Accepted)
+	sl.Release(false)
+	require.NoError(t, s.Close())
+
+	s, err = Open(dir)
+	require.NoError(t, err)
+	defer s.Close()
+	sl, err = s.Attach("web", ProtoTCP, 80)
+	require.NoError(t, err)
+	sl.FeedKernelTotals(15, 2)
+	c := sl.Read()
+	assert.EqualValues(t, 15, c.Accepted, "no first-read baseline after a reopen")
+	assert.EqualValues(t, 2, c.Refused)
+
+	// A slot an older brokkrd fed without a record: one baseline.
+	s.fed(sl.i, offFedValid).Store(0)
+	sl.FeedKernelTotals(40, 2)
+	assert.EqualValues(t, 15, sl.Read().Accepted, "no record: the first values are a baseline")
+	sl.FeedKernelTotals(41, 2)
+	assert.EqualValues(t, 16, sl.Read().Accepted)
+
+	// Deleting the exposure zeroes its record with it.
+	sl.Release(true)
+	sl, err = s.Attach("web", ProtoTCP, 80)
+	require.NoError(t, err)
+	defer sl.Release(true)
+	sl.FeedKernelTotals(3, 0)
+	assert.EqualValues(t, 3, sl.Read().Accepted, "a new exposure counts from its counters' zero")
+}

@@ -10,33 +10,49 @@ import (
 	"github.com/brokkr/brokkr/netplane/nft"
 )
 
-func TestSlotFeedAddsDeltasOverABaseline(t *testing.T) {
+// The fallback's feed: the nft named counters are fed from what the slot
+// last took from them, across a restart too (a new slotFeed on the same
+// slot is a new daemon): nothing rebased, nothing doubled, what the kernel
+// admitted meanwhile counted. The slow path's part and the bytes are the
+// process's own.
+func TestSlotFeedIsExactAcrossARestart(t *testing.T) {
 	store := bpf.NewInMemory("test")
 	defer store.Close()
 	slot, err := store.Attach("web-http", bpf.ProtoTCP, 8080)
 	require.NoError(t, err)
 	defer slot.Release(true)
-	slot.AddAccepted(100) // what a previous daemon left in the slot
-	slot.AddBytes(1000, 2000)
 
 	f := &slotFeed{slot: slot}
-	f.feed(nft.ExposureCounters{Accepted: 40, Refused: 3, BytesIn: 500, BytesOut: 700, Active: 2})
+	f.feed(nft.ExposureCounters{Accepted: 40, Refused: 3, KernelAccepted: 40, KernelRefused: 3, BytesIn: 500, BytesOut: 700, Active: 2})
 	c := slot.Read()
-	assert.Equal(t, uint64(100), c.Accepted, "the first read is a baseline for totals")
-	assert.Equal(t, uint64(1000), c.BytesIn)
-	assert.Equal(t, uint64(2), c.Active, "active is re-added after the daemon's ResetActive")
+	assert.EqualValues(t, 40, c.Accepted, "a new exposure's counters start with its slot: all of it counts")
+	assert.EqualValues(t, 3, c.Refused)
+	assert.EqualValues(t, 0, c.BytesIn, "bytes: the first read of a process is their baseline")
+	assert.EqualValues(t, 2, c.Active)
 
-	f.feed(nft.ExposureCounters{Accepted: 45, Refused: 4, BytesIn: 600, BytesOut: 900, Active: 1})
+	f.feed(nft.ExposureCounters{Accepted: 47, Refused: 4, KernelAccepted: 45, KernelRefused: 4, BytesIn: 600, BytesOut: 900, Active: 1})
 	c = slot.Read()
-	assert.Equal(t, uint64(105), c.Accepted)
-	assert.Equal(t, uint64(1), c.Refused)
-	assert.Equal(t, uint64(1100), c.BytesIn)
-	assert.Equal(t, uint64(2200), c.BytesOut)
-	assert.Equal(t, uint64(1), c.Active, "the gauge follows down")
+	assert.EqualValues(t, 47, c.Accepted, "5 by the kernel, 2 by the slow path")
+	assert.EqualValues(t, 4, c.Refused)
+	assert.EqualValues(t, 100, c.BytesIn)
+	assert.EqualValues(t, 200, c.BytesOut)
+	assert.EqualValues(t, 1, c.Active, "the gauge follows down")
+
+	// A new daemon: its slow path starts from zero; the kernel counters went
+	// on (3 admitted, 1 refused while no daemon ran).
+	f = &slotFeed{slot: slot}
+	f.feed(nft.ExposureCounters{Accepted: 48, Refused: 5, KernelAccepted: 48, KernelRefused: 5, BytesIn: 50, BytesOut: 60})
+	c = slot.Read()
+	assert.EqualValues(t, 50, c.Accepted, "what the kernel admitted while no daemon ran is counted, once")
+	assert.EqualValues(t, 5, c.Refused)
+	assert.EqualValues(t, 100, c.BytesIn, "never doubled")
+	f.feed(nft.ExposureCounters{Accepted: 50, Refused: 5, KernelAccepted: 49, KernelRefused: 5, BytesIn: 80, BytesOut: 60})
+	c = slot.Read()
+	assert.EqualValues(t, 52, c.Accepted, "1 by the kernel, 1 by the new slow path")
+	assert.EqualValues(t, 130, c.BytesIn)
 
 	// The table re-created the exposure's counters: they start again at 0.
-	f.feed(nft.ExposureCounters{Accepted: 2, Active: 1})
+	f.feed(nft.ExposureCounters{Accepted: 3, KernelAccepted: 2, Active: 1})
 	c = slot.Read()
-	assert.Equal(t, uint64(107), c.Accepted, "a counter that went backwards restarted from zero")
-	assert.Equal(t, uint64(1), c.Active)
+	assert.EqualValues(t, 54, c.Accepted, "a named counter that went backwards restarted from zero")
 }

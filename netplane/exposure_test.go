@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/internal/spec"
 )
@@ -57,7 +58,11 @@ func dial(ns *nstest.NS, addr string) (string, error) {
 // an external flush of the nft table is repaired and reported; Teardown
 // removes the table with the links.
 func TestExposureFromPendingToActiveWithCounters(t *testing.T) {
-	t.Run("nat path", func(t *testing.T) { exposureFromPendingToActive(t, true) })
+	t.Run("nat path", func(t *testing.T) {
+		nstest.RequireRoot(t)
+		kernelfeat.Require(t, kernelfeat.NatPath...)
+		exposureFromPendingToActive(t, true)
+	})
 	t.Run("event-fed fallback", func(t *testing.T) { exposureFromPendingToActive(t, false) })
 }
 

@@ -53,7 +53,7 @@ func (p *Plane) ensureNatPath(n Network) {
 }
 
 func (p *Plane) noNatPath(reason string) {
-	p.natReason = "cap and counters of nat exposures fed by conntrack events, not the BPF nat path: " + reason
+	p.natReason = "nat path: fallback (" + reason + "): the cap and counters of nat exposures are nft sets fed by conntrack events"
 	p.log.Warn("netplane: " + p.natReason)
 }
 

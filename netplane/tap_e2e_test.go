@@ -150,11 +150,18 @@ func TestGuestBehindARealTap(t *testing.T) {
 	got, err = dial(guest, "10.99.0.1:8080")
 	require.NoError(t, err, "hairpin: the guest reaches its own published port through the host address")
 	assert.Equal(t, "web", got)
-	// Without hairpin on the tap's port the same call fails; the next pass
-	// repairs it.
+	// Without hairpin on the tap's port the same call fails where
+	// br_netfilter bridges it (the DNAT'd frame would go back out the port
+	// it came in on); without br_netfilter (Debian's default: a module
+	// nothing loads) it is routed through the host and hairpin plays no
+	// part. Either way the next pass repairs the flag.
 	host.MustRun(t, "bridge", "link", "set", "dev", web.Tap, "hairpin", "off")
 	_, err = dial(guest, "10.99.0.1:8080")
-	assert.Error(t, err, "hairpin off: the frame cannot go back out the port it came in on")
+	if _, berr := host.Run("sysctl", "-n", "net.bridge.bridge-nf-call-iptables"); berr == nil {
+		assert.Error(t, err, "hairpin off: the frame cannot go back out the port it came in on")
+	} else {
+		assert.NoError(t, err, "no br_netfilter: the hairpin call is routed, not bridged")
+	}
 	rep = p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
 	assert.Contains(t, rep.Repaired, "tap "+web.Tap+" had hairpin off")

@@ -290,7 +290,7 @@ func openSocketPath(cfg *config.Config, store *bpf.Store) (*bpf.SockLB, string) 
 	}
 	lb, err := bpf.LoadSockLB(bpf.SockLBConfig{PinDir: cfg.BPFDir, Cgroup: cg})
 	if err != nil {
-		return nil, fmt.Sprintf("socket path unavailable: %v", err)
+		return nil, fmt.Sprintf("socket path: fallback (%v): auto's host-local callers go through the proxy on 127.0.0.1 and ::1", err)
 	}
 	return lb, ""
 }

@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -219,4 +220,43 @@ func LiveProcs(words ...string) []int {
 		pids = append(pids, p.PID)
 	}
 	return pids
+}
+
+// JoinCgroup creates a child cgroup of the test's own under the cgroup v2
+// hierarchy mounted at root, moves this test process into it (the socket
+// path's programs attach there, never to the root), and at cleanup moves
+// it back and removes the child. It returns the child's path.
+func JoinCgroup(t testing.TB, root string) string {
+	t.Helper()
+	orig := ""
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if p, ok := strings.CutPrefix(l, "0::"); ok {
+			orig = p
+		}
+	}
+	if orig == "" {
+		t.Fatal("this process has no cgroup v2 path")
+	}
+	dir := filepath.Join(root, Name(t, "cg"))
+	_ = os.Remove(dir) // a leftover of a killed run
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	pid := []byte(strconv.Itoa(os.Getpid()))
+	t.Cleanup(func() {
+		if err := os.WriteFile(filepath.Join(root, orig, "cgroup.procs"), pid, 0); err != nil {
+			t.Errorf("moving back to %s: %v", orig, err)
+		}
+		if err := os.Remove(dir); err != nil {
+			t.Errorf("removing cgroup %s: %v", dir, err)
+		}
+	})
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), pid, 0); err != nil {
+		t.Fatal(err)
+	}
+	return dir
 }

@@ -343,9 +343,13 @@ func (c *capWatcher) endedBytes(name string) (uint64, uint64) {
 type ExposureCounters struct {
 	Accepted uint64 // connections admitted (named counter NAME-accepted + the cap slow path's)
 	Refused  uint64 // connections refused by the cap (named counter NAME-refused + the slow path's)
-	BytesIn  uint64 // caller -> guest, conntrack accounting (live + ended)
-	BytesOut uint64 // guest -> caller
-	Active   uint64 // conntrack entries with the exposure's mark that are still open
+	// The named counters' part of Accepted and Refused: absolute in the
+	// kernel, where it outlives the daemon (the slow path's part is this
+	// process's alone).
+	KernelAccepted, KernelRefused uint64
+	BytesIn                       uint64 // caller -> guest, conntrack accounting (live + ended)
+	BytesOut                      uint64 // guest -> caller
+	Active                        uint64 // conntrack entries with the exposure's mark that are still open
 }
 
 // Counters reads every exposure's counters.
@@ -364,7 +368,8 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 	}
 	ov, w := t.ov.Load(), t.caps.Load()
 	for _, e := range byID {
-		ec := ExposureCounters{Accepted: cv[compile.AcceptedCounter(e.Name)].packets, Refused: cv[compile.RefusedCounter(e.Name)].packets}
+		ka, kr := cv[compile.AcceptedCounter(e.Name)].packets, cv[compile.RefusedCounter(e.Name)].packets
+		ec := ExposureCounters{Accepted: ka, Refused: kr, KernelAccepted: ka, KernelRefused: kr}
 		if ov != nil {
 			// The slow path decides in userspace: a named counter cannot
 			// be bumped from there.

@@ -41,6 +41,7 @@ type fixture struct {
 	daemon       *exec.Cmd
 	done         chan error
 	guest        string
+	cgroup       string // BROKKR_CGROUP for the daemon ("" = off: no socket path)
 	// baseDesired is desired.json as the base config left it (the shared
 	// fixture only): a test that changed the desired state leaves it
 	// different, and the next test's reset applies the base again.
@@ -344,8 +345,13 @@ func (e *env) startDaemon() {
 	logf, err := os.OpenFile(e.logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
 	require.NoError(e.t, err)
 	cmd := e.host.Command(filepath.Join(bin, "brokkrd"), "--config", e.cfgPath)
-	// Never attach the socket path to the host's root cgroup from a test.
-	cmd.Env = append(os.Environ(), "BROKKR_CGROUP=off")
+	// Never attach the socket path to the host's root cgroup from a test:
+	// a test that wants it names a child cgroup of its own.
+	cg := e.cgroup
+	if cg == "" {
+		cg = "off"
+	}
+	cmd.Env = append(os.Environ(), "BROKKR_CGROUP="+cg)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	require.NoError(e.t, cmd.Start())
 	logf.Close()

@@ -23,17 +23,24 @@ func TestMain(m *testing.M) {
 	if !nstest.Privileged() {
 		goleak.VerifyTestMain(m) // every test skips without root
 	}
-	dir, err := os.MkdirTemp("", "brk-e2e-bin-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(2)
-	}
-	cmd := exec.Command("go", "build", "-o", dir+"/", "github.com/brokkr/brokkr/cmd/brokkrd", "github.com/brokkr/brokkr/cmd/brokkr")
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "e2e: building the binaries:", err)
-		os.RemoveAll(dir)
-		os.Exit(2)
+	// BROKKR_E2E_BIN names a directory with brokkrd and brokkr already
+	// built: make test-kernels runs this package's test binary in a VM that
+	// has no Go toolchain.
+	prebuilt := os.Getenv("BROKKR_E2E_BIN")
+	dir := prebuilt
+	if dir == "" {
+		var err error
+		if dir, err = os.MkdirTemp("", "brk-e2e-bin-"); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		cmd := exec.Command("go", "build", "-o", dir+"/", "github.com/brokkr/brokkr/cmd/brokkrd", "github.com/brokkr/brokkr/cmd/brokkr")
+		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		if err := cmd.Run(); err != nil {
+			fmt.Fprintln(os.Stderr, "e2e: building the binaries:", err)
+			os.RemoveAll(dir)
+			os.Exit(2)
+		}
 	}
 	bin = dir
 	// goleak.VerifyTestMain exits by itself; the same check by hand lets the
@@ -46,7 +53,9 @@ func TestMain(m *testing.M) {
 			code = 1
 		}
 	}
-	os.RemoveAll(dir)
+	if prebuilt == "" {
+		os.RemoveAll(dir)
+	}
 	os.Exit(code)
 }
 

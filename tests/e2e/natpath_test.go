@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -91,6 +92,8 @@ func (e *env) waitCounters(what string, want func(bpftoolEntry) bool) bpftoolEnt
 // holds, closed connections give their place back and counting goes on),
 // a restart, and the table deleted under a running daemon with flows open.
 func TestNatPathCountersAndCapAreExactAcrossSIGKILLRestartAndTableLoss(t *testing.T) {
+	nstest.RequireRoot(t)
+	kernelfeat.Require(t, kernelfeat.NatPath...)
 	e := newNatEnv(t)
 	e.startDaemon()
 	e.waitStatus("the exposure active", 20*time.Second, func(st api.Status) bool {

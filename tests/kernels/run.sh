@@ -1,0 +1,245 @@
+#!/usr/bin/env bash
+# make test-kernels: boots each kernel of the matrix (Debian's cloud kernels,
+# downloaded and unpacked, never installed) in a QEMU VM whose root
+# filesystem is an initramfs built here: busybox, the host's own nft, ip,
+# bpftool, conntrack (with their libraries), the kernel package's modules,
+# and the `go test -c` binaries of the kernel-touching packages. The VM runs
+# them as root (each package in its directory, like go test) and writes
+# their -test.v output to its second serial port; then the same binaries run
+# on this host. One line per kernel:
+#   kernel 6.1.0-57-cloud-amd64: N passed, M failed, K skipped
+# and a last "kernel-matrix: N passed, M failed, K skipped" for them all.
+#
+# KERNELS="5.10 6.1 6.12" (default) picks the kernel lines; HOST=0 leaves
+# the host's run out; KERNELS_REFRESH=1 asks the archive for newer packages
+# (otherwise a kernel line downloaded once is reused: no network).
+# KERNELS_TIMEOUT (minutes per VM, 60) bounds a boot. Logs stay under
+# .cache/kernels/run-<line>/ (console.log, results.log).
+# The whole script is one block, read before it runs: editing the file
+# while a run goes on does not change that run.
+{
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+cache="$repo/.cache/kernels"
+export PATH=/usr/local/go/bin:$PATH
+KERNELS=${KERNELS:-"5.10 6.1 6.12"}
+HOST=${HOST:-1}
+KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-60}
+mkdir -p "$cache"
+
+# The suite each kernel line comes from.
+suite_of() {
+  case "$1" in
+    5.10) echo bullseye ;;
+    6.1) echo bookworm ;;
+    6.12) echo trixie ;;
+    *) echo "test-kernels: unknown kernel line $1 (5.10, 6.1, 6.12)" >&2; return 1 ;;
+  esac
+}
+
+# apt with a state of its own per suite: the host's sources and status are
+# never read or changed.
+kapt() {
+  local suite=$1; shift
+  local d="$cache/apt-$suite"
+  "$@" -o Dir::Etc::SourceList="$d/sources.list" -o Dir::Etc::SourceParts=- \
+    -o Dir::State::Lists="$d/lists" -o Dir::Cache="$d/cache" -o Dir::State::status=/dev/null \
+    -o APT::Sandbox::User=root
+}
+
+# fetch_kernel LINE: downloads and unpacks the line's newest cloud kernel
+# into $cache/LINE (once; again only with KERNELS_REFRESH=1).
+fetch_kernel() {
+  local line=$1 suite d k
+  suite=$(suite_of "$line")
+  k="$cache/$line"
+  if [ -f "$k/.done" ] && [ "${KERNELS_REFRESH:-0}" != 1 ]; then return 0; fi
+  d="$cache/apt-$suite"
+  mkdir -p "$d/lists/partial" "$d/cache/archives/partial"
+  local keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+  {
+    echo "deb [signed-by=$keyring] http://deb.debian.org/debian $suite main"
+    echo "deb [signed-by=$keyring] http://deb.debian.org/debian $suite-updates main"
+    echo "deb [signed-by=$keyring] http://deb.debian.org/debian-security $suite-security main"
+  } > "$d/sources.list"
+  echo "test-kernels: $line: asking the archive for $suite's linux-image-cloud-amd64"
+  kapt "$suite" apt-get -qq update >/dev/null
+  local kpkg kver
+  kpkg=$(kapt "$suite" apt-cache depends linux-image-cloud-amd64 | awk '/Depends: linux-image-/{print $2; exit}')
+  [ -n "$kpkg" ] || { echo "test-kernels: $suite has no linux-image-cloud-amd64" >&2; return 1; }
+  kver=$(kapt "$suite" apt-cache policy "$kpkg" | awk '/Candidate:/{print $2}')
+  if [ -f "$k/.done" ] && [ "$(cat "$k/package")" = "$kpkg=$kver" ]; then return 0; fi
+  echo "test-kernels: $line: downloading $kpkg $kver"
+  local w; w=$(mktemp -d "$cache/fetch.XXXXXX")
+  (cd "$w" && kapt "$suite" apt-get -qq download "$kpkg=$kver" >/dev/null)
+  dpkg -x "$w"/*.deb "$w/x"
+  local rel; rel=$(basename "$(ls -d "$w"/x/boot/vmlinuz-*)" | sed 's/^vmlinuz-//')
+  local mods="$w/x/lib/modules/$rel"; [ -d "$mods" ] || mods="$w/x/usr/lib/modules/$rel"
+  # Modules: the whole tree less what a headless VM never loads; depmod
+  # gives modprobe (the kernel's autoloader) its index.
+  rm -rf "$w/m"; mkdir -p "$w/m/lib/modules"
+  cp -a "$mods" "$w/m/lib/modules/$rel"
+  rm -rf "$w/m/lib/modules/$rel/kernel/drivers/"{gpu,media,infiniband,scsi,md,hid,input,usb,nvme,thermal,platform,hwmon} \
+         "$w/m/lib/modules/$rel/kernel/sound" "$w/m/lib/modules/$rel/kernel/fs/"{btrfs,xfs,ocfs2,nfs,nfsd,ceph,f2fs,gfs2,jfs,cifs,smb}
+  depmod -b "$w/m" "$rel"
+  (cd "$w/m" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) > "$w/modules.cpio"
+  rm -rf "$k"; mkdir -p "$k"
+  cp "$w/x/boot/vmlinuz-$rel" "$k/vmlinuz"
+  mv "$w/modules.cpio" "$k/modules.cpio"
+  echo "$rel" > "$k/release"
+  echo "$kpkg=$kver" > "$k/package"
+  rm -rf "$w"
+  touch "$k/.done"
+}
+
+# What the VM runs: "binary dir [flags...]", one package a line (dir is the
+# package's directory, where go test would run it).
+suite() {
+  cat <<'SUITE'
+kernelfeat internal/kernelfeat
+bpf bpf
+netplane netplane
+conntrack netplane/conntrack
+link netplane/link
+nft netplane/nft
+compile netplane/nft/compile
+dhcp netplane/dhcp
+ipam netplane/ipam
+e2e tests/e2e -test.run ^TestKernelMatrix|^TestNatPath
+SUITE
+}
+
+# Userspace for the VM: the host's binaries and the libraries they load.
+tools=(nft ip bridge conntrack bpftool nsenter ss sysctl socat iptables kmod)
+
+build_payload() {
+  local p=$1
+  rm -rf "$p"; mkdir -p "$p"/{bin,sbin,usr/bin,usr/sbin,etc,proc,sys,dev,tmp,run,var/run,root,tests,src}
+  cp /bin/busybox "$p/bin/busybox"
+  for a in $(/bin/busybox --list); do
+    [ "$a" = busybox ] || [ -e "$p/bin/$a" ] || ln -s busybox "$p/bin/$a"
+  done
+  local t f lib
+  for t in "${tools[@]}"; do
+    f=$(command -v "$t") || { echo "test-kernels: $t is not installed (scripts/deps.sh)" >&2; return 1; }
+    f=$(readlink -f "$f")
+    mkdir -p "$p/$(dirname "$f")"; cp -L "$f" "$p/$f"
+    for lib in $(ldd "$f" | grep -o '/[^ ]*'); do
+      mkdir -p "$p/$(dirname "$lib")"; cp -Ln "$lib" "$p/$lib" 2>/dev/null || true
+    done
+    # Its own name in PATH, not busybox's applet of that name.
+    rm -f "$p/bin/$t"
+    case "$f" in /usr/sbin/"$t" | /usr/bin/"$t" | /sbin/"$t" | /bin/"$t") ;; *) ln -sf "$f" "$p/usr/sbin/$t" ;; esac
+  done
+  for a in modprobe insmod lsmod depmod rmmod modinfo; do rm -f "$p/bin/$a"; ln -sf "$(readlink -f "$(command -v kmod)")" "$p/sbin/$a"; done
+  # nft and iproute2 read these; libnftables its rt tables.
+  cp /etc/protocols /etc/services "$p/etc/"
+  [ -d /etc/iproute2 ] && cp -a /etc/iproute2 "$p/etc/"
+  [ -d /usr/share/iproute2 ] && { mkdir -p "$p/usr/share"; cp -a /usr/share/iproute2 "$p/usr/share/"; }
+  echo "root:x:0:0:root:/root:/bin/sh" > "$p/etc/passwd"
+  echo "root:x:0:" > "$p/etc/group"
+  install -m 0755 "$here/init" "$p/init"
+  suite > "$p/etc/brk-suite"
+  # The test binaries, and the repository's files they read (testdata,
+  # scripts) at the same paths relative to their package.
+  (cd "$repo" && go test -c -ldflags='-s -w' -o "$p/tests/" ./internal/kernelfeat ./bpf/... ./netplane/... ./tests/e2e >/dev/null)
+  (cd "$repo" && go build -ldflags='-s -w' -o "$p/tests/bin/" ./cmd/brokkrd ./cmd/brokkr)
+  (cd "$repo" && git ls-files -z --cached --others --exclude-standard | grep -zv '\.o$' | xargs -0 cp --parents -t "$p/src/" 2>/dev/null || true)
+  (cd "$p" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) > "$p.cpio"
+}
+
+# count FILE: passed failed skipped of one -test.v stream (subtests count
+# too), plus one failure per package binary that exited non-zero without a
+# --- FAIL line (a panic, a timeout, a binary that did not start).
+count() {
+  awk '
+    /^[[:space:]]*--- PASS:/ { p++ }
+    /^[[:space:]]*--- FAIL:/ { f++; pf[pkg]++ }
+    /^[[:space:]]*--- SKIP:/ { s++ }
+    /^BRK-BEGIN / { pkg=$2 }
+    /^BRK-END / { if ($3 != 0 && !pf[$2]) f++ }
+    /^BRK-DONE/ { done=1 }
+    END { if (!done) f++; printf "%d passed, %d failed, %d skipped\n", p, f, s }' "$1"
+}
+
+# details FILE: the failed tests, and the skipped ones grouped by the
+# reason they gave (go test -v prints a test's log before its --- line).
+details() {
+  awk '
+    /^BRK-BEGIN / { pkg=$2; next }
+    /^BRK-END / { if ($3 != 0) print "    " pkg ": exit " $3; next }
+    /^BRK-NOMOD / { print "    module " $2 " did not load"; next }
+    /^=== (RUN|CONT|NAME)/ { cur=$3; next }
+    /^[[:space:]]+[A-Za-z0-9_]+\.go:[0-9]+: / { l=$0; sub(/^[[:space:]]+[A-Za-z0-9_]+\.go:[0-9]+: /, "", l); said[cur]=l; next }
+    /^[[:space:]]*--- FAIL:/ { l=$0; sub(/^[[:space:]]*--- FAIL: /, "", l); print "    " pkg ": FAIL " l; next }
+    /^[[:space:]]*--- SKIP:/ {
+      l=$0; sub(/^[[:space:]]*--- SKIP: /, "", l); sub(/ \(.*$/, "", l)
+      k=pkg ": " said[l]; if (!(k in n)) order[++m]=k; n[k]++; if (n[k] <= 2) names[k]=names[k] (n[k]>1 ? ", " : "") l
+    }
+    END { for (i=1; i<=m; i++) { k=order[i]; printf "    skipped %d in %s\n        (%s%s)\n", n[k], k, names[k], (n[k] > 2 ? ", ..." : "") } }' "$1"
+}
+
+run_vm() {
+  local line=$1 k="$cache/$1" r="$cache/run-$1"
+  rm -rf "$r"; mkdir -p "$r"
+  cat "$k/modules.cpio" "$payload.cpio" > "$r/initrd"
+  local start=$SECONDS
+  # TCG: this host's /dev/kvm does not run Debian's kernels. Two vCPUs,
+  # one host thread each; no NIC (the tests make their own namespaces).
+  timeout --foreground "$((KERNELS_TIMEOUT * 60))" qemu-system-x86_64 -machine q35 -accel tcg,thread=multi -cpu max -smp 2 -m 3072 \
+    -kernel "$k/vmlinuz" -initrd "$r/initrd" -append "console=ttyS0 panic=-1 quiet" \
+    -display none -no-reboot -nic none -monitor none \
+    -serial "file:$r/console.log" -serial "file:$r/results.raw" </dev/null >"$r/qemu.log" 2>&1 || true
+  rm -f "$r/initrd"
+  tr -d '\r' < "$r/results.raw" > "$r/results.log"; rm -f "$r/results.raw"
+  echo "$((SECONDS - start))" > "$r/seconds"
+}
+
+run_host() {
+  local r="$cache/run-host"
+  rm -rf "$r"; mkdir -p "$r"
+  local start=$SECONDS pkg dir args rc
+  {
+    echo "BRK-KERNEL $(uname -r)"
+    while read -r pkg dir args; do
+      echo "BRK-BEGIN $pkg"
+      # shellcheck disable=SC2086
+      (cd "$repo/$dir" && BROKKR_E2E_BIN="$payload/tests/bin" "$payload/tests/$pkg.test" -test.v -test.count=1 -test.timeout=20m $args 2>&1) && rc=0 || rc=$?
+      echo "BRK-END $pkg $rc"
+    done < <(suite)
+    echo "BRK-DONE"
+  } > "$r/results.log"
+  echo "$((SECONDS - start))" > "$r/seconds"
+}
+
+for line in $KERNELS; do fetch_kernel "$line"; done
+payload="$cache/payload"
+echo "test-kernels: building the test binaries and the VM's userspace"
+build_payload "$payload"
+
+total_p=0 total_f=0 total_s=0
+report() {
+  local name=$1 log=$2 secs=$3 c
+  c=$(count "$log")
+  echo "kernel $name: $c (${secs}s)"
+  details "$log"
+  read -r p _ f _ s _ <<<"$c"
+  total_p=$((total_p + p)) total_f=$((total_f + f)) total_s=$((total_s + s))
+}
+for line in $KERNELS; do
+  echo "test-kernels: booting $(cat "$cache/$line/release") under QEMU TCG"
+  run_vm "$line"
+  r="$cache/run-$line"
+  rel=$(awk '/^BRK-KERNEL /{print $2; exit}' "$r/results.log")
+  report "${rel:-$(cat "$cache/$line/release") (did not boot: see $r/console.log)}" "$r/results.log" "$(cat "$r/seconds")"
+done
+if [ "$HOST" = 1 ]; then
+  run_host
+  report "$(uname -r) (host)" "$cache/run-host/results.log" "$(cat "$cache/run-host/seconds")"
+fi
+rm -rf "$payload" "$payload.cpio"
+echo "kernel-matrix: $total_p passed, $total_f failed, $total_s skipped"
+[ "$total_f" = 0 ]
+exit
+}
