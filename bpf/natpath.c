@@ -329,6 +329,19 @@ static __always_inline int track(__u64 ctp, struct nf_conn *ct, struct nat_flow 
 	return 0;
 }
 
+// first_packet reports whether the flow f, found for a conntrack entry not
+// confirmed yet, was tracked by this very packet: another copy of these
+// programs at the same hook ran first (while an upgrade attaches the new
+// programs before it detaches the old ones, both run). The same original
+// tuple and, for TCP, the same initial sequence number tell it from a
+// leftover of a dead entry whose memory was reused.
+static __always_inline int first_packet(struct nf_conn *ct, struct nat_flow *f, struct pkt *p)
+{
+	if (!same_tuple(ct, f))
+		return 0;
+	return p->proto != IPPROTO_TCP || f->next_seq[0] == p->seq + 1;
+}
+
 static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 {
 	struct sk_buff *skb = ctx->skb;
@@ -355,7 +368,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	int reply = ctinfo >= IP_CT_IS_REPLY;
 
 	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
-	if (f && !(ct->status & (1UL << IPS_CONFIRMED_BIT))) {
+	if (f && !(ct->status & (1UL << IPS_CONFIRMED_BIT)) && !first_packet(ct, f, &p)) {
 		// An entry for a conntrack entry not confirmed yet is a
 		// leftover: its entry died and the memory was reused before the
 		// flow's timer noticed. Settle it and start afresh.
@@ -394,6 +407,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 		if (p.proto != IPPROTO_TCP || (hook == NF_INET_PRE_ROUTING && in_guest_net(p.saddr)))
 			return NF_DROP;
 		nf.flags = F_REFUSED;
+		nf.next_seq[0] = p.seq + 1; // for first_packet
 		if (track(ctp, ct, &nf))
 			return NF_DROP;
 		return NF_ACCEPT;

@@ -25,8 +25,14 @@ func MarkOf(slot int) uint32 { return uint32(slot+1) | MarkOwned }
 
 // NetfilterPriority is where the nat-path programs sit: right after the DNAT
 // (nft nat chains at -100), so a connection's first packet already carries
-// its exposure's mark.
-const NetfilterPriority = -99
+// its exposure's mark. A replaced program goes to the other of the two
+// (netfilterPriorityAlt): the kernel refuses a second BPF program at one
+// hook and priority (EBUSY) and cannot update a netfilter link in place, so
+// the new link is attached beside the old one before the old one goes.
+const (
+	NetfilterPriority    = -99
+	netfilterPriorityAlt = -98
+)
 
 // Pin names of the nat path's links under bpfDir. The links keep the
 // programs attached while no daemon runs; a new daemon adopts them.
@@ -100,15 +106,19 @@ func loadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	type want struct {
 		pin    string
 		prog   *ebpf.Program
-		attach func() (link.Link, error)
+		attach func(old *link.Info) (link.Link, error)
 		same   func(*link.Info) bool
 	}
-	nf := func(hook link.NetfilterInetHook, p *ebpf.Program) func() (link.Link, error) {
-		return func() (link.Link, error) {
+	nf := func(hook link.NetfilterInetHook, p *ebpf.Program) func(*link.Info) (link.Link, error) {
+		return func(old *link.Info) (link.Link, error) {
+			prio := int32(NetfilterPriority)
+			if o := nfInfo(old); o != nil && o.Priority == NetfilterPriority {
+				prio = netfilterPriorityAlt
+			}
 			var l link.Link
 			err := cfg.InNS(func() (err error) {
 				l, err = link.AttachNetfilter(link.NetfilterOptions{Program: p, ProtocolFamily: link.NetfilterProtoIPv4,
-					Hook: hook, Priority: NetfilterPriority})
+					Hook: hook, Priority: prio})
 				return err
 			})
 			return l, err
@@ -117,7 +127,7 @@ func loadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	wants := []want{
 		{pinNatPre, n.objs.BrkNatPre, nf(link.NetfilterInetPreRouting, n.objs.BrkNatPre), nil},
 		{pinNatOut, n.objs.BrkNatOut, nf(link.NetfilterInetLocalOut, n.objs.BrkNatOut), nil},
-		{pinNatReflect, n.objs.BrkNatReflect, func() (link.Link, error) {
+		{pinNatReflect, n.objs.BrkNatReflect, func(*link.Info) (link.Link, error) {
 			var l link.Link
 			err := cfg.InNS(func() (err error) {
 				l, err = link.AttachTCX(link.TCXOptions{Interface: cfg.Bridge, Program: n.objs.BrkNatReflect, Attach: ebpf.AttachTCXEgress})
@@ -242,17 +252,19 @@ func detachNatPath(dir string) error {
 // adoptOrAttach keeps a pinned link that runs the same program (by tag) and
 // passes same; otherwise it attaches prog, pins the new link, and only then
 // detaches the old one, so the hook is never empty.
-func adoptOrAttach(pin string, prog *ebpf.Program, attach func() (link.Link, error), same func(*link.Info) bool) (link.Link, error) {
+func adoptOrAttach(pin string, prog *ebpf.Program, attach func(old *link.Info) (link.Link, error), same func(*link.Info) bool) (link.Link, error) {
 	old, err := link.LoadPinnedLink(pin, nil)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("loading pinned link: %w", err)
 	}
+	var oldInfo *link.Info
 	if old != nil {
 		if sameProgram(old, prog, same) {
 			return old, nil
 		}
+		oldInfo, _ = old.Info()
 	}
-	l, err := attach()
+	l, err := attach(oldInfo)
 	if err != nil {
 		if old != nil {
 			old.Close()
@@ -268,6 +280,13 @@ func adoptOrAttach(pin string, prog *ebpf.Program, attach func() (link.Link, err
 		return nil, fmt.Errorf("pinning: %w", err)
 	}
 	return l, nil
+}
+
+func nfInfo(i *link.Info) *link.NetfilterInfo {
+	if i == nil {
+		return nil
+	}
+	return i.Netfilter()
 }
 
 func sameProgram(l link.Link, prog *ebpf.Program, same func(*link.Info) bool) bool {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -123,4 +124,44 @@ func breakNatFlowsPin(t *testing.T, pins string) {
 	pin := filepath.Join(pins, "nat_flows")
 	require.NoError(t, os.Remove(pin))
 	require.NoError(t, m.Pin(pin))
+}
+
+// While an upgrade replaces the programs both copies run, one after the
+// other at the same hooks (the new at the other priority): a connection
+// is admitted once and its bytes counted once. (Fails with first_packet's
+// test removed from account(): the second copy takes the first one's new
+// flow for a leftover and admits the connection again.)
+func TestTwoCopiesOfTheProgramsCountEachConnectionOnce(t *testing.T) {
+	tp := newNatTopo(t, 0)
+	np := tp.load(t)
+	defer np.Close()
+	var second natpathObjects
+	require.NoError(t, loadNatpathObjects(&second, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: tp.pins}}))
+	defer second.Close()
+	for _, h := range []struct {
+		hook link.NetfilterInetHook
+		prog *ebpf.Program
+	}{{link.NetfilterInetPreRouting, second.BrkNatPre}, {link.NetfilterInetLocalOut, second.BrkNatOut}} {
+		var l link.Link
+		require.NoError(t, tp.host.Do(func() (err error) {
+			l, err = link.AttachNetfilter(link.NetfilterOptions{Program: h.prog, ProtocolFamily: link.NetfilterProtoIPv4,
+				Hook: h.hook, Priority: netfilterPriorityAlt})
+			return err
+		}))
+		defer l.Close()
+	}
+	for i := 0; i < 5; i++ {
+		c, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+		require.NoError(t, err)
+		roundTrip(t, c, []byte("0123456789"))
+		require.NoError(t, c.Close())
+	}
+	eventually(t, "every place given back", func() bool { return tp.slot.Read().Active == 0 })
+	c := tp.slot.Read()
+	assert.EqualValues(t, 5, c.Accepted)
+	assert.EqualValues(t, 50, c.BytesIn)
+	assert.EqualValues(t, 50, c.BytesOut)
+	k, p := tp.slot.Shares()
+	assert.Zero(t, k)
+	assert.Zero(t, p)
 }

@@ -41,6 +41,9 @@ func TestMain(m *testing.M) {
 	if addr := os.Getenv(loaderEnv); addr != "" {
 		os.Exit(loaderMain(addr))
 	}
+	if os.Getenv(callerEnv) != "" {
+		os.Exit(callerMain())
+	}
 	os.Exit(m.Run())
 }
 
@@ -290,6 +293,8 @@ type rig struct {
 	binA, binB     string
 	cfg, sock, log string
 	cgroup         string
+	dir, bpfDir    string
+	exposures      int // how many the config has: all active is "serving"
 }
 
 const cfgTemplate = `
@@ -342,7 +347,7 @@ func (r *rig) start(bin string) {
 func (r *rig) waitServing() {
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
-		if st, err := api.NewClient(r.sock).Status(context.Background()); err == nil && len(st.Exposures) == 4 {
+		if st, err := api.NewClient(r.sock).Status(context.Background()); err == nil && len(st.Exposures) == r.exposures {
 			ok := true
 			for _, e := range st.Exposures {
 				ok = ok && e.State == "active"
@@ -353,7 +358,7 @@ func (r *rig) waitServing() {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	r.t.Fatalf("brokkrd did not serve all four exposures within 30 s; log:\n%s", tailFile(r.log, 4000))
+	r.t.Fatalf("brokkrd did not serve all %d exposures within 30 s; log:\n%s", r.exposures, tailFile(r.log, 4000))
 }
 
 func tailFile(path string, n int) string {
@@ -528,70 +533,15 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 	nstest.RequireRoot(t)
 	restarts, upgrades, kills := envInt("RESTARTS", 20), envInt("UPGRADES", 5), envInt("KILLS", 5)
 
-	dir, err := os.MkdirTemp("", "brk-rs-")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	r := &rig{t: t, log: filepath.Join(dir, "brokkrd.log"), sock: filepath.Join(dir, "run", "brokkr.sock"), cfg: filepath.Join(dir, "brokkr.yaml")}
+	r := newRig(t, cfgTemplate)
 	for _, b := range []struct {
 		out *string
 		ver string
 	}{{&r.binA, "restart-a"}, {&r.binB, "restart-b"}} {
-		*b.out = filepath.Join(dir, b.ver, "brokkrd")
-		cmd := exec.Command("go", "build", "-ldflags", "-X github.com/brokkr/brokkr/daemon/api.version="+b.ver,
-			"-o", *b.out, "github.com/brokkr/brokkr/cmd/brokkrd")
-		cmd.Stderr = os.Stderr
-		require.NoError(t, cmd.Run())
+		*b.out = buildDaemon(t, filepath.Join(r.dir, b.ver), b.ver)
 	}
-	r.cgroup = fmt.Sprintf("/sys/fs/cgroup/unified/brk-rs-%d", os.Getpid())
-	require.NoError(t, os.Mkdir(r.cgroup, 0o755))
-	t.Cleanup(func() { _ = os.Remove(r.cgroup) })
-	bpfDir := fmt.Sprintf("/sys/fs/bpf/brk-rs-%d", os.Getpid())
-	t.Cleanup(func() { os.RemoveAll(bpfDir) })
-	cfg := strings.NewReplacer("{{state}}", filepath.Join(dir, "state"), "{{run}}", filepath.Join(dir, "run"), "{{bpf}}", bpfDir).Replace(cfgTemplate)
-	require.NoError(t, os.WriteFile(r.cfg, []byte(cfg), 0o600))
-
-	r.host = nstest.New(t, "host")
-	r.client = nstest.New(t, "client")
-	nstest.Link(t, r.host, "brk-rs-h", "192.0.2.1/24", r.client, "brk-rs-c", "192.0.2.2/24")
-	r.sd = newFakeSystemd(t, dir)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("brokkrd log:\n%s", tailFile(r.log, 6000))
-		}
-		if pid := r.sd.pid(); pid > 0 && alive(pid) {
-			_ = syscall.Kill(pid, syscall.SIGTERM)
-			if !waitGone(pid, 20*time.Second) {
-				_ = syscall.Kill(pid, syscall.SIGKILL)
-			}
-		}
-	})
 	r.start(r.binA)
-
-	// The guest: an echo server in a namespace on brokkr's bridge.
-	g := nstest.New(t, "guest")
-	r.host.MustRun(t, "ip", "link", "add", "brk-rs-g", "type", "veth", "peer", "name", "eth0", "netns", g.Name)
-	r.host.MustRun(t, "ip", "link", "set", "brk-rs-g", "master", "brk-rs0", "up")
-	g.MustRun(t, "ip", "addr", "add", "10.213.9.200/24", "dev", "eth0")
-	g.MustRun(t, "ip", "link", "set", "eth0", "up")
-	g.MustRun(t, "ip", "route", "add", "default", "via", "10.213.9.1")
-	g.ServeEcho(t, ":7000")
-	var gwg sync.WaitGroup
-	var pc net.PacketConn
-	require.NoError(t, g.Do(func() (err error) { pc, err = net.ListenPacket("udp4", ":7001"); return err }))
-	t.Cleanup(func() { pc.Close(); gwg.Wait() })
-	gwg.Add(1)
-	go func() {
-		defer gwg.Done()
-		buf := make([]byte, 512)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			port := strconv.Itoa(from.(*net.UDPAddr).Port)
-			_, _ = pc.WriteTo(append([]byte(port+":"), buf[:n]...), from)
-		}
-	}()
+	r.startGuest()
 	require.Eventually(t, func() bool { return len(r.sd.storedNames()) == 1 }, 10*time.Second, 20*time.Millisecond,
 		"the proxy's listener is in the fd store")
 
@@ -607,7 +557,7 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 		time.Sleep(500 * time.Millisecond)
 	}
 	// New processes that fail: the running one says so and serves on.
-	r.failedUpgrade(dir)
+	r.failedUpgrade(r.dir)
 	time.Sleep(500 * time.Millisecond)
 	p.end()
 	planned := time.Since(start)
@@ -711,4 +661,84 @@ func (r *rig) counters(name string) api.Exposure {
 	}
 	r.t.Fatalf("no exposure %s in the status", name)
 	return api.Exposure{}
+}
+
+// newRig makes the namespaces, the child cgroup, the pins' directory and
+// the fake systemd of one brokkrd, with cfgTemplate's exposures (not yet
+// started); everything goes at cleanup.
+func newRig(t *testing.T, cfgTemplate string) *rig {
+	t.Helper()
+	nstest.RequireRoot(t)
+	dir, err := os.MkdirTemp("", "brk-rs-")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	r := &rig{t: t, dir: dir, log: filepath.Join(dir, "brokkrd.log"), sock: filepath.Join(dir, "run", "brokkr.sock"), cfg: filepath.Join(dir, "brokkr.yaml")}
+	r.exposures = strings.Count(cfgTemplate, "{name:")
+	r.cgroup = fmt.Sprintf("/sys/fs/cgroup/unified/%s", nstest.Name(t, "cg"))
+	_ = os.Remove(r.cgroup) // a leftover of a killed run
+	require.NoError(t, os.Mkdir(r.cgroup, 0o755))
+	t.Cleanup(func() { _ = os.Remove(r.cgroup) })
+	r.bpfDir = fmt.Sprintf("/sys/fs/bpf/%s-%d", nstest.Name(t, "bpf"), os.Getpid())
+	t.Cleanup(func() { os.RemoveAll(r.bpfDir) })
+	cfg := strings.NewReplacer("{{state}}", filepath.Join(dir, "state"), "{{run}}", filepath.Join(dir, "run"), "{{bpf}}", r.bpfDir).Replace(cfgTemplate)
+	require.NoError(t, os.WriteFile(r.cfg, []byte(cfg), 0o600))
+
+	r.host = nstest.New(t, "host")
+	r.client = nstest.New(t, "client")
+	nstest.Link(t, r.host, "brk-rs-h", "192.0.2.1/24", r.client, "brk-rs-c", "192.0.2.2/24")
+	r.sd = newFakeSystemd(t, dir)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("brokkrd log:\n%s", tailFile(r.log, 6000))
+		}
+		if pid := r.sd.pid(); pid > 0 && alive(pid) {
+			_ = syscall.Kill(pid, syscall.SIGTERM)
+			if !waitGone(pid, 20*time.Second) {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+	})
+	return r
+}
+
+// buildDaemon builds the tree's brokkrd into dir, stamped with version.
+func buildDaemon(t *testing.T, dir, version string) string {
+	t.Helper()
+	out := filepath.Join(dir, "brokkrd")
+	cmd := exec.Command("go", "build", "-ldflags", "-X github.com/brokkr/brokkr/daemon/api.version="+version,
+		"-o", out, "github.com/brokkr/brokkr/cmd/brokkrd")
+	cmd.Stderr = os.Stderr
+	require.NoError(t, cmd.Run())
+	return out
+}
+
+// startGuest puts the guest on brokkr's bridge (a namespace, 10.213.9.200):
+// a TCP echo server on 7000 and a UDP one on 7001 that answers
+// "<its peer's port>:<datagram>".
+func (r *rig) startGuest() {
+	t := r.t
+	g := nstest.New(t, "guest")
+	r.host.MustRun(t, "ip", "link", "add", "brk-rs-g", "type", "veth", "peer", "name", "eth0", "netns", g.Name)
+	r.host.MustRun(t, "ip", "link", "set", "brk-rs-g", "master", "brk-rs0", "up")
+	g.MustRun(t, "ip", "addr", "add", "10.213.9.200/24", "dev", "eth0")
+	g.MustRun(t, "ip", "link", "set", "eth0", "up")
+	g.MustRun(t, "ip", "route", "add", "default", "via", "10.213.9.1")
+	g.ServeEcho(t, ":7000")
+	var gwg sync.WaitGroup
+	var pc net.PacketConn
+	require.NoError(t, g.Do(func() (err error) { pc, err = net.ListenPacket("udp4", ":7001"); return err }))
+	t.Cleanup(func() { pc.Close(); gwg.Wait() })
+	gwg.Add(1)
+	go func() {
+		defer gwg.Done()
+		buf := make([]byte, 512)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			port := strconv.Itoa(from.(*net.UDPAddr).Port)
+			_, _ = pc.WriteTo(append([]byte(port+":"), buf[:n]...), from)
+		}
+	}()
 }
