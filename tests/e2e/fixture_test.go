@@ -41,6 +41,9 @@ type fixture struct {
 	daemon       *exec.Cmd
 	done         chan error
 	guest        string
+	// cgroup is where the daemon attaches the socket path (BROKKR_CGROUP);
+	// "" keeps it off, as the shared fixture does.
+	cgroup string
 	// baseDesired is desired.json as the base config left it (the shared
 	// fixture only): a test that changed the desired state leaves it
 	// different, and the next test's reset applies the base again.
@@ -344,8 +347,13 @@ func (e *env) startDaemon() {
 	logf, err := os.OpenFile(e.logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
 	require.NoError(e.t, err)
 	cmd := e.host.Command(filepath.Join(bin, "brokkrd"), "--config", e.cfgPath)
-	// Never attach the socket path to the host's root cgroup from a test.
-	cmd.Env = append(os.Environ(), "BROKKR_CGROUP=off")
+	// Never attach the socket path to the host's root cgroup from a test:
+	// off, or a child cgroup of the test's own.
+	cg := "off"
+	if e.cgroup != "" {
+		cg = e.cgroup
+	}
+	cmd.Env = append(os.Environ(), "BROKKR_CGROUP="+cg)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	require.NoError(e.t, cmd.Start())
 	logf.Close()

@@ -43,9 +43,7 @@ func TestMain(m *testing.M) {
 	if addr := os.Getenv(loaderEnv); addr != "" {
 		os.Exit(loaderMain(addr))
 	}
-	if os.Getenv(callerEnv) != "" {
-		os.Exit(callerMain())
-	}
+	nstest.CallerMain()
 	os.Exit(m.Run())
 }
 
@@ -854,10 +852,7 @@ func newRig(t *testing.T, cfgTemplate string) *rig {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	r := &rig{t: t, dir: dir, log: filepath.Join(dir, "brokkrd.log"), sock: filepath.Join(dir, "run", "brokkr.sock"), cfg: filepath.Join(dir, "brokkr.yaml")}
 	r.exposures = strings.Count(cfgTemplate, "{name:")
-	r.cgroup = fmt.Sprintf("/sys/fs/cgroup/unified/%s", nstest.Name(t, "cg"))
-	_ = os.Remove(r.cgroup) // a leftover of a killed run
-	require.NoError(t, os.Mkdir(r.cgroup, 0o755))
-	t.Cleanup(func() { _ = os.Remove(r.cgroup) })
+	r.cgroup = nstest.ChildCgroup(t)
 	r.bpfDir = fmt.Sprintf("/sys/fs/bpf/%s-%d", nstest.Name(t, "bpf"), os.Getpid())
 	t.Cleanup(func() { os.RemoveAll(r.bpfDir) })
 	cfg := strings.NewReplacer("{{state}}", filepath.Join(dir, "state"), "{{run}}", filepath.Join(dir, "run"), "{{bpf}}", r.bpfDir).Replace(cfgTemplate)
