@@ -33,12 +33,15 @@ func CallerMain() {
 //	probe ADDR   dial and echo "probe": "accepted", or "refused WHY"
 //	echo N MSG   echo MSG on held connection N: "ok"
 //	close N      close held connection N (a FIN) and wait for the peer's: "ok"
+//	udp ADDR     a connected UDP socket, one datagram echoed: "ok N"
+//	uecho N MSG  echo MSG on UDP socket N: "ok", or "err" and why
 //
 // It runs where a test cannot run a goroutine: in a cgroup of its own
 // (cgroup membership is per process), such as the child cgroup a socket
 // path is attached to.
 func callerMain() int {
 	var held []net.Conn
+	var udp []*net.UDPConn
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
 		f := strings.Fields(in.Text())
@@ -63,6 +66,30 @@ func callerMain() int {
 			}
 			c.Close()
 			fmt.Println("accepted")
+		case "udp":
+			c, err := net.Dial("udp", f[1])
+			if err == nil {
+				if err = udpEcho(c.(*net.UDPConn), "udp"); err != nil {
+					c.Close()
+				}
+			}
+			if err != nil {
+				fmt.Println("err", err)
+				continue
+			}
+			udp = append(udp, c.(*net.UDPConn))
+			fmt.Println("ok", len(udp)-1)
+		case "uecho":
+			i, err := strconv.Atoi(f[1])
+			if err != nil || i < 0 || i >= len(udp) || len(f) != 3 {
+				fmt.Println("err no socket", f[1])
+				continue
+			}
+			if err := udpEcho(udp[i], f[2]); err != nil {
+				fmt.Println("err", err)
+				continue
+			}
+			fmt.Println("ok")
 		case "echo", "close":
 			i, err := strconv.Atoi(f[1])
 			if err != nil || i < 0 || i >= len(held) || held[i] == nil {
@@ -85,6 +112,29 @@ func callerMain() int {
 		}
 	}
 	return 0
+}
+
+// udpEcho sends msg on a connected UDP socket and reads the echo: the
+// receive's error when there is none.
+func udpEcho(c *net.UDPConn, msg string) error {
+	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+	defer c.SetDeadline(time.Time{})
+	if _, err := c.Write([]byte(msg)); err != nil {
+		// A disconnected socket cannot send; the pending error says why.
+		if _, rerr := c.Read(make([]byte, 1)); rerr != nil {
+			return rerr
+		}
+		return err
+	}
+	buf := make([]byte, len(msg)+1)
+	n, err := c.Read(buf)
+	if err != nil {
+		return err
+	}
+	if string(buf[:n]) != msg {
+		return fmt.Errorf("udp echo: got %q", buf[:n])
+	}
+	return nil
 }
 
 // DialEcho connects and echoes msg once: a connection carried end to end.
@@ -200,6 +250,29 @@ func (c *Caller) Probe(addr string) (refused bool, why string) {
 		c.t.Fatalf("probe %s: %s", addr, ans)
 	}
 	return true, why
+}
+
+// UDP makes a connected UDP socket to addr that carried one datagram
+// both ways, and returns its index for UDPEcho.
+func (c *Caller) UDP(addr string) string {
+	c.t.Helper()
+	ans := c.do("udp " + addr)
+	n, ok := strings.CutPrefix(ans, "ok ")
+	if !ok {
+		c.t.Fatalf("udp %s: %s", addr, ans)
+	}
+	return n
+}
+
+// UDPEcho sends msg on UDP socket i and waits for the echo: "" when it
+// came back, else the error.
+func (c *Caller) UDPEcho(i, msg string) string {
+	c.t.Helper()
+	ans := c.do("uecho " + i + " " + msg)
+	if ans == "ok" {
+		return ""
+	}
+	return strings.TrimPrefix(ans, "err ")
 }
 
 // Held is a held connection: in this process (Conn) or in a caller's.

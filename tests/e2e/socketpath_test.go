@@ -16,6 +16,7 @@ import (
 // sockExposures: auto exposures of the VM, as production runs them (the
 // default mode), one capped at 2 for callers of both paths.
 const sockExposures = `  - {name: sp-echo, vm: e2e, guestPort: 7000, hostPort: 7090, mode: auto, maxConns: 2}
+  - {name: sp-udp, vm: e2e, protocol: udp, guestPort: 7001, hostPort: 7091, mode: auto}
 `
 
 // listening is how many sockets listen on port in ns (ss, as an operator
@@ -135,4 +136,21 @@ func TestTheSocketPathThroughTheRealDaemon(t *testing.T) {
 	c.Close(t)
 	b.Close(t)
 	e.waitStatus("every place given back", 10*time.Second, func(st api.Status) bool { return echo(st).Active == 0 })
+
+	// A connected UDP socket of a host-local caller follows its exposure:
+	// deleted, the daemon closes it (in its namespace) and gives its place
+	// back, rather than leave it sending to the guest (cilium/cilium#12859).
+	u := local.UDP("127.0.0.1:7091")
+	require.Empty(t, local.UDPEcho(u, "still"))
+	x, _ = exposure(e.status(), "sp-udp")
+	require.EqualValues(t, 1, x.Active)
+	smaller := e.state + "/no-udp.yaml"
+	e.writeConfig(smaller, strings.SplitAfter(sockExposures, "\n")[0])
+	_, errs, code = e.brokkr("apply", "-f", smaller)
+	require.Equal(t, 0, code, errs)
+	require.Eventually(t, func() bool { why = local.UDPEcho(u, "gone"); return why != "" }, 10*time.Second, 100*time.Millisecond,
+		"the deleted exposure's connected UDP socket still reaches the guest")
+	assert.Contains(t, why, "connection abort", "closed by the socket path, as the README says")
+	dump = e.bpftoolDump(t)["sp-udp"]
+	assert.Zero(t, dump.Active+dump.Accepted, "its slot freed with the exposure")
 }
