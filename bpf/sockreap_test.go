@@ -62,7 +62,7 @@ func TestAConnectedUDPSocketOfAMovedOrRemovedExposureIsClosed(t *testing.T) {
 	require.ErrorIs(t, err, syscall.ECONNABORTED, "the moved exposure's socket is told at its next call")
 	assert.EqualValues(t, 0, tp.slot.Read().Active, "its place given back")
 	roundTrip(t, direct, []byte("mine")) // untouched
-	b := udp("127.0.0.1:8080")          // a new caller reaches the new guest
+	b := udp("127.0.0.1:8080")           // a new caller reaches the new guest
 	assert.EqualValues(t, 1, tp.slot.Read().Active)
 
 	// Gone: the same.

@@ -313,8 +313,8 @@ func (f *releaseFlows) exact(r *rig, what string) {
 // keeps it loaded), the flows go on, the caps hold with the places they
 // had, and every counter is exact.
 func TestUpgradeFromThePreviousRelease(t *testing.T) {
+	r := newRig(t, releaseExposures) // skips without root
 	old := previousBinary(t)
-	r := newRig(t, releaseExposures)
 	r.binA = buildDaemon(t, filepath.Join(r.dir, "tree"), "tree")
 	r.start(old)
 	r.startGuest()
@@ -376,8 +376,8 @@ func TestUpgradeFromThePreviousRelease(t *testing.T) {
 // nothing counted into another exposure's slot, as the fallback's marks
 // read by the old programs would be.
 func TestAnUpgradeWhoseProgramsCannotLoadKeepsTheOldOnesServing(t *testing.T) {
+	r := newRig(t, releaseExposures) // skips without root
 	old := previousBinary(t)
-	r := newRig(t, releaseExposures)
 	r.binA = buildDaemon(t, filepath.Join(r.dir, "tree"), "tree")
 	r.start(old)
 	r.startGuest()
