@@ -446,39 +446,51 @@ type udpCounts struct {
 func udpLoad(c *net.UDPConn, stop <-chan struct{}) *udpCounts {
 	u := &udpCounts{GuestPorts: map[string]bool{}}
 	buf := make([]byte, 512)
+	answered := map[int]bool{}
+	// read takes answers until the one to want (or, want < 0, any) or the
+	// deadline; an answer to an earlier ask that came late counts too: a
+	// datagram is lost only if its answer never comes (a hand-over on a
+	// loaded machine can hold the flow for more than a second).
+	read := func(want int, until time.Time) {
+		_ = c.SetReadDeadline(until)
+		for {
+			n, err := c.Read(buf)
+			if err != nil {
+				return
+			}
+			u.BytesBack += int64(n)
+			port, got, _ := strings.Cut(string(buf[:n]), ":")
+			v, err := strconv.Atoi(got)
+			if err != nil || v >= int(u.Asked) || answered[v] {
+				u.Wrong++
+				continue
+			}
+			answered[v] = true
+			u.Answered++
+			u.GuestPorts[port] = true
+			if v == want || (want < 0 && u.Answered == u.Asked) {
+				return
+			}
+		}
+	}
 	for i := 0; ; i++ {
 		select {
 		case <-stop:
+			// The last answers, late or not.
+			if u.Answered < u.Asked {
+				read(-1, time.Now().Add(3*time.Second))
+			}
+			u.Lost = u.Asked - u.Answered
 			return u
 		case <-time.After(10 * time.Millisecond):
 		}
 		msg := strconv.Itoa(i)
 		u.Asked++
 		if _, err := c.Write([]byte(msg)); err != nil {
-			u.Lost++
-			continue
+			continue // lost: never answered
 		}
 		u.BytesSent += int64(len(msg))
-		_ = c.SetReadDeadline(time.Now().Add(time.Second))
-		for {
-			n, err := c.Read(buf)
-			if err != nil {
-				u.Lost++
-				break
-			}
-			u.BytesBack += int64(n)
-			port, got, _ := strings.Cut(string(buf[:n]), ":")
-			if got != msg {
-				if v, err := strconv.Atoi(got); err == nil && v < i {
-					continue // a late answer to an earlier one
-				}
-				u.Wrong++
-				break
-			}
-			u.Answered++
-			u.GuestPorts[port] = true
-			break
-		}
+		read(i, time.Now().Add(time.Second))
 	}
 }
 
