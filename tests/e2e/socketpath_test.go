@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"net"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -124,8 +126,10 @@ func TestTheSocketPathThroughTheRealDaemon(t *testing.T) {
 	// counted as it ended.
 	want := bpftoolEntry{Name: "sp-echo", HostPort: 7090, Active: 2, Accepted: base.Accepted + 3, Refused: base.Refused + 3,
 		BytesIn: base.BytesIn + 4 + 14, BytesOut: base.BytesOut + 4 + 14}
-	require.Eventually(t, func() bool { dump = e.bpftoolDump(t)["sp-echo"]; return dump == want }, 10*time.Second, 50*time.Millisecond,
-		"bpftool with no daemon: %+v, want %+v", dump, want)
+	if !assert.Eventually(t, func() bool { dump = e.bpftoolDump(t)["sp-echo"]; return dump == want }, 10*time.Second, 50*time.Millisecond) {
+		out, _ := exec.Command("bpftool", "-j", "map", "dump", "pinned", filepath.Join(e.bpfDir, "exposure_stats")).Output()
+		t.Fatalf("bpftool with no daemon: %+v, want %+v (base %+v)\n%s", dump, want, base, grepOccupied(string(out)))
+	}
 
 	e.startDaemon()
 	st = e.waitStatus("the restarted daemon", 30*time.Second, func(st api.Status) bool { return echo(st).State == "active" })
@@ -153,4 +157,15 @@ func TestTheSocketPathThroughTheRealDaemon(t *testing.T) {
 	assert.Contains(t, why, "connection abort", "closed by the socket path, as the README says")
 	dump = e.bpftoolDump(t)["sp-udp"]
 	assert.Zero(t, dump.Active+dump.Accepted, "its slot freed with the exposure")
+}
+
+// grepOccupied keeps bpftool's entries that carry a name.
+func grepOccupied(dump string) string {
+	var out []string
+	for _, part := range strings.Split(dump, "},{") {
+		if strings.Contains(part, `"name":"`) && !strings.Contains(part, `"name":""`) {
+			out = append(out, part)
+		}
+	}
+	return strings.Join(out, "\n")
 }
