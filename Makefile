@@ -68,8 +68,9 @@ test: deps vet check-generate guest-image
 	@scripts/clean-ns.sh
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./... ; rc=$$?; scripts/clean-ns.sh; exit $$rc
 
-# The restart/upgrade/crash soak (tests/restart, about 30 s on 2 cores): not
-# in `make test`. RESTARTS, UPGRADES, KILLS override 20, 5, 5.
+# The restart/upgrade/crash soak, long (tests/restart with BROKKR_SOAK=1):
+# `make test` runs it short (3 hand-overs, 2 upgrades, 2 SIGKILLs) with the
+# upgrade from the previous release. RESTARTS, UPGRADES, KILLS override 20, 5, 5.
 restart-soak: build
 	BROKKR_SOAK=1 $(GO) test -count=1 -v -timeout 10m ./tests/restart/ ./proxy/ -run 'Restart|Freeze|Thaw'
 

@@ -6,3 +6,4 @@ package bpf
 //go:generate go tool bpf2go -cc clang-14 -strip llvm-strip-14 -target bpfel -type nat_flow -type nat_cfg natpath natpath.c -- -O2 -g -Wall -mcpu=v3 -I..
 //go:generate go tool bpf2go -cc clang-14 -strip llvm-strip-14 -target bpfel wake wake.c -- -O2 -g -Wall -mcpu=v3 -I..
 //go:generate go tool bpf2go -cc clang-14 -strip llvm-strip-14 -target bpfel -type sock_key -type sock_target -type sock_target6 -type sock_cfg -type sock_xlate -type sock_xlate6 socklb socklb.c -- -O2 -g -Wall -mcpu=v3 -I..
+//go:generate go tool bpf2go -cc clang-14 -strip llvm-strip-14 -target bpfel sockreap sockreap.c -- -O2 -g -Wall -mcpu=v3 -I..

@@ -24,6 +24,12 @@
 //                             kernel has no ftrace, so no fentry on
 //                             nf_ct_destroy; one timer, not one per flow,
 //                             keeps a short connection free of timer work.)
+//   brk_nat_arm               run once by the loader (BPF_PROG_TEST_RUN), after
+//                             the links: (re)arms the sweeping timer with this
+//                             object's sweep. A bpf_timer runs the program that
+//                             set its callback, so without this an upgrade would
+//                             keep the previous binary's sweep running (and its
+//                             program loaded) for as long as the pinned map.
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_core_read.h>
@@ -96,11 +102,12 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } nat_flows SEC(".maps");
 
-// The sweep's timer. A netfilter program starts it on the first flow it
-// tracks; then it re-arms itself, and lives as long as the pinned map.
+// The sweep's timer. brk_nat_arm starts it (every load does, so the newest
+// program's sweep runs); then it re-arms itself, and lives as long as the
+// pinned map. The layout is the pinned map's: it stays as it was.
 struct nat_sweeper {
 	struct bpf_timer timer;
-	__u32 started;
+	__u32 started; // armed once (an older binary's programs test it)
 	__u32 pad;
 	__u64 sweeps; // for tests and operators: the sweep is running
 };
@@ -309,19 +316,6 @@ static int sweep(void *map, __u32 *key, struct nat_sweeper *s)
 	return 0;
 }
 
-static __always_inline void start_sweeper(void)
-{
-	__u32 k = 0;
-	struct nat_sweeper *s = bpf_map_lookup_elem(&nat_sweep, &k);
-	if (!s || *(volatile __u32 *)&s->started)
-		return;
-	if (__sync_val_compare_and_swap(&s->started, 0, 1) != 0)
-		return;
-	bpf_timer_init(&s->timer, &nat_sweep, 1 /* CLOCK_MONOTONIC */);
-	bpf_timer_set_callback(&s->timer, sweep);
-	bpf_timer_start(&s->timer, RECHECK_NS, 0);
-}
-
 // track inserts the flow; 0 on success.
 static __always_inline int track(__u64 ctp, struct nf_conn *ct, struct nat_flow *nf)
 {
@@ -333,8 +327,20 @@ static __always_inline int track(__u64 ctp, struct nf_conn *ct, struct nat_flow 
 	nf->proto = t->dst.protonum;
 	if (bpf_map_update_elem(&nat_flows, &ctp, nf, BPF_NOEXIST))
 		return -1;
-	start_sweeper();
 	return 0;
+}
+
+// first_packet reports whether the flow f, found for a conntrack entry not
+// confirmed yet, was tracked by this very packet: another copy of these
+// programs at the same hook ran first (while an upgrade attaches the new
+// programs before it detaches the old ones, both run). The same original
+// tuple and, for TCP, the same initial sequence number tell it from a
+// leftover of a dead entry whose memory was reused.
+static __always_inline int first_packet(struct nf_conn *ct, struct nat_flow *f, struct pkt *p)
+{
+	if (!same_tuple(ct, f))
+		return 0;
+	return p->proto != IPPROTO_TCP || f->next_seq[0] == p->seq + 1;
 }
 
 static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
@@ -363,7 +369,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	int reply = ctinfo >= IP_CT_IS_REPLY;
 
 	struct nat_flow *f = bpf_map_lookup_elem(&nat_flows, &ctp);
-	if (f && !(ct->status & (1UL << IPS_CONFIRMED_BIT))) {
+	if (f && !(ct->status & (1UL << IPS_CONFIRMED_BIT)) && !first_packet(ct, f, &p)) {
 		// An entry for a conntrack entry not confirmed yet is a
 		// leftover: its entry died and the memory was reused before the
 		// flow's timer noticed. Settle it and start afresh.
@@ -403,6 +409,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 		if (p.proto != IPPROTO_TCP || (hook == NF_INET_PRE_ROUTING && in_guest_net(p.saddr)))
 			return NF_DROP;
 		nf.flags = F_REFUSED;
+		nf.next_seq[0] = p.seq + 1; // for first_packet
 		if (track(ctp, ct, &nf))
 			return NF_DROP;
 		return NF_ACCEPT;
@@ -574,6 +581,33 @@ int brk_nat_reflect(struct __sk_buff *skb)
 
 	bpf_csum_level(skb, BPF_CSUM_LEVEL_RESET);
 	return bpf_redirect(skb->ifindex, BPF_F_INGRESS);
+}
+
+#define EBUSY 16
+
+// brk_nat_arm hands the sweeping timer to this object's sweep: the timer
+// is made once per pinned map (EBUSY after that), and setting its callback
+// again replaces the program it runs, dropping the previous binary's. The
+// loader runs it after the links are attached, so the sweep that runs is
+// always the one of the programs attached. Returns 0 when armed.
+SEC("tc")
+int brk_nat_arm(struct __sk_buff *skb)
+{
+	__u32 k = 0;
+	struct nat_sweeper *s = bpf_map_lookup_elem(&nat_sweep, &k);
+	if (!s)
+		return 1;
+	long err = bpf_timer_init(&s->timer, &nat_sweep, 1 /* CLOCK_MONOTONIC */);
+	if (err && err != -EBUSY)
+		return 2;
+	if (bpf_timer_set_callback(&s->timer, sweep))
+		return 3;
+	if (bpf_timer_start(&s->timer, RECHECK_NS, 0))
+		return 4;
+	// An older binary's programs start the timer themselves unless
+	// started is set: keep them from touching it.
+	__sync_fetch_and_or(&s->started, 1);
+	return 0;
 }
 
 char __license[] SEC("license") = "GPL";

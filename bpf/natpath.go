@@ -26,8 +26,14 @@ func MarkOf(slot int) uint32 { return uint32(slot+1) | MarkOwned }
 
 // NetfilterPriority is where the nat-path programs sit: right after the DNAT
 // (nft nat chains at -100), so a connection's first packet already carries
-// its exposure's mark.
-const NetfilterPriority = -99
+// its exposure's mark. A replaced program goes to the other of the two
+// (netfilterPriorityAlt): the kernel refuses a second BPF program at one
+// hook and priority (EBUSY) and cannot update a netfilter link in place, so
+// the new link is attached beside the old one before the old one goes.
+const (
+	NetfilterPriority    = -99
+	netfilterPriorityAlt = -98
+)
 
 // Pin names of the nat path's links under bpfDir. The links keep the
 // programs attached while no daemon runs; a new daemon adopts them.
@@ -40,8 +46,12 @@ const (
 // NatPath is the kernel nat path: admission against the cap, release and
 // counting, by BPF programs writing the exposures' slots.
 type NatPath struct {
-	objs  natpathObjects
+	objs  *natpathObjects // nil when an earlier daemon's programs were adopted
 	links map[string]link.Link
+	// adopted says why this binary's programs did not load and the ones an
+	// earlier brokkrd attached serve on ("" when this binary's run).
+	adopted string
+	pinDir  string
 }
 
 // NatPathConfig says where the programs attach.
@@ -58,6 +68,12 @@ type NatPathConfig struct {
 // cfg.PinDir (created if absent) and attaches them, adopting links an
 // earlier daemon pinned when they run the same programs, so the path never
 // stops and is never attached twice.
+//
+// When this binary's programs cannot load or attach (a pinned map of another
+// layout, a kernel that refuses them), the fallback's nft marks must not
+// run under an earlier binary's programs, which would read them as slots:
+// the programs already attached serve on (NatPath.Adopted says why), or,
+// when they cannot, none does and the error is returned.
 func LoadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	if err := checkBPFFS(cfg.PinDir); err != nil {
 		return nil, err
@@ -71,9 +87,23 @@ func LoadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	if cfg.InNS == nil {
 		cfg.InNS = func(fn func() error) error { return fn() }
 	}
-	n := &NatPath{links: map[string]link.Link{}}
-	err := loadNatpathObjects(&n.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}})
-	if err != nil {
+	n, err := loadNatPath(cfg)
+	if err == nil {
+		return n, nil
+	}
+	old, aerr := adoptNatPath(cfg, err)
+	if aerr == nil {
+		return old, nil
+	}
+	if derr := detachNatPath(cfg.PinDir); derr != nil {
+		return nil, errors.Join(err, derr)
+	}
+	return nil, err
+}
+
+func loadNatPath(cfg NatPathConfig) (*NatPath, error) {
+	n := &NatPath{links: map[string]link.Link{}, objs: &natpathObjects{}, pinDir: cfg.PinDir}
+	if err := loadNatpathObjects(n.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}}); err != nil {
 		return nil, fmt.Errorf("nat path: loading programs: %w", err)
 	}
 	if err := n.SetGuests(cfg.Guests); err != nil {
@@ -83,15 +113,19 @@ func LoadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	type want struct {
 		pin    string
 		prog   *ebpf.Program
-		attach func() (link.Link, error)
+		attach func(old *link.Info) (link.Link, error)
 		same   func(*link.Info) bool
 	}
-	nf := func(hook link.NetfilterInetHook, p *ebpf.Program) func() (link.Link, error) {
-		return func() (link.Link, error) {
+	nf := func(hook link.NetfilterInetHook, p *ebpf.Program) func(*link.Info) (link.Link, error) {
+		return func(old *link.Info) (link.Link, error) {
+			prio := int32(NetfilterPriority)
+			if o := nfInfo(old); o != nil && o.Priority == NetfilterPriority {
+				prio = netfilterPriorityAlt
+			}
 			var l link.Link
 			err := cfg.InNS(func() (err error) {
 				l, err = link.AttachNetfilter(link.NetfilterOptions{Program: p, ProtocolFamily: link.NetfilterProtoIPv4,
-					Hook: hook, Priority: NetfilterPriority})
+					Hook: hook, Priority: prio})
 				return err
 			})
 			return l, err
@@ -100,7 +134,7 @@ func LoadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	wants := []want{
 		{pinNatPre, n.objs.BrkNatPre, nf(link.NetfilterInetPreRouting, n.objs.BrkNatPre), nil},
 		{pinNatOut, n.objs.BrkNatOut, nf(link.NetfilterInetLocalOut, n.objs.BrkNatOut), nil},
-		{pinNatReflect, n.objs.BrkNatReflect, func() (link.Link, error) {
+		{pinNatReflect, n.objs.BrkNatReflect, func(*link.Info) (link.Link, error) {
 			var l link.Link
 			err := cfg.InNS(func() (err error) {
 				l, err = link.AttachTCX(link.TCXOptions{Interface: cfg.Bridge, Program: n.objs.BrkNatReflect, Attach: ebpf.AttachTCXEgress})
@@ -117,23 +151,127 @@ func LoadNatPath(cfg NatPathConfig) (*NatPath, error) {
 		}
 		n.links[w.pin] = l
 	}
+	// Only now, with this binary's programs attached: the sweep too is
+	// theirs from here on, and the previous binary's is let go.
+	if err := n.armSweeper(); err != nil {
+		n.Close()
+		return nil, err
+	}
 	return n, nil
+}
+
+// armSweeper runs brk_nat_arm once: the sweeping timer runs this object's
+// sweep from now on (docs/ARCHITECTURE.md, "The nat path").
+func (n *NatPath) armSweeper() error {
+	ret, err := n.objs.BrkNatArm.Run(&ebpf.RunOptions{Data: make([]byte, 14)})
+	if err != nil {
+		return fmt.Errorf("nat path: arming the sweep: %w", err)
+	}
+	if ret != 0 {
+		return fmt.Errorf("nat path: arming the sweep: brk_nat_arm returned %d", ret)
+	}
+	return nil
+}
+
+// Adopted says why this binary's programs did not load, when the nat path
+// runs on the programs an earlier brokkrd attached ("" otherwise).
+func (n *NatPath) Adopted() string { return n.adopted }
+
+// adoptNatPath keeps the nat path an earlier brokkrd attached: its pinned
+// netfilter links still run its programs, which count and release by the
+// same mark. A reflector left on a bridge that is gone is attached again,
+// with the same program, to cfg.Bridge.
+func adoptNatPath(cfg NatPathConfig, why error) (*NatPath, error) {
+	n := &NatPath{links: map[string]link.Link{}, pinDir: cfg.PinDir,
+		adopted: why.Error() + "; the programs an earlier brokkrd attached serve on"}
+	for _, pin := range []string{pinNatPre, pinNatOut} {
+		l, err := link.LoadPinnedLink(filepath.Join(cfg.PinDir, pin), nil)
+		if err != nil {
+			n.Close()
+			return nil, fmt.Errorf("nat path: no earlier programs to keep: %s: %w", pin, err)
+		}
+		n.links[pin] = l
+		if info, err := l.Info(); err != nil || info.Netfilter() == nil {
+			n.Close()
+			return nil, fmt.Errorf("nat path: the pinned %s is not attached", pin)
+		}
+	}
+	l, err := adoptReflector(cfg, filepath.Join(cfg.PinDir, pinNatReflect))
+	if err != nil {
+		n.Close()
+		return nil, err
+	}
+	n.links[pinNatReflect] = l
+	return n, nil
+}
+
+// adoptReflector keeps the pinned reflector link when it is on cfg.Bridge,
+// or attaches its program there (the bridge was made anew).
+func adoptReflector(cfg NatPathConfig, pin string) (link.Link, error) {
+	old, err := link.LoadPinnedLink(pin, nil)
+	if err != nil {
+		return nil, fmt.Errorf("nat path: no earlier programs to keep: %s: %w", pinNatReflect, err)
+	}
+	info, err := old.Info()
+	if err == nil {
+		if t := info.TCX(); t != nil && int(t.Ifindex) == cfg.Bridge {
+			return old, nil
+		}
+	}
+	defer old.Close()
+	if err != nil {
+		return nil, fmt.Errorf("nat path: the pinned %s: %w", pinNatReflect, err)
+	}
+	prog, err := ebpf.NewProgramFromID(info.Program)
+	if err != nil {
+		return nil, fmt.Errorf("nat path: the pinned %s's program: %w", pinNatReflect, err)
+	}
+	defer prog.Close()
+	var l link.Link
+	if err := cfg.InNS(func() (err error) {
+		l, err = link.AttachTCX(link.TCXOptions{Interface: cfg.Bridge, Program: prog, Attach: ebpf.AttachTCXEgress})
+		return err
+	}); err != nil {
+		return nil, fmt.Errorf("nat path: attaching the earlier reflector: %w", err)
+	}
+	_ = old.Unpin()
+	if err := l.Pin(pin); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("nat path: pinning the earlier reflector: %w", err)
+	}
+	return l, nil
+}
+
+// detachNatPath removes the pins of the nat path's links, so the last
+// handle's close detaches their programs: the fallback's marks are then
+// read by no program. The flows those programs tracked keep the places
+// they hold until the exposure's slot is given up.
+func detachNatPath(dir string) error {
+	var errs []error
+	for _, pin := range []string{pinNatPre, pinNatOut, pinNatReflect} {
+		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("nat path: detaching the earlier %s: %w", pin, err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // adoptOrAttach keeps a pinned link that runs the same program (by tag) and
 // passes same; otherwise it attaches prog, pins the new link, and only then
 // detaches the old one, so the hook is never empty.
-func adoptOrAttach(pin string, prog *ebpf.Program, attach func() (link.Link, error), same func(*link.Info) bool) (link.Link, error) {
+func adoptOrAttach(pin string, prog *ebpf.Program, attach func(old *link.Info) (link.Link, error), same func(*link.Info) bool) (link.Link, error) {
 	old, err := link.LoadPinnedLink(pin, nil)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("loading pinned link: %w", err)
 	}
+	var oldInfo *link.Info
 	if old != nil {
 		if sameProgram(old, prog, same) {
 			return old, nil
 		}
+		oldInfo, _ = old.Info()
 	}
-	l, err := attach()
+	l, err := attach(oldInfo)
 	if err != nil {
 		if old != nil {
 			old.Close()
@@ -149,6 +287,13 @@ func adoptOrAttach(pin string, prog *ebpf.Program, attach func() (link.Link, err
 		return nil, fmt.Errorf("pinning: %w", err)
 	}
 	return l, nil
+}
+
+func nfInfo(i *link.Info) *link.NetfilterInfo {
+	if i == nil {
+		return nil
+	}
+	return i.Netfilter()
 }
 
 func sameProgram(l link.Link, prog *ebpf.Program, same func(*link.Info) bool) bool {
@@ -175,8 +320,12 @@ func sameProgram(l link.Link, prog *ebpf.Program, same func(*link.Info) bool) bo
 	return a.Tag == b.Tag
 }
 
-// SetGuests tells the programs the bridge subnet.
+// SetGuests tells the programs the bridge subnet. Adopted programs keep
+// the subnet they were given.
 func (n *NatPath) SetGuests(p netip.Prefix) error {
+	if n.objs == nil {
+		return nil
+	}
 	var c natpathNatCfg
 	if p.IsValid() && p.Addr().Is4() {
 		a := p.Masked().Addr().As4()
@@ -194,15 +343,31 @@ func (n *NatPath) SetGuests(p netip.Prefix) error {
 // Close drops the process's handles. The pinned links and maps stay, so the
 // path keeps working without a daemon.
 func (n *NatPath) Close() error {
-	err := closeLinks(n.links, &n.objs)
+	var objs io.Closer = nopCloser{}
+	if n.objs != nil {
+		objs = n.objs
+	}
+	err := closeLinks(n.links, objs)
 	n.links = nil
 	return err
 }
 
+type nopCloser struct{}
+
+func (nopCloser) Close() error { return nil }
+
 // Remove detaches the nat path and deletes its pins (the shared counter maps
 // stay): what a teardown does.
 func (n *NatPath) Remove() error {
-	err := unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatSweep)
+	var err error
+	if n.objs != nil {
+		err = unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatSweep)
+	} else {
+		err = unpinLinks(n.links)
+		for _, m := range []string{"nat_flows", "nat_config", "nat_sweep"} {
+			_ = os.Remove(filepath.Join(n.pinDir, m))
+		}
+	}
 	return errors.Join(err, n.Close())
 }
 

@@ -79,6 +79,7 @@ const (
 	natpathMapNatFlows       = "nat_flows"
 	natpathMapNatSweep       = "nat_sweep"
 	natpathMapWakeEvents     = "wake_events"
+	natpathProgBrkNatArm     = "brk_nat_arm"
 	natpathProgBrkNatOut     = "brk_nat_out"
 	natpathProgBrkNatPre     = "brk_nat_pre"
 	natpathProgBrkNatReflect = "brk_nat_reflect"
@@ -126,6 +127,7 @@ type natpathSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type natpathProgramSpecs struct {
+	BrkNatArm     *ebpf.ProgramSpec `ebpf:"brk_nat_arm"`
 	BrkNatOut     *ebpf.ProgramSpec `ebpf:"brk_nat_out"`
 	BrkNatPre     *ebpf.ProgramSpec `ebpf:"brk_nat_pre"`
 	BrkNatReflect *ebpf.ProgramSpec `ebpf:"brk_nat_reflect"`
@@ -201,6 +203,7 @@ type natpathVariables struct {
 //
 // It can be passed to loadNatpathObjects or ebpf.CollectionSpec.LoadAndAssign.
 type natpathPrograms struct {
+	BrkNatArm     *ebpf.Program `ebpf:"brk_nat_arm"`
 	BrkNatOut     *ebpf.Program `ebpf:"brk_nat_out"`
 	BrkNatPre     *ebpf.Program `ebpf:"brk_nat_pre"`
 	BrkNatReflect *ebpf.Program `ebpf:"brk_nat_reflect"`
@@ -208,6 +211,7 @@ type natpathPrograms struct {
 
 func (p *natpathPrograms) Close() error {
 	return _NatpathClose(
+		p.BrkNatArm,
 		p.BrkNatOut,
 		p.BrkNatPre,
 		p.BrkNatReflect,

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -332,4 +333,89 @@ func TestANewExposureInAReusedSlotStartsAtZeroWhileOldFlowsLinger(t *testing.T) 
 	assert.EqualValues(t, 1, got.Accepted)
 	assert.EqualValues(t, 3, got.BytesIn)
 	assert.EqualValues(t, 3, got.BytesOut)
+}
+
+// An established connection reset by either side gives its place back at
+// once, while conntrack still holds the entry (in CLOSE for
+// nf_conntrack_tcp_timeout_close, set to a minute here): the sweep, which
+// waits for conntrack to forget it, is not what frees it. (Fails with the
+// TH_RST release in account() removed.)
+func TestAResetEstablishedConnectionGivesItsPlaceBackAtOnce(t *testing.T) {
+	tp := newNatTopo(t, 1)
+	tp.host.MustRun(t, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_timeout_close=60")
+	// A second published port to a guest server that resets what it
+	// accepts once it has echoed a line: the guest's RST.
+	mark := "0x" + strconv.FormatUint(uint64(MarkOf(tp.slot.Index())), 16)
+	script := `table ip brkrst {
+  chain pre { type nat hook prerouting priority -100; policy accept;
+    fib daddr type local tcp dport 8081 ct mark set ` + mark + ` dnat to 10.213.0.11:7002
+  }
+}`
+	cmd := tp.host.Command("nft", "-f", "-")
+	cmd.Stdin = strings.NewReader(script)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, string(out))
+	serveReset(t, tp)
+	np := tp.load(t)
+	defer np.Close()
+
+	closeState := func(port string) bool {
+		out, _ := tp.host.Run("conntrack", "-L", "-p", "tcp", "--orig-port-dst", port)
+		return strings.Contains(out, "CLOSE ")
+	}
+	for _, c := range []struct{ who, port string }{{"caller", "8080"}, {"guest", "8081"}} {
+		conn, err := dial(t, tp.client, "tcp4", "10.99.0.1:"+c.port)
+		require.NoError(t, err, c.who)
+		roundTrip(t, conn, []byte("abc\n"))
+		require.EqualValues(t, 1, tp.slot.Read().Active, c.who)
+		if c.who == "caller" {
+			require.NoError(t, conn.(*net.TCPConn).SetLinger(0))
+			require.NoError(t, conn.Close()) // a RST, not a FIN
+		} else {
+			// The guest resets after its echo: the next read says so.
+			_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+			_, err := conn.Read(make([]byte, 1))
+			require.ErrorIs(t, err, syscall.ECONNRESET, "the guest reset the connection")
+			conn.Close()
+		}
+		eventually(t, c.who+"'s RST gives the place back", func() bool { return tp.slot.Read().Active == 0 })
+		assert.True(t, closeState(c.port), "%s: conntrack still holds the reset connection: the sweep did not free it", c.who)
+		next, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+		require.NoError(t, err, "%s: the next caller is admitted at once", c.who)
+		roundTrip(t, next, []byte("x"))
+		require.NoError(t, next.Close())
+		eventually(t, "active 0", func() bool { return tp.slot.Read().Active == 0 })
+	}
+	st := tp.slot.Read()
+	assert.EqualValues(t, 4, st.Accepted)
+	assert.Zero(t, st.Refused)
+	assert.Zero(t, st.Dropped, "a reset after the guest answered is no drop")
+}
+
+// serveReset runs a server in the guest on 7002 that echoes one line and
+// then resets the connection.
+func serveReset(t *testing.T, tp *natTopo) {
+	t.Helper()
+	var ln *net.TCPListener
+	require.NoError(t, tp.guest.Do(func() (err error) {
+		ln, err = net.ListenTCP("tcp4", &net.TCPAddr{IP: net.IPv4(10, 213, 0, 11), Port: 7002})
+		return err
+	}))
+	done := make(chan struct{})
+	t.Cleanup(func() { ln.Close(); <-done })
+	go func() {
+		defer close(done)
+		for {
+			c, err := ln.AcceptTCP()
+			if err != nil {
+				return // closed at cleanup
+			}
+			buf := make([]byte, 64)
+			n, _ := c.Read(buf)
+			_, _ = c.Write(buf[:n])
+			time.Sleep(100 * time.Millisecond) // the echo reaches the caller first
+			_ = c.SetLinger(0)
+			c.Close()
+		}
+	}()
 }

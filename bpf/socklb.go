@@ -26,6 +26,11 @@ const soNetnsCookie = 71
 type SockLB struct {
 	objs  socklbObjects
 	links map[string]link.Link
+	inNS  func(fn func() error) error
+	// reaper closes the sockets of translations that no longer hold;
+	// nil where the kernel cannot (reapWhy says why).
+	reaper  *sockReaper
+	reapWhy string
 }
 
 // SockLBConfig says where the socket path attaches and whom it serves.
@@ -108,7 +113,7 @@ func LoadSockLB(cfg SockLBConfig) (*SockLB, error) {
 	if err := cfg.InNS(func() (err error) { cookie, err = netnsCookie(); return err }); err != nil {
 		return nil, fmt.Errorf("socket path: the managed namespace's cookie: %w", err)
 	}
-	s := &SockLB{links: map[string]link.Link{}}
+	s := &SockLB{links: map[string]link.Link{}, inNS: cfg.InNS}
 	if err := loadSocklbObjects(&s.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}}); err != nil {
 		return nil, fmt.Errorf("socket path: loading programs: %w", err)
 	}
@@ -124,8 +129,35 @@ func LoadSockLB(cfg SockLBConfig) (*SockLB, error) {
 		}
 		s.links[h.pin] = l
 	}
+	if s.reaper, err = loadSockReaper(cfg.PinDir); err != nil {
+		// Before Linux 6.5 (no bpf_sock_destroy) the socket path works,
+		// but a caller's socket keeps the guest it reached.
+		s.reapWhy = err.Error()
+	}
 	return s, nil
 }
+
+// CloseStale closes the host-local callers' sockets whose translation no
+// longer holds: their exposure now sends callers to another guest, has no
+// guest address, or is gone. A TCP connection is reset, a connected UDP
+// socket fails its next call with ECONNABORTED (and is disconnected), and
+// their places are given back: no flow keeps going to an old guest, as on
+// the nat path. It returns how many it closed; where the kernel cannot
+// close sockets (StaleReason), none.
+func (s *SockLB) CloseStale() (int, error) {
+	if s.reaper == nil {
+		return 0, nil
+	}
+	var n int
+	err := s.inNS(func() (err error) { n, err = s.reaper.reap(); return err })
+	if err != nil {
+		return n, fmt.Errorf("socket path: closing sockets of changed exposures: %w", err)
+	}
+	return n, nil
+}
+
+// StaleReason says why CloseStale cannot close sockets ("" when it can).
+func (s *SockLB) StaleReason() string { return s.reapWhy }
 
 // adoptCgroupLink keeps a pinned link on the same cgroup (updating its
 // program in place when it differs) or attaches and pins a new one.
@@ -321,6 +353,10 @@ func (s *SockLB) SetLocalAddrs(addrs []netip.Addr) error {
 func (s *SockLB) Close() error {
 	err := closeLinks(s.links, &s.objs)
 	s.links = nil
+	if s.reaper != nil {
+		err = errors.Join(err, s.reaper.close())
+		s.reaper = nil
+	}
 	return err
 }
 

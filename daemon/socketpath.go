@@ -17,6 +17,9 @@ type SocketPath interface {
 	SetTarget(host netip.Addr, proto uint32, hostPort uint16, t bpf.SockTarget) error
 	DeleteTarget(host netip.Addr, proto uint32, hostPort uint16) error
 	SetLocalAddrs(addrs []netip.Addr) error
+	// CloseStale closes the callers' sockets whose translation no longer
+	// holds (the socket path's counterpart of the conntrack flush).
+	CloseStale() (int, error)
 }
 
 type sockKey struct {
@@ -31,12 +34,12 @@ type sockPath struct {
 	lb        SocketPath
 	store     *bpf.Store
 	slots     map[string]*bpf.Slot
-	have      map[sockKey]bool
+	have      map[sockKey]bpf.SockTarget // what each translation was set to
 	localAddr func() ([]netip.Addr, error)
 }
 
 func newSockPath(lb SocketPath, store *bpf.Store) *sockPath {
-	return &sockPath{lb: lb, store: store, slots: map[string]*bpf.Slot{}, have: map[sockKey]bool{}, localAddr: interfaceAddrs}
+	return &sockPath{lb: lb, store: store, slots: map[string]*bpf.Slot{}, have: map[sockKey]bpf.SockTarget{}, localAddr: interfaceAddrs}
 }
 
 // interfaceAddrs lists the daemon's namespace's own addresses.
@@ -68,7 +71,8 @@ func (p *sockPath) converge(m *spec.Desired, lookup, lookup6 func(vm string) (ne
 		errs = append(errs, err)
 	}
 	parts := map[string]part{}
-	want := map[sockKey]bool{}
+	want := map[sockKey]bpf.SockTarget{}
+	stale := false // a translation moved or went: its callers' sockets must follow
 	wantSlots := map[string]bool{}
 	for _, e := range m.Exposures {
 		if !e.UsesSocketPath() {
@@ -102,7 +106,10 @@ func (p *sockPath) converge(m *spec.Desired, lookup, lookup6 func(vm string) (ne
 			t.Down = !t.Guest6.IsValid()
 		}
 		k := sockKey{e.HostAddr, proto, e.HostPort}
-		want[k] = true
+		want[k] = t
+		if old, ok := p.have[k]; ok && old != t {
+			stale = true
+		}
 		if err := p.lb.SetTarget(k.host, k.proto, k.port, t); err != nil {
 			parts[e.Name] = part{"socket", spec.StateFailed, err.Error()}
 			continue
@@ -113,16 +120,23 @@ func (p *sockPath) converge(m *spec.Desired, lookup, lookup6 func(vm string) (ne
 			parts[e.Name] = part{"socket", spec.StateActive, ""}
 		}
 	}
-	for k := range p.have {
-		if want[k] {
+	for k, t := range p.have {
+		if _, ok := want[k]; ok {
 			continue
 		}
 		if err := p.lb.DeleteTarget(k.host, k.proto, k.port); err != nil {
 			errs = append(errs, err)
-			want[k] = true // try again next pass
+			want[k] = t // try again next pass
+			continue
 		}
+		stale = true
 	}
 	p.have = want
+	if stale {
+		if _, err := p.lb.CloseStale(); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	for name, sl := range p.slots {
 		if !wantSlots[name] {
 			sl.Release(false) // Prune frees it once no path holds it

@@ -21,6 +21,20 @@ type recSock struct {
 	mu      sync.Mutex
 	targets map[string]bpf.SockTarget
 	local   []netip.Addr
+	stale   int // CloseStale calls
+}
+
+func (s *recSock) CloseStale() (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.stale++
+	return 0, nil
+}
+
+func (s *recSock) staleCalls() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stale
 }
 
 func sockName(host netip.Addr, proto uint32, port uint16) string {
@@ -108,6 +122,11 @@ func TestAutoServesLocalCallersThroughTheSocketPathNotLoopbackProxies(t *testing
 	assert.Equal(t, "active", expo(st, "web-auto").State)
 	assert.Equal(t, "active", expo(st, "lo-auto").State)
 	assert.Equal(t, "auto", expo(st, "web-auto").Mode)
+	// The translations changed (to the leased guests): their callers'
+	// sockets are looked at once; a pass that changes nothing closes none.
+	assert.Equal(t, 1, sock.staleCalls(), "a changed translation's sockets are closed")
+	r.d.Pass(context.Background())
+	assert.Equal(t, 1, sock.staleCalls(), "nothing changed, nothing to close")
 
 	// The guest answers at its IPv6 address: IPv6 callers go there.
 	r.net.mu.Lock()
@@ -134,6 +153,7 @@ func TestAutoServesLocalCallersThroughTheSocketPathNotLoopbackProxies(t *testing
 	assert.NotContains(t, got, "tcp/127.0.0.1:5432")
 	_, held := r.store.Lookup("lo-auto")
 	assert.False(t, held, "its counter slot is freed")
+	assert.Equal(t, 2, sock.staleCalls(), "a removed translation's sockets are closed")
 }
 
 func TestWithoutTheSocketPathAutoFallsBackToLoopbackProxiesAndSaysWhy(t *testing.T) {

@@ -50,6 +50,12 @@ func (p *Plane) ensureNatPath(n Network) {
 		_ = p.nat.Close()
 	}
 	p.nat, p.natBridge, p.natGuests, p.natReason = np, idx, n.CIDR.Masked(), ""
+	if why := np.Adopted(); why != "" {
+		// The earlier binary's programs read the marks this table sets
+		// (the kernel cap's): the warning says this binary's did not load.
+		p.natReason = "nat path: this binary's programs did not load: " + why
+		p.log.Warn("netplane: " + p.natReason)
+	}
 }
 
 func (p *Plane) noNatPath(reason string) {
@@ -57,7 +63,8 @@ func (p *Plane) noNatPath(reason string) {
 	p.log.Warn("netplane: " + p.natReason)
 }
 
-// NatPathReason says why the BPF nat path is not in use ("" when it is).
+// NatPathReason says why the BPF nat path is not in use, or why it runs an
+// earlier binary's programs ("" when it runs this binary's).
 func (p *Plane) NatPathReason() string {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -86,7 +86,7 @@ type Plane struct {
 	radvIfIdx  int
 	feeds      map[string]*slotFeed
 	nat        *bpf.NatPath // the kernel nat path; nil: the event-fed fallback
-	natReason  string       // why nat is nil
+	natReason  string       // why nat is nil, or runs an earlier binary's programs
 	natBridge  int
 	natGuests  netip.Prefix
 	madeBridge bool            // the bridge existed after an earlier pass of this process

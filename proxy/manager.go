@@ -107,11 +107,6 @@ func guestDialer() net.Dialer {
 		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: keepIdle, Interval: -1, Count: -1}}
 }
 
-// CountersReason says why counters are not in the pinned BPF map ("" when
-// they are), so the daemon can show it next to the exposures: an operator
-// reading bpftool would otherwise see nothing and not know why.
-func (m *Manager) CountersReason() string { return m.stats.Reason() }
-
 // listenerKey names one listener: the exposure and the host address it
 // binds (unmapped; the unspecified address of its family for "any").
 type listenerKey struct {

@@ -569,7 +569,7 @@ func TestADeletedExposureFreesItsCounterSlotOnceItsConnectionsEnd(t *testing.T) 
 
 func TestWithoutAStoreCountersStayInMemoryAndTheManagerSaysSo(t *testing.T) {
 	m, _ := newManager(t)
-	assert.Contains(t, m.CountersReason(), "in memory")
+	assert.Contains(t, m.stats.Reason(), "in memory")
 	assert.False(t, m.stats.Pinned())
 }
 

@@ -62,7 +62,7 @@ func TestCountersLandInThePinnedMap(t *testing.T) {
 	defer store.Close()
 	g := &guests{addrs: map[string]string{"vm1": "127.0.0.1"}}
 	m := NewManager(g.resolve, store)
-	assert.Empty(t, m.CountersReason(), "pinned: nothing to warn about")
+	assert.Empty(t, m.stats.Reason(), "pinned: nothing to warn about")
 
 	keep, gone := tcpSpec("keep", echoServer(t, "g:")), tcpSpec("gone", echoServer(t, "g:"))
 	st := m.Converge([]Spec{keep, gone})

@@ -75,17 +75,18 @@ func (c *cappedLog) rotate() error {
 
 func (c *cappedLog) Close() error { return c.f.Close() }
 
-// copyConsole connects to the VMM's serial socket and copies the guest's
-// output into the capped log until the VMM closes it or ctx ends. The VMM
-// may create the socket a moment after it reports the VM running, so the
-// connect is retried briefly. Output the guest writes while nobody is
-// connected (the daemon is down) is lost: that is the price of never letting
-// a full disk or a dead reader stall the guest.
-func copyConsole(ctx context.Context, socket, logPath string, max int64) error {
-	var conn net.Conn
+// copyConsole copies the guest's output from the VMM's serial socket into
+// the capped log until the VMM closes it or ctx ends: from conn, the
+// connection the backend handed over (Instance.Console), else from a new
+// connection to socket. The VMM may create the socket a moment after it
+// reports the VM running, so the connect is retried briefly. Output the
+// guest writes while nobody is connected (the daemon is down) is lost: that
+// is the price of never letting a full disk or a dead reader stall the
+// guest. While the daemon runs a reader is connected all along.
+func copyConsole(ctx context.Context, conn net.Conn, socket, logPath string, max int64) error {
 	var err error
 	var d net.Dialer
-	for i := 0; i < 100; i++ {
+	for i := 0; conn == nil && i < 100; i++ {
 		conn, err = d.DialContext(ctx, "unix", socket)
 		if err == nil || ctx.Err() != nil {
 			break
@@ -95,7 +96,7 @@ func copyConsole(ctx context.Context, socket, logPath string, max int64) error {
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
-	if err != nil {
+	if conn == nil {
 		return err
 	}
 	defer conn.Close()

@@ -208,37 +208,60 @@ func TestOnePassAtATimePerVM(t *testing.T) {
 	assert.Equal(t, 1, g.highWater("vm"), "two operations for one VM overlapped")
 }
 
-// A worker in the middle of a pass is not reaped even when its VM has left
-// desired state and has no record yet: reaping it would let the next Step
-// spawn a second worker for the same VM beside the first.
+// wedgeLog is a logger handler that blocks the goroutine logging msg (the
+// first time) until release is closed: a test holds a worker at a chosen
+// point of its pass with it.
+type wedgeLog struct {
+	msg              string
+	arrived, release chan struct{}
+	once             *sync.Once
+}
+
+func newWedgeLog(msg string) *wedgeLog {
+	return &wedgeLog{msg: msg, arrived: make(chan struct{}), release: make(chan struct{}), once: &sync.Once{}}
+}
+
+func (h *wedgeLog) Enabled(context.Context, slog.Level) bool { return true }
+func (h *wedgeLog) WithAttrs([]slog.Attr) slog.Handler       { return h }
+func (h *wedgeLog) WithGroup(string) slog.Handler            { return h }
+func (h *wedgeLog) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == h.msg {
+		h.once.Do(func() { close(h.arrived); <-h.release })
+	}
+	return nil
+}
+
+// A busy worker is never reaped. The worker is held at the end of its
+// removal of the VM, after its record is gone ("VM removed"): it has taken
+// the absence (nothing fresh, no wake pending), it has no record, and it is
+// not desired, so only its busy flag keeps Step from reaping it and, when
+// the VM comes back, spawning a second worker beside it. (Fails with
+// !w.busy removed from reapable: the worker is reaped while held.)
 func TestBusyWorkerIsNeverReaped(t *testing.T) {
-	f := newFixture(t, nil)
-	g := newGauge()
-	f.images.gauge, f.hv.gauge = g, g
-	arrived, release := make(chan string, 2), make(chan struct{})
-	f.images.fetch = wedge(arrived, release)
+	wl := newWedgeLog("VM removed")
+	f := newFixture(t, func(c *Config) { c.Logger = slog.New(wl) })
+	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm"))
 
-	stepNoWait(t, f.eng, vmSpec("vm"))
-	waitFor(t, arrived, "the create")
+	stepNoWait(t, f.eng) // gone from desired state: the worker removes it
+	select {
+	case <-wl.arrived:
+	case <-time.After(testWait):
+		t.Fatal("the worker never finished removing the VM")
+	}
 	_, err := os.Stat(filepath.Join(f.cfg.StateDir, "vms", "vm", "record.json"))
-	require.ErrorIs(t, err, os.ErrNotExist, "precondition: no record yet, so only busyness protects the worker")
-
+	require.ErrorIs(t, err, os.ErrNotExist, "precondition: the record is gone")
 	for range 3 {
-		stepNoWait(t, f.eng) // gone from desired state
+		stepNoWait(t, f.eng) // still gone: nothing new for the worker
 		assert.Equal(t, 1, f.eng.workerCount(), "a busy worker was reaped")
 	}
 	stepNoWait(t, f.eng, vmSpec("vm")) // back again: must reach the same worker
-	assert.Equal(t, 1, f.eng.workerCount())
-	select {
-	case <-arrived:
-		t.Fatal("a second worker started a create for the same VM")
-	case <-time.After(200 * time.Millisecond):
-	}
-	close(release)
+	assert.Equal(t, 1, f.eng.workerCount(), "a second worker beside the busy one")
+	close(wl.release)
 	waitRow(t, f.eng, "vm", phaseIs(PhaseRunning), vmSpec("vm"))
-	assert.Equal(t, 1, g.highWater("vm"))
+	assert.Equal(t, 1, f.eng.workerCount())
 
 	// Once idle and gone from both desired state and records, it is reaped.
+	stepNoWait(t, f.eng)
 	waitReaped(t, f.eng)
 	assert.Equal(t, 0, f.eng.workerCount())
 }

@@ -159,6 +159,13 @@ type Instance struct {
 	// capped at LaunchConfig.ConsoleSize (rotating once to console.log.1).
 	// Leave it empty when the backend writes ConsoleLog itself.
 	ConsoleSocket string
+	// Console, when set, is a connection to ConsoleSocket the backend made
+	// as the VMM started and hands over as it is: the engine copies from
+	// it rather than connecting, so nothing the guest printed in between
+	// is lost (a VMM serves one reader at a time and drops what the guest
+	// prints while none is connected). The engine closes it. Not recorded:
+	// an adopted VMM's console is connected anew.
+	Console net.Conn `json:"-"`
 }
 
 // VMState is what a backend's Info says about the guest.

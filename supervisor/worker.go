@@ -605,7 +605,9 @@ func (w *worker) create(ctx context.Context, spec *VMSpec, countRestart bool) {
 		w.fail(spec, msg)
 		return
 	}
-	w.rec.Instance = &inst
+	recorded := inst
+	recorded.Console = nil // the copier's, never the record's
+	w.rec.Instance = &recorded
 	w.rec.Starting = false
 	w.rec.StartedAt = time.Now()
 	w.save()
@@ -716,8 +718,13 @@ func (w *worker) fetch(ctx context.Context, role string, src Source) (string, er
 // startWatch opens a pidfd on the instance and parks a goroutine on it: the
 // worker hears of the exit the moment it happens.
 func (w *worker) startWatch(inst Instance) error {
+	console := inst.Console
+	inst.Console = nil // the copier owns it from here
 	pfd, err := OpenPidfd(inst)
 	if err != nil {
+		if console != nil {
+			console.Close()
+		}
 		return err
 	}
 	ctx, cancel := context.WithCancel(w.e.ctx)
@@ -727,12 +734,15 @@ func (w *worker) startWatch(inst Instance) error {
 	if inst.ConsoleSocket != "" {
 		go func() {
 			defer close(wt.consoleDone)
-			err := copyConsole(cctx, inst.ConsoleSocket, filepath.Join(w.e.vmDir(w.name), "console.log"), w.e.cfg.ConsoleMaxBytes)
+			err := copyConsole(cctx, console, inst.ConsoleSocket, filepath.Join(w.e.vmDir(w.name), "console.log"), w.e.cfg.ConsoleMaxBytes)
 			if err != nil && cctx.Err() == nil {
 				w.e.cfg.Logger.Warn("console copy", "vm", w.name, "err", err)
 			}
 		}()
 	} else {
+		if console != nil {
+			console.Close()
+		}
 		close(wt.consoleDone)
 	}
 	go func() {

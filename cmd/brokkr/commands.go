@@ -115,6 +115,19 @@ otherwise), exiting 2 when something stays failed or --timeout passes.`,
 	return c
 }
 
+// counterColumns says what the counter columns of status, expose ls and
+// stats count (the same on every path: nat, socket path, proxy).
+const counterColumns = `Counters, one set per exposure across every path (nat, socket path, proxy):
+  ACTIVE    connections (TCP) or flows (UDP) open now; the cap (CAP) bounds it
+  ACCEPTED  connections or flows admitted since the exposure was created
+  REFUSED   callers turned away at the cap
+  DROPPED   callers admitted but not carried to the guest (no address, no answer)
+  IN        payload bytes from callers to the guest (no headers; a TCP
+            retransmission counts once)
+  OUT       payload bytes from the guest back to callers
+The counters survive daemon restarts and upgrades; they are zeroed only when the
+exposure is deleted.`
+
 func statusCmd(client func() *api.Client) *cobra.Command {
 	var out string
 	c := &cobra.Command{
@@ -124,6 +137,8 @@ func statusCmd(client func() *api.Client) *cobra.Command {
 or what failed) and every exposure (state, mode, listen address, target, cap and
 counters), with the versions of this CLI and of the daemon; a warning on stderr says
 when they differ.
+
+` + counterColumns + `
 
 -o json prints the contract's status document (also GET /v1/status on the socket).
 
@@ -301,7 +316,9 @@ func exposeCmd(client func() *api.Client) *cobra.Command {
 		Short: "Published guest ports",
 		Long: `expose lists the exposures: guest ports published on the host, with their state
 (active, pending: the guest has no address yet, failed: with the reason), mode, cap
-and counters. Exposures are changed through the config (brokkr apply).`,
+and counters. Exposures are changed through the config (brokkr apply).
+
+` + counterColumns,
 		Example: `  brokkr expose ls
   brokkr expose ls web-http -o json`,
 	}
@@ -404,7 +421,9 @@ bpfDir, without the daemon: the kernel path and the proxy add into the same entr
 and the map outlives brokkrd. The directory is --bpf-dir, else the bpfDir of the
 config file --config, else ` + config.DefaultBPFDir + `.
 
-bpftool map dump pinned ` + config.DefaultBPFDir + `/exposure_stats prints the same entries.`,
+bpftool map dump pinned ` + config.DefaultBPFDir + `/exposure_stats prints the same entries.
+
+` + counterColumns,
 		Example: `  brokkr stats
   brokkr stats --config /etc/brokkr/brokkr.yaml -o json`,
 		Args: cobra.NoArgs,

@@ -197,6 +197,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 	}
 	if sock != nil {
 		opts.SocketPath = sock
+		if why := sock.StaleReason(); why != "" {
+			log.Warn("the socket path cannot close its callers' sockets when an exposure moves or goes: they keep the guest they reached", "reason", why)
+		}
 	} else {
 		log.Warn("auto exposures serve local callers through loopback proxies", "reason", sockReason)
 	}

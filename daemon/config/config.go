@@ -297,12 +297,3 @@ func (c *Config) applyDefaults() {
 		}
 	}
 }
-
-// VMNames lists the VM names in config order.
-func (c *Config) VMNames() []string {
-	out := make([]string, len(c.VMs))
-	for i, v := range c.VMs {
-		out[i] = v.Name
-	}
-	return out
-}

@@ -86,9 +86,16 @@ func bootOnce(b *testing.B, be *Backend, gn *guestNet, img guestImage, name stri
 		b.Fatal(err)
 	}
 	started = time.Since(t0)
+	var console *consoleWatch
+	if inst.Console != nil {
+		console = newConsoleWatch(inst.Console, "") // read, as the engine does
+	}
 	defer func() {
 		_ = be.Stop(ctx, inst, 10*time.Second)
 		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+		if console != nil {
+			console.close()
+		}
 	}()
 	for ctx.Err() == nil {
 		if gn.dialGuest("tcp", "8080", func(c net.Conn) error { _, err := httpGet(c); return err }) == nil {

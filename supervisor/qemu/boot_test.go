@@ -77,12 +77,22 @@ func shortRunDir(t testing.TB) string {
 	return run
 }
 
-// killAtCleanup kills and reaps pid when the test ends, whatever happened:
-// no qemu is left behind.
-func killAtCleanup(t testing.TB, pid int) {
+// killAtCleanup kills and reaps a started qemu when the test ends, whatever
+// happened: no qemu is left behind. The
+// console connection Start handed over is read meanwhile, as the engine
+// reads it, into the console log: a console nobody reads fills its socket
+// and stalls the guest's console writes.
+func killAtCleanup(t testing.TB, inst supervisor.Instance, consoleLog string) {
+	var w *consoleWatch
+	if inst.Console != nil {
+		w = newConsoleWatch(inst.Console, consoleLog)
+	}
 	t.Cleanup(func() {
-		_ = syscall.Kill(pid, syscall.SIGKILL)
-		_, _ = syscall.Wait4(pid, nil, 0, nil)
+		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+		if w != nil {
+			w.close()
+		}
 	})
 }
 
@@ -194,7 +204,7 @@ func TestBootGuestAdoptStop(t *testing.T) {
 	t0 := time.Now()
 	inst, err := b.Start(ctx, cfg)
 	require.NoError(t, err)
-	killAtCleanup(t, inst.PID)
+	killAtCleanup(t, inst, cfg.ConsoleLog)
 	t.Logf("Start returned after %s: pid %d, accel note %q", time.Since(t0).Round(time.Millisecond), inst.PID, b.KVMDisabledReason())
 	require.Equal(t, filepath.Join(run, "qmp.sock"), inst.APISocket)
 	assert.Empty(t, inst.ConsoleSocket, "with WithConsoleFile qemu writes the log itself")
@@ -372,7 +382,7 @@ func TestGuestStaticAddressFromCmdline(t *testing.T) {
 	}
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	killAtCleanup(t, inst.PID)
+	killAtCleanup(t, inst, cfg.ConsoleLog)
 	var page string
 	require.Eventually(t, func() bool {
 		return gn.dialGuest("tcp", "8080", func(c net.Conn) error {
@@ -401,7 +411,7 @@ func TestMicroVMBootAndPowerButton(t *testing.T) {
 	cfg.Tap, cfg.MAC = gn.Tap, gn.MAC
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	killAtCleanup(t, inst.PID)
+	killAtCleanup(t, inst, cfg.ConsoleLog)
 	require.Eventually(t, func() bool {
 		return gn.dialGuest("tcp", "8080", func(c net.Conn) error { _, err := httpGet(c); return err }) == nil
 	}, 90*time.Second, 50*time.Millisecond, "guest never answered; console:\n%s", readFile(cfg.ConsoleLog))
@@ -422,7 +432,7 @@ func TestAPowerButtonPressedDuringBootIsPressedAgain(t *testing.T) {
 	cfg.Tap, cfg.MAC = gn.Tap, gn.MAC
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	killAtCleanup(t, inst.PID)
+	killAtCleanup(t, inst, cfg.ConsoleLog)
 	// The power button's input device exists once the modules are loaded;
 	// acpid, which acts on it, starts only after the network is up.
 	require.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), "modules loaded") },

@@ -11,8 +11,9 @@ import (
 )
 
 // consoleWatch reads the guest's serial console from qemu's console socket
-// while Start probes KVM, appending what it reads to the console log so the
-// engine's copy, which connects once Start returns, continues after it.
+// while Start runs (the KVM probe asks it whether the guest printed),
+// appending what it reads to the console log; handOver then gives the
+// connection itself to the engine's copy, which continues after it.
 type consoleWatch struct {
 	conn net.Conn
 	got  atomic.Bool
@@ -33,7 +34,14 @@ func watchConsole(ctx context.Context, sock, logPath string) (*consoleWatch, err
 	if err != nil {
 		return nil, err
 	}
+	return newConsoleWatch(conn, logPath), nil
+}
+
+// newConsoleWatch reads conn into the console log at logPath until
+// handOver or close.
+func newConsoleWatch(conn net.Conn, logPath string) *consoleWatch {
 	w := &consoleWatch{conn: conn}
+	var err error
 	var out io.Writer = io.Discard
 	var f *os.File
 	if logPath != "" {
@@ -59,10 +67,20 @@ func watchConsole(ctx context.Context, sock, logPath string) (*consoleWatch, err
 			}
 		}
 	}()
-	return w, nil
+	return w
 }
 
 func (w *consoleWatch) printed() bool { return w.got.Load() }
+
+// handOver stops the reader and returns the connection, still connected:
+// what the reader read is in the log, what it did not is still in the
+// socket for the next reader. Nothing is lost between the two.
+func (w *consoleWatch) handOver() net.Conn {
+	_ = w.conn.SetReadDeadline(time.Now()) // wakes the reader
+	w.wg.Wait()
+	_ = w.conn.SetReadDeadline(time.Time{})
+	return w.conn
+}
 
 // close disconnects, so qemu accepts the engine's connection next.
 func (w *consoleWatch) close() {

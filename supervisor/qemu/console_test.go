@@ -2,11 +2,14 @@ package qemu
 
 import (
 	"bufio"
-	"context"
-	"net"
+	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -14,57 +17,74 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// By default the serial console is served on RunDir/console.sock. The KVM
-// probe's reader sees the guest's first output and appends it to the
-// console log; once it lets go, the next reader (the engine's copy) gets
-// the rest of the boot. No network: needs neither root nor a namespace.
-func TestConsoleSocketProbeThenHandOver(t *testing.T) {
+// By default the serial console is served on RunDir/console.sock, read
+// from qemu's start, and the connection itself handed from reader to
+// reader: Start's reader (the KVM probe's) to the engine's copy. qemu drops
+// what the guest prints while no reader is connected, so a reader that
+// closed for the next to connect lost what came between: in an e2e run the
+// middle of the kernel's command line ("brokkr.n" + "web", "ame=" lost, the
+// probe letting go right after the guest's first output). Here the guest
+// is busybox counting to 3000 on its console (init's output goes through
+// the tty driver, which waits for the UART, so nothing is dropped in the
+// guest); a reader takes the connection over in the middle of the count,
+// and the log must hold every number once, in order. (Fails with handOver
+// replaced by a close and a new connection, as before: numbers missing.)
+// No network: needs neither root nor a namespace.
+//
+// What a connected reader can still lose: qemu's 16550 drops a byte when
+// its socket is full and the guest does not wait for the UART, which the
+// kernel's own early console (before its delay loop is calibrated) does
+// not; each byte is a socket buffer of its own, so a reader that pauses
+// for a millisecond in the kernel's first burst of messages can lose a few
+// of them ("ACPI: Resrving"). Read with socat from the first byte, none is.
+func TestAConnectedConsoleReaderLosesNothing(t *testing.T) {
 	img := qemuGuest(t)
 	cfg := guestConfig(t, img, "cons", 128)
+	const n = 3000
+	cfg.Cmdline = fmt.Sprintf("console=ttyS0 panic=-1 brokkr.name=cons quiet rdinit=/bin/busybox -- seq 1 %d", n)
 	b := New("", WithAccel(AccelTCG))
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
-	killAtCleanup(t, inst.PID)
+	require.NotNil(t, inst.Console, "Start hands over the console it read from qemu's start")
+	t.Cleanup(func() {
+		_ = syscall.Kill(inst.PID, syscall.SIGKILL)
+		_, _ = syscall.Wait4(inst.PID, nil, 0, nil)
+		inst.Console.Close()
+	})
 	require.Equal(t, filepath.Join(cfg.RunDir, "console.sock"), inst.ConsoleSocket)
 
-	// The probe's reader, as a KVM launch runs it.
-	plan := launchPlan{Machine: MachineQ35, Accel: AccelTCG}
-	require.True(t, consoleOnSerial(kernelCmdline(cfg, plan)))
-	w, err := watchConsole(t.Context(), inst.ConsoleSocket, cfg.ConsoleLog)
+	// A reader, as Start's is, until the count is well under way; then the
+	// next one takes the connection over.
+	w := newConsoleWatch(inst.Console, cfg.ConsoleLog)
+	require.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), "\n500\r") },
+		90*time.Second, time.Millisecond, "the guest never counted to 500: %q", tail(readFile(cfg.ConsoleLog), 3))
+	c := w.handOver()
+	log, err := os.OpenFile(cfg.ConsoleLog, os.O_WRONLY|os.O_APPEND, 0)
 	require.NoError(t, err)
-	require.Eventually(t, w.printed, 60*time.Second, 20*time.Millisecond, "no console output")
-	// The serial port trickles bytes in: printed() is true after the first
-	// one, so wait until the log holds the kernel's first line.
-	require.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), " Linux") },
-		60*time.Second, 20*time.Millisecond, "the probe never logged the kernel banner")
-	w.close()
-	assert.True(t, strings.HasPrefix(readFile(cfg.ConsoleLog), "[    0.000000] Linux"),
-		"the probe's bytes are in the console log: %q", readFile(cfg.ConsoleLog))
-
-	// The next reader gets the rest, up to the guest's init starting.
-	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
-	defer cancel()
-	// Retried like the engine's reader does: QEMU listens with a backlog of
-	// one and re-arms its listener only after it has seen the last client go.
-	var d net.Dialer
-	var c net.Conn
-	require.Eventually(t, func() bool {
-		c, err = d.DialContext(ctx, "unix", inst.ConsoleSocket)
-		return err == nil
-	}, 5*time.Second, 20*time.Millisecond, "console socket: %v", err)
-	defer c.Close()
+	defer log.Close()
 	_ = c.SetReadDeadline(time.Now().Add(90 * time.Second))
-	sc := bufio.NewScanner(c)
-	ready := false
-	for sc.Scan() {
-		if strings.Contains(sc.Text(), "BROKKR-GUEST: init") {
-			ready = true
-			break
+	sc := bufio.NewScanner(io.TeeReader(c, log))
+	last := fmt.Sprint(n)
+	for sc.Scan() && strings.TrimRight(sc.Text(), "\r") != last {
+	}
+	require.NoError(t, sc.Err())
+
+	number := regexp.MustCompile(`(?m)^(?:\x1b(?:c|\[[0-9;?]*[A-Za-z]))*(\d+)\r?$`)
+	var got []int
+	for _, m := range number.FindAllStringSubmatch(readFile(cfg.ConsoleLog), -1) {
+		v, _ := strconv.Atoi(m[1])
+		got = append(got, v)
+	}
+	want := make([]int, n)
+	for i := range want {
+		want[i] = i + 1
+	}
+	if !assert.Equal(t, want, got, "every number the guest printed, once, in order") {
+		for i := range want {
+			if i >= len(got) || got[i] != want[i] {
+				t.Logf("first difference at %d: %v", i+1, got[max(0, i-2):min(len(got), i+3)])
+				break
+			}
 		}
 	}
-	assert.True(t, ready, "the second reader saw the guest come up (%v)", sc.Err())
-	// Still booting (no acpid yet): the grace is short, quit ends it.
-	require.NoError(t, b.Stop(t.Context(), inst, time.Second))
-	_, err = os.Stat(inst.ConsoleSocket)
-	assert.True(t, os.IsNotExist(err) || !socketInUse(inst.ConsoleSocket), "nobody serves the console after stop")
 }

@@ -39,7 +39,7 @@ func TestKVMProbeFallsBackToTCG(t *testing.T) {
 	t0 := time.Now()
 	inst, err := b.Start(ctx, cfg)
 	require.NoError(t, err)
-	killAtCleanup(t, inst.PID)
+	killAtCleanup(t, inst, cfg.ConsoleLog)
 	reason := b.KVMDisabledReason()
 	t.Logf("Start took %s; KVM disabled reason: %q", time.Since(t0).Round(time.Millisecond), reason)
 	qlog := readFile(filepath.Join(cfg.Dir, "qemu.log"))

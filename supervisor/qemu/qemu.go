@@ -249,7 +249,19 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		return supervisor.Instance{}, fmt.Errorf("qemu: vm %s: start %s: %w", cfg.Name, bin, err)
 	}
 	pid := cmd.Process.Pid
+	// The console is read from the start and the connection handed to the
+	// engine as it is (Instance.Console): qemu serves one reader at a time
+	// and drops what the guest prints while none is connected, so a reader
+	// that let go for the engine's to connect lost what came between (in
+	// an e2e run, the middle of the kernel's command line: "brokkr.nweb").
+	var console *consoleWatch
+	if plan.ConsoleSocket != "" {
+		console, _ = watchConsole(ctx, plan.ConsoleSocket, cfg.ConsoleLog) // else the engine connects itself
+	}
 	fail := func(err error) (supervisor.Instance, error) {
+		if console != nil {
+			console.close()
+		}
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 		_ = os.Remove(plan.QMPSocket)
@@ -289,9 +301,12 @@ func (b *Backend) launch(ctx context.Context, bin string, cfg supervisor.LaunchC
 		return fail(fmt.Errorf("qemu: vm %s: %w; qemu.log: %s", cfg.Name, err, detail))
 	}
 	if accel == AccelKVM {
-		if err := b.probeKVM(ctx, cfg, plan, inst, logStart); err != nil {
+		if err := b.probeKVM(ctx, cfg, plan, inst, console, logStart); err != nil {
 			return fail(err)
 		}
+	}
+	if console != nil {
+		inst.Console = console.handOver()
 	}
 	// The engine watches (pidfd) and reaps the process from here on.
 	_ = cmd.Process.Release()
@@ -347,19 +362,17 @@ func (b *Backend) waitQMP(ctx context.Context, inst supervisor.Instance, want st
 // KVM works, and silence for the whole window is a kvmFailure too (emulated
 // "KVM" crawling through the kernel's decompressor); with the console
 // elsewhere, silence proves nothing and KVM is trusted after the window.
-func (b *Backend) probeKVM(ctx context.Context, cfg supervisor.LaunchConfig, plan launchPlan, inst supervisor.Instance, logStart int64) error {
+func (b *Backend) probeKVM(ctx context.Context, cfg supervisor.LaunchConfig, plan launchPlan, inst supervisor.Instance, console *consoleWatch, logStart int64) error {
 	onSerial := consoleOnSerial(kernelCmdline(cfg, plan))
 	var printed func() bool
 	switch {
 	case !onSerial:
 		printed = func() bool { return false }
 	case plan.ConsoleSocket != "":
-		w, err := watchConsole(ctx, plan.ConsoleSocket, cfg.ConsoleLog)
-		if err != nil {
-			return &kvmFailure{reason: "console socket: " + err.Error()}
+		if console == nil {
+			return &kvmFailure{reason: "console socket: not connected"}
 		}
-		defer w.close()
-		printed = w.printed
+		printed = console.printed
 	case cfg.ConsoleLog != "":
 		printed = func() bool {
 			fi, err := os.Stat(cfg.ConsoleLog)

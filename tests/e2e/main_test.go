@@ -20,6 +20,7 @@ import (
 var bin string
 
 func TestMain(m *testing.M) {
+	nstest.CallerMain() // the socket path's callers run as this binary, in a child cgroup
 	if !nstest.Privileged() {
 		goleak.VerifyTestMain(m) // every test skips without root
 	}

@@ -129,6 +129,8 @@ mount -t cgroup2 cgroup2 /sys/fs/cgroup
 mount -t tmpfs tmpfs /run
 mkdir -p /run/systemd/system /run/brk-bpf
 mount -t bpf bpf /run/brk-bpf
+# The new network namespace's loopback, for services that listen on it.
+ip link set lo up
 # What a booting systemd makes in /run: the nodes that sandboxing options
 # (ProtectHome=, InaccessiblePaths=...) mount over the paths they hide.
 mkdir -p /run/systemd/inaccessible

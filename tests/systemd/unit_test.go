@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -68,6 +69,8 @@ vms:
   - name: web
     memory: 64M
     kernel: `+filepath.Join(base, "vmlinuz")+`
+exposures:
+  - {name: px, target: 10.213.9.200, guestPort: 7000, hostPort: 7300, hostAddress: 127.0.0.1, mode: proxy}
 `), 0o600))
 
 	logPath := filepath.Join(base, "brokkrd.log") // no journald here
@@ -156,4 +159,88 @@ vms:
 	assert.Equal(t, pid, last.VMs[0].PID, "the next brokkrd adopts the VM")
 	assert.True(t, alive(pid, vmStart), "the same process, not a second one")
 	assert.Equal(t, "active", m.activeState(scope.Unit("web")))
+
+	// The fd store, as the README's restart table says per systemd version:
+	// a crash's automatic restart (Restart=on-failure) and `systemctl
+	// restart` keep the proxy's listener on every version with the store
+	// (219: it is kept while a restart is pending); a stop and a start
+	// keep it only with FileDescriptorStorePreserve= (254).
+	daemonPID := func() int {
+		v, err := m.conn.GetServicePropertyContext(ctx, "brokkrd.service", "MainPID")
+		require.NoError(t, err)
+		return int(v.Value.Value().(uint32))
+	}
+	listener := func() string {
+		t.Helper()
+		var ino string
+		if !assert.Eventually(t, func() bool { ino = listenInode(daemonPID(), 7300); return ino != "" }, 15*time.Second, 50*time.Millisecond) {
+			st, err := client.Status(ctx)
+			t.Fatalf("the proxy does not listen on 127.0.0.1:7300 (pid %d): %+v %v\n%s", daemonPID(), st, err, journal())
+		}
+		// Listening comes before the FDSTORE=1 message reaches systemd.
+		require.Eventually(t, func() bool {
+			v, err := m.conn.GetServicePropertyContext(ctx, "brokkrd.service", "NFileDescriptorStore")
+			return err == nil && v.Value.Value().(uint32) == 1
+		}, 10*time.Second, 50*time.Millisecond, "the listener is in the unit's fd store")
+		return ino
+	}
+	version := systemdVersion(t, m)
+	ino := listener()
+	crashed := daemonPID()
+	require.NoError(t, syscall.Kill(crashed, syscall.SIGKILL))
+	require.Eventually(t, func() bool { p := daemonPID(); return p != 0 && p != crashed }, 30*time.Second, 100*time.Millisecond,
+		"systemd restarts brokkrd after the crash (Restart=on-failure)")
+	assert.Equal(t, ino, listener(), "systemd %d: a crash's restart keeps the listener (the fd store)", version)
+
+	ino = listener()
+	m.waitJob("systemctl restart brokkrd", func(done chan<- string) error {
+		_, err := m.conn.RestartUnitContext(ctx, "brokkrd.service", "replace", done)
+		return err
+	})
+	restartKept := listener() == ino
+	assert.True(t, restartKept, "systemd %d: systemctl restart keeps the listener (a restart job keeps the store)", version)
+	ino = listener()
+	m.waitJob("systemctl stop brokkrd", func(done chan<- string) error {
+		_, err := m.conn.StopUnitContext(ctx, "brokkrd.service", "replace", done)
+		return err
+	})
+	start()
+	stopKept := listener() == ino
+	assert.Equal(t, version >= 254, stopKept, "systemd %d: a stop and a start keep the listener only with FileDescriptorStorePreserve= (254)", version)
+	t.Logf("systemd %d: the listener kept across a crash: yes; systemctl restart: %v; stop and start: %v", version, restartKept, stopKept)
+}
+
+// listenInode is the inode of pid's TCP socket listening on port, from the
+// /proc/PID/net/tcp of its network namespace ("" when none listens).
+func listenInode(pid, port int) string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/tcp", pid))
+	if err != nil {
+		return ""
+	}
+	want := fmt.Sprintf(":%04X", port)
+	for _, l := range strings.Split(string(b), "\n")[1:] {
+		f := strings.Fields(l)
+		if len(f) > 9 && strings.HasSuffix(f[1], want) && f[3] == "0A" {
+			return f[9]
+		}
+	}
+	return ""
+}
+
+// systemdVersion is the manager's version number (its Version property,
+// "252.38-1~deb12u1" on Debian 12).
+func systemdVersion(t *testing.T, m *manager) int {
+	t.Helper()
+	v, err := m.conn.GetManagerProperty("Version")
+	require.NoError(t, err)
+	s := strings.Trim(v, `"`)
+	n := 0
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			break
+		}
+		n = n*10 + int(c-'0')
+	}
+	require.NotZero(t, n, "systemd version %q", s)
+	return n
 }

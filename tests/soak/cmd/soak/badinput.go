@@ -38,6 +38,7 @@ func (x *h) goFuzz() {
 		for _, m := range fuzzFunc.FindAllStringSubmatch(string(src), -1) {
 			if time.Until(x.deadline) < time.Minute {
 				x.figure("fuzz."+m[1], "skipped", "time budget spent")
+				x.fail("fuzz target %s skipped: the time budget was spent before it", m[1])
 				continue
 			}
 			// -parallel 1: the machine's two cores are shared.
