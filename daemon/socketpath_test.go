@@ -136,6 +136,9 @@ func TestAutoServesLocalCallersThroughTheSocketPathNotLoopbackProxies(t *testing
 	web = sock.get()["tcp/0.0.0.0:8080"]
 	assert.Equal(t, bpf.SockTarget{Guest: netip.MustParseAddrPort("10.213.0.10:80"),
 		Guest6: netip.MustParseAddr("fd00:6272:6b72:0:5054:ff:fe00:1"), Slot: web.Slot}, web)
+	// A changed translation, so its sockets are looked at (the iterator
+	// keeps those still sent where the exposure sends them: here all).
+	assert.Equal(t, 2, sock.staleCalls(), "a translation that gained an IPv6 address is looked at")
 
 	// An exposure removed: its translation goes.
 	next := *r.d.Desired()
@@ -153,7 +156,7 @@ func TestAutoServesLocalCallersThroughTheSocketPathNotLoopbackProxies(t *testing
 	assert.NotContains(t, got, "tcp/127.0.0.1:5432")
 	_, held := r.store.Lookup("lo-auto")
 	assert.False(t, held, "its counter slot is freed")
-	assert.Equal(t, 2, sock.staleCalls(), "a removed translation's sockets are closed")
+	assert.Equal(t, 3, sock.staleCalls(), "a removed translation's sockets are closed")
 }
 
 func TestWithoutTheSocketPathAutoFallsBackToLoopbackProxiesAndSaysWhy(t *testing.T) {

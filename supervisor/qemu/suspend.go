@@ -267,7 +267,16 @@ func (b *Backend) Restore(ctx context.Context, cfg supervisor.LaunchConfig, dir 
 	if err := startIn(b.netnsPath, cmd); err != nil {
 		return supervisor.Instance{}, fmt.Errorf("qemu: vm %s: start %s: %w", cfg.Name, bin, err)
 	}
+	// Read from the start, as Start does: the guest prints as soon as it
+	// continues, and qemu drops what comes while no reader is connected.
+	var cw *consoleWatch
+	if console != "" {
+		cw, _ = watchConsole(ctx, console, cfg.ConsoleLog) // else the engine connects itself
+	}
 	fail := func(err error) (supervisor.Instance, error) {
+		if cw != nil {
+			cw.close()
+		}
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 		_ = os.Remove(sock)
@@ -290,6 +299,9 @@ func (b *Backend) Restore(ctx context.Context, cfg supervisor.LaunchConfig, dir 
 	inst := supervisor.Instance{PID: pid, StartTime: st.StartTime, Exe: exe, APISocket: sock, ConsoleSocket: console}
 	if err := b.waitQMP(ctx, inst, "paused"); err != nil {
 		return fail(fmt.Errorf("qemu: vm %s: restore: %w; qemu.log: %s", cfg.Name, err, logTail(qemuLog(cfg), logStart)))
+	}
+	if cw != nil {
+		inst.Console = cw.handOver()
 	}
 	_ = cmd.Process.Release()
 	return inst, nil

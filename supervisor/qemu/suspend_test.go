@@ -73,7 +73,7 @@ func TestSuspendRestoreIsTheSameGuest(t *testing.T) {
 	defer cancel()
 	inst, err := b.Start(ctx, cfg)
 	require.NoError(t, err)
-	killAtCleanup(t, inst.PID)
+	killAtCleanup(t, inst, cfg.ConsoleLog)
 	require.Eventually(t, func() bool { return strings.Contains(readFile(cfg.ConsoleLog), "BROKKR-GUEST-READY") },
 		90*time.Second, 50*time.Millisecond, "guest never got ready; console:\n%s", readFile(cfg.ConsoleLog))
 
@@ -119,7 +119,7 @@ func TestSuspendRestoreIsTheSameGuest(t *testing.T) {
 	t0 = time.Now()
 	restored, err := b.Restore(ctx, cfg, dir)
 	require.NoError(t, err)
-	killAtCleanup(t, restored.PID)
+	killAtCleanup(t, restored, cfg.ConsoleLog)
 	status, err = qmpStatus(ctx, restored.APISocket)
 	require.NoError(t, err)
 	assert.Equal(t, "paused", status, "Restore leaves the guest paused")
