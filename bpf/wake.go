@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -93,14 +94,26 @@ func (w *Wake) Asleep(slot int) (bool, error) {
 // ErrWakeClosed is Next's error once Close was called.
 var ErrWakeClosed = errors.New("wake events: closed")
 
-// Next blocks until the kernel asks for a wake and returns its slot.
-func (w *Wake) Next() (int, error) {
+// Next blocks until the kernel asks for a wake and returns its slot, or
+// until ctx ends (ctx's error) or Close is called (ErrWakeClosed). One
+// Next at a time; after ctx ends the next call waits afresh, so a daemon
+// whose Run ends and starts again (a failed hand-over) keeps its events.
+// (The reader's deadline cannot end a Read in progress: SetDeadline waits
+// for the Read's lock. Flush wakes it.)
+func (w *Wake) Next(ctx context.Context) (int, error) {
+	stop := context.AfterFunc(ctx, func() { _ = w.rd.Flush() })
+	defer stop()
 	for {
 		rec, err := w.rd.Read()
-		if errors.Is(err, os.ErrClosed) || errors.Is(err, ringbuf.ErrClosed) {
+		switch {
+		case errors.Is(err, os.ErrClosed) || errors.Is(err, ringbuf.ErrClosed):
 			return 0, ErrWakeClosed
-		}
-		if err != nil {
+		case errors.Is(err, ringbuf.ErrFlushed):
+			if ctx.Err() != nil {
+				return 0, ctx.Err()
+			}
+			continue // a flush for an earlier call's context
+		case err != nil:
 			return 0, fmt.Errorf("wake events: %w", err)
 		}
 		if len(rec.RawSample) >= 4 {

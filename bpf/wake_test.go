@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"context"
 	"net"
 	"sync"
 	"testing"
@@ -19,7 +20,7 @@ func events(t *testing.T, w *Wake) <-chan int {
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		for {
-			slot, err := w.Next()
+			slot, err := w.Next(t.Context())
 			if err != nil {
 				return
 			}
@@ -152,6 +153,13 @@ func TestTheSocketPathAsksToWakeAndItsCallerGetsThrough(t *testing.T) {
 	defer lb.Close()
 	require.NoError(t, lb.SetTarget(anyHost, ProtoTCP, 8080, SockTarget{Guest: guest("10.213.0.11:7000"), Slot: tp.slot.Index()}))
 	w := openWake(t, tp.pins)
+	// A Next whose context ends returns, and the next one waits afresh: a
+	// daemon whose Run ends and starts again (a failed hand-over) keeps
+	// its wake events.
+	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+	_, err := w.Next(ctx)
+	cancel()
+	require.ErrorIs(t, err, context.DeadlineExceeded)
 	ev := events(t, w)
 	warm, err := dial(t, tp.host, "tcp4", "127.0.0.1:8080")
 	require.NoError(t, err)

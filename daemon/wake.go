@@ -276,14 +276,13 @@ type kernelWakes struct {
 	mu      sync.Mutex
 	set     map[int]bool      // what each slot's flag was last set to (asleep)
 	askedAt map[int]time.Time // when a slot's event came
-	done    chan struct{}
 }
 
 func newKernelWakes(d *Daemon, w *bpf.Wake, board *Wakes) *kernelWakes {
 	if w == nil || board == nil || d.store == nil {
 		return nil
 	}
-	k := &kernelWakes{d: d, w: w, board: board, set: map[int]bool{}, askedAt: map[int]time.Time{}, done: make(chan struct{})}
+	k := &kernelWakes{d: d, w: w, board: board, set: map[int]bool{}, askedAt: map[int]time.Time{}}
 	board.onChange(k.sync)
 	return k
 }
@@ -336,14 +335,9 @@ func (k *kernelWakes) serve(ctx context.Context) {
 	if k == nil {
 		return
 	}
-	go func() {
-		<-ctx.Done()
-		_ = k.w.Close() // ends Next
-	}()
-	defer close(k.done)
 	for {
-		slot, err := k.w.Next()
-		if errors.Is(err, bpf.ErrWakeClosed) {
+		slot, err := k.w.Next(ctx)
+		if errors.Is(err, bpf.ErrWakeClosed) || (err != nil && ctx.Err() != nil) {
 			return
 		}
 		if err != nil {

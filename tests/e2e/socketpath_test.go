@@ -64,7 +64,7 @@ func TestTheSocketPathThroughTheRealDaemon(t *testing.T) {
 	out, errs, code := e.brokkr("apply", "-f", e.cfgPath, "--wait", "--timeout", "4m")
 	require.Equal(t, 0, code, "apply --wait: %s %s", out, errs)
 	st := e.status()
-	assert.Contains(t, strings.Join(st.Warnings, "\n"), "socket path unavailable", "status warns that the attach failed")
+	assert.Contains(t, strings.Join(st.Warnings, "\n"), "socket path: fallback", "status warns that the attach failed")
 	assert.NotEmpty(t, listening(t, e.host, "7090"), "the loopback proxy listens")
 	var h nstest.Held
 	require.Eventually(t, func() bool { // the guest's echo service may not be up yet
