@@ -432,14 +432,14 @@ func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAd
 			Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort,
 			GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
 		}
-		if rules.KernelCap {
-			f := p.feeds[e.Name]
-			if f == nil {
-				status[i].State, status[i].Reason = spec.StateFailed, "no counter slot"
-				continue
-			}
-			x.MarkID = bpf.MarkOf(f.slot.Index()) & bpf.MarkIDMask
+		// The mark is the counter slot: the nat path's programs write it,
+		// the set-based cap's watcher reads it.
+		f := p.feeds[e.Name]
+		if f == nil {
+			status[i].State, status[i].Reason = spec.StateFailed, "no counter slot"
+			continue
 		}
+		x.MarkID = bpf.MarkOf(f.slot.Index()) & bpf.MarkIDMask
 		rules.Exposures = append(rules.Exposures, x)
 	}
 
@@ -486,7 +486,7 @@ func (p *Plane) applyTable(r nft.Rules, repaired *[]string) error {
 	}
 	res, err := p.table.Converge(r)
 	for _, d := range res.Repaired {
-		*repaired = append(*repaired, "nft "+d)
+		*repaired = append(*repaired, "nft "+d.String())
 	}
 	if res.Replaced != nil {
 		p.log.Warn("netplane: nft incremental update failed; tables replaced whole", "err", res.Replaced)

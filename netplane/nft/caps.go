@@ -5,20 +5,19 @@ import (
 	"errors"
 	"maps"
 	"net/netip"
-	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
-	"github.com/brokkr/brokkr/netplane/nft/compile"
-
 	"github.com/brokkr/brokkr/netplane/conntrack"
+	"github.com/brokkr/brokkr/netplane/nft/compile"
 	"github.com/google/nftables"
 )
 
-// The cap. Each capped exposure has a set `conns-NAME` of size MaxConns
-// holding its open connections, each as its original tuple (source address
-// . destination address . source port; protocol and host port are the
-// exposure's):
+// The set-based cap, the fallback where the BPF nat path cannot load. Each
+// capped exposure has a set `conns-NAME` of size MaxConns holding its open
+// connections, each as its original tuple (source address . destination
+// address . source port; protocol and host port are the exposure's):
 //   - admission (nat prerouting/output, first packet only):
 //     `add @conns-NAME { ip saddr . ip daddr . tcp sport }` fails once the
 //     set is full. The kernel's size check is an atomic compare-and-
@@ -53,8 +52,134 @@ import (
 //     drift, a new size) is seeded in the same batch from conntrack's open
 //     entries carrying the exposure's mark.
 
-type capWatcher struct {
+// SetCap runs the set-based cap beside a Table: its index of the applied
+// exposures (fed by the Table after every batch), the watcher, the slow
+// path and the counters.
+type SetCap struct {
+	k    *nlKernel
 	t    *Table
+	opts options
+
+	// idxMu: the applied exposures, as the watcher, the slow path and
+	// Counters look them up.
+	idxMu  sync.RWMutex
+	byID   map[uint32]Exposure // mark id → exposure
+	byHost map[compile.HostSide]string
+
+	// dropped (under the kernel's membersMu): cap members the slow path
+	// deleted (exposure NUL key), so the watcher does not delete them again.
+	dropped       map[string]time.Time
+	droppedPruned time.Time
+
+	// hwMu: the bytes last reported per exposure (reports never go down).
+	hwMu    sync.Mutex
+	bytesHW map[string][2]uint64
+
+	w      atomic.Pointer[capWatcher] // nil once stopped
+	ov     atomic.Pointer[overflow]   // the slow path (TCP): started by the first capped TCP exposure
+	acctOn bool                       // nf_conntrack_acct is on (Table.mu)
+	first  atomic.Bool                // the first batch was applied: the watcher swept once
+}
+
+// startSetCap starts the watcher; the slow path starts with the first
+// capped TCP exposure.
+func startSetCap(t *Table, o options) (*SetCap, error) {
+	c := &SetCap{k: t.nl, t: t, opts: o, byID: map[uint32]Exposure{}, byHost: map[compile.HostSide]string{},
+		dropped: map[string]time.Time{}}
+	w, err := startCapWatcher(c)
+	if err != nil {
+		return nil, err
+	}
+	c.w.Store(w)
+	t.before, t.applied = c.before, c.applied
+	return c, nil
+}
+
+func (c *SetCap) stop() {
+	if o := c.ov.Swap(nil); o != nil {
+		o.stop()
+	}
+	if w := c.w.Swap(nil); w != nil {
+		w.stop()
+	}
+}
+
+// before starts the slow path the first time r has a capped TCP exposure
+// on the set-based cap (without one nothing is ever redirected to it, and
+// it would hold a port for nothing), and points r at its port (Table.mu).
+func (c *SetCap) before(r *Rules) error {
+	if r.KernelCap {
+		return nil
+	}
+	if c.ov.Load() == nil && hasCappedTCP(r.Exposures) {
+		o, err := startOverflow(c, c.readOverflowPort(), c.opts.carrier, c.opts.overflowWait)
+		if err != nil {
+			return err
+		}
+		c.ov.Store(o)
+	}
+	r.OverflowPort = c.overflowPort()
+	return nil
+}
+
+// applied updates the index from a batch's changes (Table.mu).
+func (c *SetCap) applied(changes []compile.Change) {
+	c.idxMu.Lock()
+	for _, ch := range changes {
+		e := ch.Exposure
+		switch ch.Kind {
+		case compile.Removed:
+			if c.byID[e.MarkID].Name == e.Name {
+				delete(c.byID, e.MarkID)
+			}
+			if c.byHost[ch.HostSide] == e.Name {
+				delete(c.byHost, ch.HostSide)
+			}
+		default:
+			for id, old := range c.byID {
+				if old.Name == e.Name && id != e.MarkID {
+					delete(c.byID, id) // its mark changed
+				}
+			}
+			c.byID[e.MarkID] = e
+			c.byHost[ch.HostSide] = e.Name
+		}
+	}
+	c.idxMu.Unlock()
+	if o := c.ov.Load(); o != nil {
+		for _, ch := range changes {
+			if ch.Kind == compile.Removed {
+				o.forget(ch.Exposure.Name)
+			}
+		}
+	}
+	if w := c.w.Load(); !c.first.Swap(true) && w != nil {
+		select {
+		case w.kick <- struct{}{}:
+		default:
+		}
+	}
+	if !c.acctOn {
+		// Bytes per direction come from conntrack accounting, which is per
+		// namespace and exists once nf_conntrack is loaded (by the nat
+		// chains).
+		if err := c.setSysctl("/proc/sys/net/netfilter/nf_conntrack_acct", "1"); err == nil {
+			c.acctOn = true
+		}
+	}
+}
+
+func hasCappedTCP(exps []Exposure) bool {
+	for _, e := range exps {
+		if e.MaxConns > 0 && e.Protocol == "tcp" && !e.LoopbackOnly() {
+			return true
+		}
+	}
+	return false
+}
+
+type capWatcher struct {
+	c    *SetCap
 	w    *conntrack.Watcher
 	done chan struct{}
 	wg   sync.WaitGroup
@@ -69,74 +194,71 @@ type capWatcher struct {
 
 const sweepEvery = 5 * time.Second
 
-func startCapWatcher(t *Table) (*capWatcher, error) {
-	w, err := conntrack.Watch(t.nsPath, compile.MarkOwned, compile.MarkOwned)
+func startCapWatcher(c *SetCap) (*capWatcher, error) {
+	w, err := conntrack.Watch(c.k.nsPath, compile.MarkOwned, compile.MarkOwned)
 	if err != nil {
 		return nil, err
 	}
-	c := &capWatcher{t: t, w: w, done: make(chan struct{}), kick: make(chan struct{}, 1), ended: map[string][2]uint64{},
+	cw := &capWatcher{c: c, w: w, done: make(chan struct{}), kick: make(chan struct{}, 1), ended: map[string][2]uint64{},
 		released: map[string]bool{}, refused: map[string]uint64{}}
-	c.wg.Add(1)
-	go c.run()
-	return c, nil
+	cw.wg.Add(1)
+	go cw.run()
+	return cw, nil
 }
 
-func (c *capWatcher) stop() {
-	close(c.done)
-	c.wg.Wait()
-	_ = c.w.Close()
+func (cw *capWatcher) stop() {
+	close(cw.done)
+	cw.wg.Wait()
+	_ = cw.w.Close()
 }
 
-func (c *capWatcher) run() {
-	defer c.wg.Done()
+func (cw *capWatcher) run() {
+	defer cw.wg.Done()
 	tick := time.NewTicker(sweepEvery)
 	defer tick.Stop()
 	for {
 		select {
-		case e := <-c.w.C():
+		case e := <-cw.w.C():
 			pending := map[string][][]byte{}
-			c.ended1(e, pending)
+			cw.ended1(e, pending)
 			// Take what else is queued, then commit once.
 		more:
 			for i := 0; i < 4096; i++ {
 				select {
-				case e := <-c.w.C():
-					c.ended1(e, pending)
+				case e := <-cw.w.C():
+					cw.ended1(e, pending)
 				default:
 					break more
 				}
 			}
-			c.release(pending)
-		case <-c.w.Lost():
-			c.sweep(true)
-		case <-c.kick:
+			cw.c.release(pending)
+		case <-cw.w.Lost():
+			cw.sweep(true)
+		case <-cw.kick:
 			// After a (re)start: connections that closed while no watcher
 			// was listening may still hold slots.
-			c.sweep(true)
+			cw.sweep(true)
 		case <-tick.C:
-			c.sweep(false)
-		case <-c.done:
+			cw.sweep(false)
+		case <-cw.done:
 			return
 		}
 	}
 }
 
-func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
+func (cw *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
 	id := e.Mark & compile.MarkIDMask
 	if id == 0 {
 		return
 	}
-	t := c.t
-	t.idxMu.RLock()
-	exp, ok := t.byID[id]
-	t.idxMu.RUnlock()
+	exp, ok := cw.c.byMark(id)
 	if ok && e.Destroyed {
-		c.mu.Lock()
-		b := c.ended[exp.Name]
+		cw.mu.Lock()
+		b := cw.ended[exp.Name]
 		b[0] += e.BytesOrig
 		b[1] += e.BytesRepl
-		c.ended[exp.Name] = b
-		c.mu.Unlock()
+		cw.ended[exp.Name] = b
+		cw.mu.Unlock()
 	}
 	if !ok || exp.MaxConns <= 0 {
 		return
@@ -146,77 +268,81 @@ func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
 		return
 	}
 	k := compile.ConnKey(e.Orig, e.OrigDst)
-	if c.released[string(k)] {
+	if cw.released[string(k)] {
 		if e.Destroyed {
-			delete(c.released, string(k))
+			delete(cw.released, string(k))
 		}
 		return
 	}
 	if !e.Destroyed {
-		c.released[string(k)] = true
+		cw.released[string(k)] = true
 	}
 	pending[exp.Name] = append(pending[exp.Name], k)
 }
 
-// release deletes ids from cap sets. A batch fails as a whole when one id
-// is already gone, so it is retried id by id.
-func (c *capWatcher) release(pending map[string][][]byte) {
+func (c *SetCap) byMark(id uint32) (Exposure, bool) {
+	c.idxMu.RLock()
+	defer c.idxMu.RUnlock()
+	e, ok := c.byID[id]
+	return e, ok
+}
+
+// release deletes members from cap sets. A batch fails as a whole when one
+// is already gone, so it is retried member by member.
+func (c *SetCap) release(pending map[string][][]byte) {
 	if len(pending) == 0 {
 		return
 	}
-	c.t.capMu.Lock()
-	c.t.releaseLocked(pending)
-	c.t.capMu.Unlock()
-	if o := c.t.ov.Load(); o != nil {
+	c.k.membersMu.Lock()
+	c.releaseLocked(pending)
+	c.k.membersMu.Unlock()
+	if o := c.ov.Load(); o != nil {
 		o.signalFreed() // callers waiting in the slow path look again
 	}
 }
 
 // capped reports whether name is an applied exposure with a cap.
-func (t *Table) capped(name string) bool {
-	t.idxMu.RLock()
-	defer t.idxMu.RUnlock()
-	id, ok := t.ids[name]
-	return ok && t.applied && t.byID[id].MaxConns > 0
+func (c *SetCap) capped(name string) bool {
+	c.idxMu.RLock()
+	defer c.idxMu.RUnlock()
+	for _, e := range c.byID {
+		if e.Name == name {
+			return e.MaxConns > 0
+		}
+	}
+	return false
 }
 
-// releaseLocked deletes connections from cap sets (capMu held).
-func (t *Table) releaseLocked(pending map[string][][]byte) {
+// releaseLocked deletes connections from cap sets (membersMu held).
+func (c *SetCap) releaseLocked(pending map[string][][]byte) {
 	if len(pending) == 0 {
 		return
 	}
-	inet, _ := t.tables()
+	inet := table(famInet)
 	send := func(set string, keys [][]byte) error {
 		els := make([]nftables.SetElement, len(keys))
 		for i, k := range keys {
 			els[i] = nftables.SetElement{Key: k}
 		}
-		return t.nl(func() error {
+		return c.k.sideCommit(func() error {
 			// The lasting socket: SetDeleteElements only fails before
 			// queuing.
-			if err := t.conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
+			if err := c.k.conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
 				return err
 			}
-			err := t.conn.Flush()
-			if err == nil {
-				// Each successful batch moves the ruleset generation by
-				// one; Converge discounts these so its fast path stays
-				// valid.
-				t.ownCommits++
-			}
-			return err
+			return c.k.conn.Flush()
 		})
 	}
 	for name, keys := range pending {
-		if !t.capped(name) {
+		if !c.capped(name) {
 			continue
 		}
 		// A key the slow path deleted already would fail the batch, and a
 		// failed batch costs the kernel's abort (~10 ms measured).
 		keep := keys[:0:0]
 		for _, k := range keys {
-			if _, ok := t.dropped[name+"\x00"+string(k)]; ok {
-				delete(t.dropped, name+"\x00"+string(k))
+			if _, ok := c.dropped[name+"\x00"+string(k)]; ok {
+				delete(c.dropped, name+"\x00"+string(k))
 				continue
 			}
 			keep = append(keep, k)
@@ -232,42 +358,46 @@ func (t *Table) releaseLocked(pending map[string][][]byte) {
 	}
 }
 
+// cappedExposures lists the applied exposures that have a cap.
+func (c *SetCap) cappedExposures() []Exposure {
+	c.idxMu.RLock()
+	defer c.idxMu.RUnlock()
+	var out []Exposure
+	for _, e := range c.byID {
+		if e.MaxConns > 0 {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
 // sweep removes members of cap sets whose connection is gone. all:
 // every capped exposure (after lost events); otherwise only those that
 // refused someone since the last sweep (a leaked slot only matters then).
-func (c *capWatcher) sweep(all bool) {
-	t := c.t
-	var capped []Exposure
-	t.idxMu.RLock()
-	if t.applied {
-		for _, e := range t.byID {
-			if e.MaxConns > 0 {
-				capped = append(capped, e)
-			}
-		}
-	}
-	t.idxMu.RUnlock()
+func (cw *capWatcher) sweep(all bool) {
+	c := cw.c
+	capped := c.cappedExposures()
 	if len(capped) == 0 {
 		return
 	}
-	var counters map[string]counterValue
-	if err := t.nl(func() (err error) { counters, err = t.readCounters(); return err }); err != nil {
+	counters, err := c.k.counters()
+	if err != nil {
 		return
 	}
 	pending := map[string][][]byte{}
-	ov := t.ov.Load()
+	ov := c.ov.Load()
 	for _, e := range capped {
-		r := counters[compile.RefusedCounter(e.Name)].packets
+		r := counters[compile.RefusedCounter(e.Name)].Packets
 		if ov != nil {
 			r += ov.countsOf(e.Name).refused
 		}
-		if !all && r == c.refused[e.Name] {
+		if !all && r == cw.refused[e.Name] {
 			continue
 		}
-		c.refused[e.Name] = r
-		t.capMu.Lock()
-		stale, _, err := t.staleLocked(e)
-		t.capMu.Unlock()
+		cw.refused[e.Name] = r
+		c.k.membersMu.Lock()
+		stale, _, err := c.staleLocked(e)
+		c.k.membersMu.Unlock()
 		if err != nil {
 			continue
 		}
@@ -278,16 +408,21 @@ func (c *capWatcher) sweep(all bool) {
 	c.release(pending)
 }
 
-// staleLocked lists the members of e's cap set whose connection has no
-// conntrack entry or has closed: one GET per member, no dump (capMu held).
-// members is how many the set holds.
-func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error) {
-	inet, _ := t.tables()
+// members reads the members of e's cap set.
+func (c *SetCap) members(e Exposure) ([]nftables.SetElement, error) {
 	var els []nftables.SetElement
-	err = t.nl(func() (err error) {
-		els, err = t.conn.GetSetElements(&nftables.Set{Table: inet, Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType})
+	err := c.k.nl(func() (err error) {
+		els, err = c.k.conn.GetSetElements(&nftables.Set{Table: table(famInet), Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType})
 		return err
 	})
+	return els, err
+}
+
+// staleLocked lists the members of e's cap set whose connection has no
+// conntrack entry or has closed: one GET per member, no dump (membersMu
+// held). members is how many the set holds.
+func (c *SetCap) staleLocked(e Exposure) (stale [][]byte, members int, err error) {
+	els, err := c.members(e)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -295,7 +430,7 @@ func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error)
 	check := func(k []byte) (gone, closed bool, err error) {
 		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
 		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
-		en, ok, err := t.ct.Get(compile.ProtoNum(e.Protocol), src, dst)
+		en, ok, err := c.k.ct.Get(compile.ProtoNum(e.Protocol), src, dst)
 		if err != nil {
 			return false, false, err
 		}
@@ -332,10 +467,10 @@ func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error)
 }
 
 // endedBytes returns (and keeps) the bytes of ended connections.
-func (c *capWatcher) endedBytes(name string) (uint64, uint64) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	b := c.ended[name]
+func (cw *capWatcher) endedBytes(name string) (uint64, uint64) {
+	cw.mu.Lock()
+	defer cw.mu.Unlock()
+	b := cw.ended[name]
 	return b[0], b[1]
 }
 
@@ -349,22 +484,21 @@ type ExposureCounters struct {
 }
 
 // Counters reads every exposure's counters.
-func (t *Table) Counters() (map[string]ExposureCounters, error) {
-	t.idxMu.RLock()
-	applied := t.applied
-	byID := maps.Clone(t.byID) // a snapshot: the reads below take other locks
-	t.idxMu.RUnlock()
+func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
+	c.idxMu.RLock()
+	byID := maps.Clone(c.byID) // a snapshot: the reads below take other locks
+	c.idxMu.RUnlock()
 	out := make(map[string]ExposureCounters, len(byID))
-	if !applied {
+	if len(byID) == 0 {
 		return out, nil
 	}
-	var cv map[string]counterValue
-	if err := t.nl(func() (err error) { cv, err = t.readCounters(); return err }); err != nil {
+	cv, err := c.k.counters()
+	if err != nil {
 		return nil, err
 	}
-	ov, w := t.ov.Load(), t.caps.Load()
+	ov := c.ov.Load()
 	for _, e := range byID {
-		ec := ExposureCounters{Accepted: cv[compile.AcceptedCounter(e.Name)].packets, Refused: cv[compile.RefusedCounter(e.Name)].packets}
+		ec := ExposureCounters{Accepted: cv[compile.AcceptedCounter(e.Name)].Packets, Refused: cv[compile.RefusedCounter(e.Name)].Packets}
 		if ov != nil {
 			// The slow path decides in userspace: a named counter cannot
 			// be bumped from there.
@@ -372,12 +506,12 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 			ec.Accepted += oc.accepted
 			ec.Refused += oc.refused
 		}
-		if w != nil {
+		if w := c.w.Load(); w != nil {
 			ec.BytesIn, ec.BytesOut = w.endedBytes(e.Name)
 		}
 		out[e.Name] = ec
 	}
-	entries, err := t.ct.ByMark(compile.MarkOwned, compile.MarkOwned) // brokkr's entries only, filtered in the kernel
+	entries, err := c.k.ct.ByMark(compile.MarkOwned, compile.MarkOwned) // brokkr's entries only, filtered in the kernel
 	if err != nil {
 		return nil, err
 	}
@@ -398,106 +532,24 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 	// briefly in neither (its destroy event not yet counted). Never report
 	// less than before: a reader taking the difference would read a drop as
 	// a reset.
-	t.hwMu.Lock()
-	defer t.hwMu.Unlock()
+	c.hwMu.Lock()
+	defer c.hwMu.Unlock()
 	hw := make(map[string][2]uint64, len(out))
 	for n, ec := range out {
-		prev := t.bytesHW[n]
+		prev := c.bytesHW[n]
 		ec.BytesIn, ec.BytesOut = max(ec.BytesIn, prev[0]), max(ec.BytesOut, prev[1])
 		hw[n] = [2]uint64{ec.BytesIn, ec.BytesOut}
 		out[n] = ec
 	}
-	t.bytesHW = hw
+	c.bytesHW = hw
 	return out, nil
 }
 
-// flushChanged deletes the conntrack entries of every exposure host side
-// that a change (not a repair) created, changed or removed.
-func (t *Table) flushChanged(p *compile.Plan, changed []string, keys map[string]compile.UnitKey) map[string]int {
-	isChange := map[string]bool{}
-	for _, c := range changed {
-		isChange[c] = true
+// Counters reads every exposure's counters from the set-based cap (none
+// without it: the nat path writes the slots itself).
+func (t *Table) Counters() (map[string]ExposureCounters, error) {
+	if t.cap == nil {
+		return map[string]ExposureCounters{}, nil
 	}
-	type side = hostSide
-	sides := map[side]string{}
-	for _, set := range []string{compile.MapExpAny, compile.MapExpAddr} {
-		for _, es := range [][]compile.ElemSpec{p.DelElems[set], p.AddElems[set]} {
-			for _, e := range es {
-				if sd, ok := decodeHostSide(set, e.Key); ok {
-					sides[sd] = e.Comment
-				}
-			}
-		}
-	}
-	// An exposure whose chain is new or rewritten: found from the changes
-	// themselves, so a Converge with one change does not walk every
-	// exposure.
-	for _, c := range changed {
-		rest, ok := strings.CutPrefix(c, "chain "+compile.ExpChain(""))
-		if !ok {
-			rest, ok = strings.CutPrefix(c, "rules of chain "+compile.ExpChain(""))
-		}
-		if !ok {
-			continue
-		}
-		for _, what := range []string{" missing", " differs", " differ"} {
-			name, ok := strings.CutSuffix(rest, what)
-			if !ok {
-				continue
-			}
-			if k, ok := keys[name]; ok {
-				sides[hostSideOf(k.Exp)] = k.Exp.Name
-			}
-		}
-	}
-	// Elements repaired (not changed) are dropped from the list: a repair
-	// restores what was there, the flows are still right.
-	for _, d := range p.Diffs {
-		if strings.HasPrefix(d.Object, "element ") && !isChange[d.String()] {
-			for _, set := range []string{compile.MapExpAny, compile.MapExpAddr} {
-				if strings.HasPrefix(d.Object, "element "+set+"[") {
-					name := strings.TrimSuffix(strings.TrimPrefix(d.Object, "element "+set+"["), "]")
-					for k, v := range sides {
-						if v == name {
-							delete(sides, k)
-						}
-					}
-				}
-			}
-		}
-	}
-	if len(sides) == 0 {
-		return nil
-	}
-	list := make([]conntrack.HostSide, 0, len(sides))
-	names := make([]string, 0, len(sides))
-	for s, name := range sides {
-		list = append(list, conntrack.HostSide{Proto: s.proto, Addr: s.addr, Port: s.port})
-		names = append(names, name)
-	}
-	counts, err := t.ct.DeleteHostSides(list)
-	if err != nil {
-		t.log.Warn("nft: conntrack flush failed", "err", err)
-	}
-	out := map[string]int{}
-	for i, n := range counts {
-		out[names[i]] += n
-	}
-	return out
-}
-
-type hostSide struct {
-	proto uint8
-	addr  netip.Addr
-	port  uint16
-}
-
-func decodeHostSide(set string, k []byte) (hostSide, bool) {
-	switch {
-	case set == compile.MapExpAny && len(k) == 8:
-		return hostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
-	case set == compile.MapExpAddr && len(k) == 12:
-		return hostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
-	}
-	return hostSide{}, false
+	return t.cap.Counters()
 }

@@ -25,6 +25,7 @@ type topo struct {
 	guests       []*nstest.NS
 	macs         []net.HardwareAddr
 	table        *Table
+	marks        map[string]uint32 // each exposure's mark id, by name, given on first sight
 }
 
 func guestAddr(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 213, 0, byte(11 + i)}) }
@@ -33,7 +34,7 @@ func guestPort(i int) string     { return fmt.Sprintf("g%dp", i+1) }
 func newTopo(t *testing.T, nGuests int) *topo {
 	t.Helper()
 	nstest.RequireRoot(t)
-	tp := &topo{client: nstest.New(t, "cli"), host: nstest.New(t, "host")}
+	tp := &topo{client: nstest.New(t, "cli"), host: nstest.New(t, "host"), marks: map[string]uint32{}}
 	nstest.Link(t, tp.client, "eth0", "10.99.0.2/24", tp.host, "vh-cli", "10.99.0.1/24")
 	tp.client.MustRun(t, "ip", "route", "add", "default", "via", "10.99.0.1")
 	tp.host.MustRun(t, "ip", "link", "add", "br0", "type", "bridge")
@@ -70,13 +71,38 @@ func newTopo(t *testing.T, nGuests int) *topo {
 	return tp
 }
 
+// rules is the topology's rules with exps; each exposure without a mark id
+// gets its name's (as the plane hands over each exposure's counter slot).
 func (tp *topo) rules(exps ...Exposure) Rules {
+	for i := range exps {
+		if exps[i].MarkID == 0 {
+			exps[i].MarkID = tp.mark(exps[i].Name)
+		}
+	}
 	r := Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
 		Masquerade: true, DHCP: true, Exposures: exps}
 	for i := range tp.guests {
 		r.Guests = append(r.Guests, Guest{Name: fmt.Sprintf("g%d", i+1), Tap: guestPort(i), MAC: tp.macs[i], Addr: guestAddr(i)})
 	}
 	return r
+}
+
+func (tp *topo) mark(name string) uint32 {
+	id, ok := tp.marks[name]
+	if !ok {
+		id = uint32(len(tp.marks) + 1)
+		tp.marks[name] = id
+	}
+	return id
+}
+
+// repaired is a result's repairs as the report prints them.
+func repaired(res Result) []string {
+	var out []string
+	for _, r := range res.Repaired {
+		out = append(out, r.String())
+	}
+	return out
 }
 
 func (tp *topo) converge(t *testing.T, r Rules) Result {

@@ -2,12 +2,9 @@ package compile
 
 import (
 	"encoding/binary"
-	"errors"
-	"hash/fnv"
+	"maps"
 	"net/netip"
-	"runtime"
-	"sort"
-	"sync"
+	"slices"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
@@ -65,42 +62,10 @@ func AcceptedCounter(name string) string {
 }
 func RefusedCounter(name string) string { return name + "-refused" }
 
-// AssignIDs gives every exposure a mark id: a hash of its name, probed
-// linearly on collision. prev keeps ids already in use stable.
-func AssignIDs(exps []Exposure, prev map[string]uint32) map[string]uint32 {
-	ids := make(map[string]uint32, len(exps))
-	used := make(map[uint32]bool, len(exps))
-	// Ids in prev are distinct, so keeping them needs no order; only the
-	// new names are sorted (probing order decides their ids).
-	var names []string
-	for _, e := range exps {
-		if id, ok := prev[e.Name]; ok && !used[id] {
-			ids[e.Name], used[id] = id, true
-		} else {
-			names = append(names, e.Name)
-		}
-	}
-	sort.Strings(names)
-	for _, n := range names {
-		if _, ok := ids[n]; ok {
-			continue
-		}
-		h := fnv.New32a()
-		h.Write([]byte(n))
-		id := h.Sum32() & MarkIDMask
-		for id == 0 || used[id] {
-			id = (id + 1) & MarkIDMask
-		}
-		ids[n], used[id] = id, true
-	}
-	return ids
-}
-
-// Desired computes the whole desired content of both tables from validated
-// rules: ids are the exposures' mark ids (AssignIDs, or the counter slots
-// with KernelCap) and overflowPort the cap slow path's listener (0: none).
-// Input no table can express is an error naming the field, not a panic.
-func Desired(r Rules, ids map[string]uint32, overflowPort uint16) (inet, bridge *TableSpec, err error) {
+// buildFixed computes both tables without the exposures: everything that
+// does not depend on them, with the shared maps their units fill declared
+// empty. Input no table can express is an error naming the field.
+func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 	if err := r.buildable(); err != nil {
 		return nil, nil, err
 	}
@@ -128,7 +93,7 @@ func Desired(r Rules, ids map[string]uint32, overflowPort uint16) (inet, bridge 
 	}})
 	addSharedMaps(inet)
 	if !r.KernelCap {
-		desiredSetCap(inet, overflowPort)
+		desiredSetCap(inet, r.OverflowPort)
 	}
 
 	// Masquerade: hairpin (a guest reaching a published port through the
@@ -161,16 +126,6 @@ func Desired(r Rules, ids map[string]uint32, overflowPort uint16) (inet, bridge 
 	}
 	fg = append(fg, rule(fam, "nothing else reaches the host", drop()))
 	inet.addChain(&ChainSpec{Name: chainFromGuests, Rules: fg})
-
-	for _, e := range r.Exposures {
-		if e.LoopbackOnly() {
-			continue
-		}
-		if err := e.buildable(r.KernelCap, ids[e.Name]); err != nil {
-			return nil, nil, err
-		}
-		addExposure(inet, e, ids[e.Name], r.KernelCap)
-	}
 
 	return inet, desiredBridge(r), nil
 }
@@ -210,108 +165,101 @@ var (
 
 // addSharedMaps adds the verdict maps every exposure has an element in.
 func addSharedMaps(inet *TableSpec) {
-	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey,
+	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey, PerExposure: true,
 		Data: nftables.TypeVerdict, IsMap: true, Comment: "exposures by address, protocol, port", Elems: map[string]ElemSpec{}})
-	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey,
+	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey, PerExposure: true,
 		Data: nftables.TypeVerdict, IsMap: true, Comment: "exposures by protocol, port", Elems: map[string]ElemSpec{}})
-	inet.addSet(&SetSpec{Name: MapClosers, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true,
+	inet.addSet(&SetSpec{Name: MapClosers, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,
 		Comment: "capped tcp exposures by mark", Elems: map[string]ElemSpec{}})
-
 }
 
-// UnitKey is everything one exposure's objects are built from.
-type UnitKey struct {
-	Exp    Exposure
-	ID     uint32
-	Kernel bool // Rules.KernelCap
+// unit is one exposure's part of the inet table: its elements in the
+// shared maps, and the objects of its own (nil when it has none).
+type unit struct {
+	elems []unitElem
+	own   *TableSpec
 }
 
-// UnitOf is one exposure's objects alone: its chains, counters and cap set,
-// and its elements in otherwise empty shared maps. Planning two units
-// against each other yields exactly the batch for that exposure.
-func UnitOf(k *UnitKey) (*TableSpec, error) {
-	t := EmptyUnit()
-	if !k.Exp.LoopbackOnly() {
-		if err := k.Exp.buildable(k.Kernel, k.ID); err != nil {
-			return nil, err
-		}
-		addExposure(t, k.Exp, k.ID, k.Kernel)
+type unitElem struct {
+	set string
+	e   ElemSpec
+}
+
+// unitOf builds one exposure's unit. It depends on the exposure alone (and
+// the cap's mode), so a unit is built again whenever it is needed instead
+// of being kept.
+func unitOf(e Exposure, kernelCap bool) (*unit, error) {
+	if e.LoopbackOnly() {
+		return &unit{}, nil
 	}
-	return t, nil
-}
-
-// EmptyUnit is the unit of no exposure: the shared maps, empty.
-func EmptyUnit() *TableSpec {
+	if err := e.buildable(); err != nil {
+		return nil, err
+	}
 	t := NewTableSpec(nftables.TableFamilyINet)
 	addSharedMaps(t)
-	return t
+	addExposure(t, e, e.MarkID, kernelCap)
+	u := &unit{}
+	for _, n := range sortedKeys(t.Sets) {
+		s := t.Sets[n]
+		if !s.PerExposure {
+			continue
+		}
+		for _, k := range sortedKeys(s.Elems) {
+			el := s.Elems[k]
+			el.Owner = e.Name
+			u.elems = append(u.elems, unitElem{n, el})
+		}
+		delete(t.Sets, n)
+	}
+	if len(t.Sets)+len(t.Chains)+len(t.Counters) > 0 {
+		u.own = t
+	}
+	return u, nil
 }
 
-// Assemble is the whole inet table: the global part and one unit per
-// exposure.
-func Assemble(global *TableSpec, units []*TableSpec) *TableSpec {
-	n := len(units)
-	// Sized for every exposure up front: growing these maps was a sixth of
-	// building a 10,000-exposure table.
-	whole := &TableSpec{Family: global.Family, Counters: make(map[string]CounterSpec, n+len(global.Counters)),
-		Sets: make(map[string]*SetSpec, len(global.Sets)), Chains: make(map[string]*ChainSpec, n+len(global.Chains))}
-	MergeUnit(whole, global)
-	// The shared maps must not be the global's own (they get elements).
-	for _, name := range []string{MapExpAddr, MapExpAny, MapClosers} {
-		s := *global.Sets[name]
-		s.Elems = make(map[string]ElemSpec, n)
-		whole.Sets[name] = &s
+// assemble is a whole inet table: the fixed part and every unit.
+func assemble(fixed *TableSpec, n int, units func(yield func(*unit) bool)) *TableSpec {
+	whole := &TableSpec{Family: fixed.Family, Counters: make(map[string]CounterSpec, len(fixed.Counters)),
+		Sets: make(map[string]*SetSpec, len(fixed.Sets)), Chains: make(map[string]*ChainSpec, n+len(fixed.Chains))}
+	maps.Copy(whole.Counters, fixed.Counters)
+	maps.Copy(whole.Chains, fixed.Chains)
+	for name, s := range fixed.Sets {
+		if s.PerExposure {
+			c := *s // the fixed part's own stays empty
+			c.Elems = make(map[string]ElemSpec, n)
+			s = &c
+		}
+		whole.Sets[name] = s
 	}
-	for _, u := range units {
-		MergeUnit(whole, u)
+	for u := range units {
+		for _, ue := range u.elems {
+			whole.Sets[ue.set].Elems[string(ue.e.Key)] = ue.e
+		}
+		if u.own != nil {
+			maps.Copy(whole.Counters, u.own.Counters)
+			maps.Copy(whole.Chains, u.own.Chains)
+			maps.Copy(whole.Sets, u.own.Sets)
+		}
 	}
 	return whole
 }
 
-// BuildUnits builds the units of ks, on every CPU when there are many (a
-// first 10,000-exposure Converge): units are independent of each other.
-func BuildUnits(ks []UnitKey) ([]*TableSpec, error) {
-	out := make([]*TableSpec, len(ks))
-	errs := make([]error, len(ks))
-	workers := runtime.GOMAXPROCS(0)
-	if len(ks) < 512 || workers < 2 {
-		for i := range ks {
-			out[i], errs[i] = UnitOf(&ks[i])
+// Whole is both tables for r, everything in them: what Render prints (the
+// golden files) and what a replace creates.
+func Whole(r Rules) (inet, bridge *TableSpec, err error) {
+	fixed, bridge, err := buildFixed(r)
+	if err != nil {
+		return nil, nil, err
+	}
+	units := make([]*unit, 0, len(r.Exposures))
+	for _, e := range r.Exposures {
+		u, err := unitOf(e, r.KernelCap)
+		if err != nil {
+			return nil, nil, err
 		}
-		return out, errors.Join(errs...)
+		units = append(units, u)
 	}
-	var wg sync.WaitGroup
-	per := (len(ks) + workers - 1) / workers
-	for lo := 0; lo < len(ks); lo += per {
-		hi := min(lo+per, len(ks))
-		wg.Go(func() {
-			for i := lo; i < hi; i++ {
-				out[i], errs[i] = UnitOf(&ks[i])
-			}
-		})
-	}
-	wg.Wait()
-	return out, errors.Join(errs...)
-}
-
-// MergeUnit adds a unit's objects into a whole table.
-func MergeUnit(dst, u *TableSpec) {
-	for n, c := range u.Counters {
-		dst.Counters[n] = c
-	}
-	for n, c := range u.Chains {
-		dst.Chains[n] = c
-	}
-	for n, s := range u.Sets {
-		ds, ok := dst.Sets[n]
-		if !ok {
-			dst.Sets[n] = s
-			continue
-		}
-		for k, e := range s.Elems {
-			ds.Elems[k] = e
-		}
-	}
+	return assemble(fixed, len(units), slices.Values(units)), bridge, nil
 }
 
 // addExposure adds everything one exposure needs: its chain, counters, map
@@ -341,7 +289,7 @@ func addExposure(t *TableSpec, e Exposure, id uint32, kernelCap bool) {
 	admit := l4proto(proto)
 	if e.MaxConns > 0 {
 		t.addSet(&SetSpec{Name: ConnsSet(e.Name), Key: ConnKeyType, Dynamic: true, Size: uint32(e.MaxConns),
-			Comment: "open connections of " + e.Name, Stateful: true, Owner: e.Name})
+			Comment: "open connections of " + e.Name, Stateful: true, Owner: e.Name, SeedID: id})
 		// The add fails (and the rule stops) once the set holds MaxConns
 		// connections.
 		admit = append(append(nfprotoIPv4(), admit...),
@@ -610,4 +558,16 @@ func loadProtoPort() []expr.Any {
 
 func lookupVmap(set string) expr.Any {
 	return &expr.Lookup{SourceRegister: 1, DestRegister: 0, IsDestRegSet: true, SetName: set}
+}
+
+// dispatchSide decodes the host side from the key of an element of a
+// dispatch map (the maps looked up by address, protocol and port).
+func dispatchSide(set string, k []byte) (HostSide, bool) {
+	switch {
+	case set == MapExpAny && len(k) == 8:
+		return HostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
+	case set == MapExpAddr && len(k) == 12:
+		return HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
+	}
+	return HostSide{}, false
 }

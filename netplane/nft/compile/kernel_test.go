@@ -28,7 +28,7 @@ func TestGoldenLoadsAndMatchesRuntime(t *testing.T) {
 
 			fromRuntime := nstest.New(t, "rt")
 			var opts []nft.Option
-			if c.OverflowPort() == 0 {
+			if c.Rules().OverflowPort == 0 {
 				// The golden has no slow-path listener: neither does the
 				// runtime.
 				opts = append(opts, nft.WithoutCapWatcher())

@@ -28,9 +28,10 @@ type Rules struct {
 	Guests        []Guest      // ports under anti-spoof
 	Exposures     []Exposure
 	// KernelCap: the cap, its release and the counters are the BPF nat
-	// path's (bpf.NatPath); exposures carry only their mark and DNAT, and
-	// each Exposure's MarkID is its counter slot's.
+	// path's (bpf.NatPath); exposures carry only their mark and DNAT.
 	KernelCap bool
+	// OverflowPort is the set-based cap's slow-path listener (0: none).
+	OverflowPort uint16
 }
 
 // Guest is one bridge port that may only send frames from its own MAC and
@@ -51,7 +52,7 @@ type Exposure struct {
 	GuestAddr netip.Addr
 	GuestPort uint16
 	MaxConns  int    // 0 = unlimited
-	MarkID    uint32 // with Rules.KernelCap: the ct mark id (counter slot + 1)
+	MarkID    uint32 // the ct mark id: the exposure's counter slot + 1, unique
 }
 
 // loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
@@ -110,9 +111,10 @@ func (r Rules) buildable() error {
 	return nil
 }
 
-// buildable reports an exposure the builder cannot express (id is its mark
-// id; 0 is never one).
-func (e Exposure) buildable(kernelCap bool, id uint32) error {
+// buildable reports an exposure the builder cannot express (a mark id of 0
+// is never one).
+func (e Exposure) buildable() error {
+	id := e.MarkID
 	if e.LoopbackOnly() {
 		return nil
 	}

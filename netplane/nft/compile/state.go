@@ -1,0 +1,721 @@
+package compile
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"sort"
+	"strconv"
+
+	"github.com/google/nftables"
+)
+
+// HostSide is where an exposure is published: its protocol, host address
+// (invalid: every local address) and host port. Conntrack entries of a
+// host side are flushed when what is published there changes.
+type HostSide struct {
+	Proto uint8
+	Addr  netip.Addr
+	Port  uint16
+}
+
+// HostSide of e (a wildcard's address is the invalid one).
+func (e Exposure) HostSide() HostSide {
+	a := e.HostAddr
+	if e.Wildcard() {
+		a = netip.Addr{}
+	}
+	return HostSide{ProtoNum(e.Protocol), a, e.HostPort}
+}
+
+func (h HostSide) String() string {
+	a := "*"
+	if h.Addr.IsValid() {
+		a = h.Addr.String()
+	}
+	return protoName(h.Proto) + " " + a + ":" + strconv.Itoa(int(h.Port))
+}
+
+// ChangeKind is what happened to an exposure.
+type ChangeKind uint8
+
+const (
+	Created ChangeKind = iota + 1
+	Changed
+	Removed
+)
+
+func (k ChangeKind) String() string {
+	switch k {
+	case Created:
+		return "created"
+	case Changed:
+		return "changed"
+	case Removed:
+		return "removed"
+	}
+	return "kind " + strconv.Itoa(int(k))
+}
+
+// Change is one exposure created, changed or removed by a plan. An
+// exposure that moves to another host side is two changes: removed where it
+// was, created where it is.
+type Change struct {
+	Exposure Exposure // as it is now; as it was, for Removed
+	Kind     ChangeKind
+	HostSide HostSide // where it is (was) published
+	// Flush: the plan changes what the kernel publishes at HostSide, so
+	// the conntrack entries there must go (no flow keeps going where it
+	// went before). False for a repair, which restores what the flows
+	// already follow, and for a change of the cap alone.
+	Flush bool
+}
+
+func (c Change) String() string {
+	return fmt.Sprintf("exposure %s %s (%s)", c.Exposure.Name, c.Kind, c.HostSide)
+}
+
+// Repair is one object the kernel held differently from what brokkr had
+// applied (drift), put back by the plan.
+type Repair struct {
+	Object string // "chain dispatch", "element exp-any[web]", "table inet brokkr"
+	What   string // missing | unexpected | differs | differ
+}
+
+func (r Repair) String() string { return r.Object + " " + r.What }
+
+// Observation is what the kernel holds in both tables. A nil Observation
+// stands for "exactly what the state applied": the runtime passes nil when
+// the ruleset generation shows that nobody committed since its last batch.
+type Observation struct {
+	Inet, Bridge *Observed
+}
+
+// Plan is one batch: its operations, the exposures it changes, the drift it
+// repairs. Commit records it once the batch is in the kernel.
+type Plan struct {
+	Ops     []Op
+	Changes []Change
+	Repairs []Repair
+
+	next    planned
+	repl    func(map[string]CounterValue) []Op // the same target state, as a whole-table replace
+	elemsIn map[string]int                     // elements the batch adds, per set (what verify checks)
+}
+
+// planned is what Commit records.
+type planned struct {
+	inet, bridge *TableSpec
+	kernelCap    bool
+	changed      map[string]*Exposure // nil: removed
+	rebuilt      bool                 // every unit was rebuilt (the unit digests start again)
+	digests      map[string]Digest    // the units' elements per shared set, when rebuilt
+}
+
+// Empty reports whether the plan has nothing to send.
+func (p *Plan) Empty() bool { return len(p.Ops) == 0 }
+
+// Replacement is the plan's target state as one batch that deletes both
+// tables and creates them whole, for when the plan's batch failed. counters
+// carries the values of named counters that are created again.
+func (p *Plan) Replacement(counters map[string]CounterValue) []Op { return p.repl(counters) }
+
+// AddedElems is how many elements the plan adds to each set.
+func (p *Plan) AddedElems() map[string]int { return p.elemsIn }
+
+// State is what brokkr applied to its tables, as the compiler built it: the
+// fixed part of both tables and the exposures (each exposure's unit is
+// built again from it when needed). Plan compares a wanted state with it
+// (and with what the kernel holds, when the kernel may differ); Commit
+// records a plan the kernel took. A State is not safe for concurrent use.
+type State struct {
+	inet, bridge *TableSpec // nil before the first Commit
+	kernelCap    bool
+	exps         map[string]Exposure
+	marks        map[uint32]string   // mark id → exposure
+	sides        map[HostSide]string // host side → exposure
+	unitDigests  map[string]Digest   // the units' elements, per shared set
+}
+
+// NewState is a state that has applied nothing.
+func NewState() *State {
+	return &State{exps: map[string]Exposure{}, marks: map[uint32]string{}, sides: map[HostSide]string{}, unitDigests: map[string]Digest{}}
+}
+
+// Applied reports whether a plan was committed (the state knows the tables).
+func (s *State) Applied() bool { return s.inet != nil }
+
+// Exposure returns the applied exposure named name.
+func (s *State) Exposure(name string) (Exposure, bool) {
+	e, ok := s.exps[name]
+	return e, ok
+}
+
+// Len is the number of applied exposures.
+func (s *State) Len() int { return len(s.exps) }
+
+// Digest is the digest of what the state applied to a set of the inet
+// table (shared maps: the fixed part's elements and every unit's).
+func (s *State) Digest(set string) Digest {
+	d := Digest{}
+	if s.inet != nil {
+		if st, ok := s.inet.Sets[set]; ok {
+			d = DigestOf(st.Elems)
+		}
+	}
+	return d.Plus(s.unitDigests[set])
+}
+
+// want is a target state: the fixed parts, the exposures that differ from
+// the state's (nil: removed), and every exposure of the target.
+type want struct {
+	inet, bridge *TableSpec
+	kernelCap    bool
+	changed      map[string]*Exposure
+	all          func(yield func(Exposure) bool)
+	n            int
+}
+
+// Plan compares the whole desired state r with the state (obs nil: the
+// kernel holds exactly what the state applied) or with what the kernel was
+// observed to hold. Input no table can express is an error naming the
+// field, and nothing is planned.
+func (s *State) Plan(r Rules, obs *Observation) (*Plan, error) {
+	inet, bridge, err := buildFixed(r)
+	if err != nil {
+		return nil, err
+	}
+	w := &want{inet: inet, bridge: bridge, kernelCap: r.KernelCap, changed: map[string]*Exposure{}, n: len(r.Exposures)}
+	seen := make(map[string]bool, len(r.Exposures))
+	rebuild := s.Applied() && r.KernelCap != s.kernelCap
+	for i := range r.Exposures {
+		e := &r.Exposures[i]
+		if seen[e.Name] {
+			return nil, fieldErr("exposures["+e.Name+"].name", "%q is there twice", e.Name)
+		}
+		seen[e.Name] = true
+		if old, ok := s.exps[e.Name]; !ok || old != *e || rebuild {
+			w.changed[e.Name] = e
+		}
+	}
+	for n := range s.exps {
+		if !seen[n] {
+			w.changed[n] = nil
+		}
+	}
+	w.all = func(yield func(Exposure) bool) {
+		for _, e := range r.Exposures {
+			if !yield(e) {
+				return
+			}
+		}
+	}
+	return s.plan(w, obs)
+}
+
+// PlanUpdate is Plan for a change of some exposures only: set creates or
+// replaces each of them, remove deletes them by name (a name that is not
+// applied is ignored); every other exposure stays as applied, and so does
+// the fixed part unless fixed gives it anew (its Exposures are ignored).
+// With obs nil it costs O(len(set)+len(remove)).
+func (s *State) PlanUpdate(fixed *Rules, set []Exposure, remove []string, obs *Observation) (*Plan, error) {
+	if !s.Applied() {
+		return nil, errors.New("no whole desired state applied yet")
+	}
+	w := &want{inet: s.inet, bridge: s.bridge, kernelCap: s.kernelCap, changed: map[string]*Exposure{}}
+	if fixed != nil {
+		var err error
+		if w.inet, w.bridge, err = buildFixed(*fixed); err != nil {
+			return nil, err
+		}
+		if fixed.KernelCap != s.kernelCap {
+			return nil, errors.New("the cap's mode changes only with the whole desired state")
+		}
+	}
+	for _, n := range remove {
+		if _, ok := s.exps[n]; ok {
+			w.changed[n] = nil
+		}
+	}
+	for i := range set {
+		e := &set[i]
+		if _, ok := w.changed[e.Name]; ok {
+			return nil, fieldErr("exposures["+e.Name+"].name", "%q is set or removed twice", e.Name)
+		}
+		if old, ok := s.exps[e.Name]; !ok || old != *e {
+			w.changed[e.Name] = e
+		}
+	}
+	w.n = len(s.exps)
+	for n, e := range w.changed {
+		if _, ok := s.exps[n]; !ok && e != nil {
+			w.n++
+		} else if ok && e == nil {
+			w.n--
+		}
+	}
+	w.all = func(yield func(Exposure) bool) {
+		for n, e := range s.exps {
+			if _, ok := w.changed[n]; ok {
+				continue
+			}
+			if !yield(e) {
+				return
+			}
+		}
+		for _, e := range w.changed {
+			if e != nil && !yield(*e) {
+				return
+			}
+		}
+	}
+	return s.plan(w, obs)
+}
+
+// check refuses exposures the tables cannot hold: each changed one must be
+// buildable, and no two exposures of the target may share a mark id or a
+// host side (the maps would keep one of them).
+func (s *State) check(w *want) error {
+	marks := map[uint32]string{}
+	sides := map[HostSide]string{}
+	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
+		e := w.changed[n]
+		if e == nil || e.LoopbackOnly() {
+			continue
+		}
+		if err := e.buildable(); err != nil {
+			return err
+		}
+		owner := func(m map[uint32]string, s map[uint32]string, id uint32) (string, bool) {
+			if o, ok := m[id]; ok {
+				return o, true
+			}
+			if o, ok := s[id]; ok {
+				if _, moved := w.changed[o]; !moved {
+					return o, true
+				}
+			}
+			return "", false
+		}
+		if o, ok := owner(marks, s.marks, e.MarkID); ok {
+			return fieldErr("exposures["+n+"].markID", "%d is exposure %s's too", e.MarkID, o)
+		}
+		marks[e.MarkID] = n
+		hs := e.HostSide()
+		if o, ok := sides[hs]; ok {
+			return fieldErr("exposures["+n+"].hostPort", "%s is exposure %s's too", hs, o)
+		}
+		if o, ok := s.sides[hs]; ok {
+			if _, moved := w.changed[o]; !moved {
+				return fieldErr("exposures["+n+"].hostPort", "%s is exposure %s's too", hs, o)
+			}
+		}
+		sides[hs] = n
+	}
+	return nil
+}
+
+func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
+	if err := s.check(w); err != nil {
+		return nil, err
+	}
+	if obs == nil && !s.Applied() {
+		return nil, errors.New("nothing applied yet: the kernel must be observed")
+	}
+	p := &Plan{next: planned{inet: w.inet, bridge: w.bridge, kernelCap: w.kernelCap, changed: w.changed}}
+	newU := map[string]*unit{}
+	for n, e := range w.changed {
+		if e == nil {
+			continue
+		}
+		u, err := unitOf(*e, w.kernelCap)
+		if err != nil {
+			return nil, err
+		}
+		newU[n] = u
+	}
+	oldU := func(n string) *unit {
+		e, ok := s.exps[n]
+		if !ok {
+			return nil
+		}
+		u, err := unitOf(e, s.kernelCap)
+		if err != nil {
+			return &unit{} // it was built once: cannot happen
+		}
+		return u
+	}
+	var dInet, dBridge *delta
+	var touched map[string]bool // exposures whose objects the batch changes
+	if obs == nil && !sharesRecreated(w.inet, s.inet) {
+		dInet, dBridge, touched = s.fastDeltas(w, newU, oldU)
+	} else {
+		if obs == nil {
+			// A shared map is recreated: every unit's elements go in again,
+			// planned against the applied state as the kernel holds it.
+			obs = &Observation{Inet: ObservedFrom(s.whole()), Bridge: ObservedFrom(s.bridge)}
+		}
+		var err error
+		dInet, dBridge, touched, err = s.fullDeltas(w, obs, p)
+		if err != nil {
+			return nil, err
+		}
+	}
+	p.Ops = append(dInet.ops(nil), dBridge.ops(nil)...)
+	p.elemsIn = map[string]int{}
+	for n, es := range dInet.addElems {
+		p.elemsIn[n] += len(es)
+	}
+	p.Changes = append(s.changes(w, touched), p.Changes...)
+	p.repl = func(counters map[string]CounterValue) []Op { return s.replacement(w, counters) }
+	return p, nil
+}
+
+// sharesRecreated reports whether a shared map of want has another shape
+// than the applied one (it is deleted and created again, with every unit's
+// elements).
+func sharesRecreated(want, applied *TableSpec) bool {
+	if applied == nil {
+		return false
+	}
+	for n, s := range want.Sets {
+		if !s.PerExposure {
+			continue
+		}
+		if a, ok := applied.Sets[n]; !ok || a.Shape() != s.Shape() {
+			return true
+		}
+	}
+	return false
+}
+
+// fastDeltas plans against the state itself: the fixed parts whole (they
+// are small), and the units of the changed exposures only, each against its
+// previous self.
+func (s *State) fastDeltas(w *want, newU map[string]*unit, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool) {
+	dInet = makeDelta(w.inet, ObservedFrom(s.inet), nil)
+	dBridge = makeDelta(w.bridge, ObservedFrom(s.bridge), nil)
+	touched = map[string]bool{}
+	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
+		u := unitDelta(w.inet, oldU(n), newU[n])
+		if !u.empty() {
+			touched[n] = true
+		}
+		dInet.merge(u)
+	}
+	return dInet, dBridge, touched
+}
+
+// unitDelta plans one exposure's unit from old to cur (nil: none).
+func unitDelta(shared *TableSpec, old, cur *unit) *delta {
+	d := newDelta(nftables.TableFamilyINet)
+	if old == nil {
+		old = &unit{}
+	}
+	if cur == nil {
+		cur = &unit{}
+	}
+	type at struct{ set, key string }
+	have := map[at]ElemSpec{}
+	for _, ue := range old.elems {
+		have[at{ue.set, string(ue.e.Key)}] = ue.e
+	}
+	wantE := map[at]ElemSpec{}
+	for _, ue := range cur.elems {
+		wantE[at{ue.set, string(ue.e.Key)}] = ue.e
+	}
+	for _, ue := range old.elems {
+		k := at{ue.set, string(ue.e.Key)}
+		if ne, ok := wantE[k]; !ok || !ne.Same(ue.e) || ne.Comment != ue.e.Comment {
+			d.note(diff{kind: objElem, name: ue.set, key: k.key, what: "unexpected", label: ue.e.Comment})
+			d.delElems[ue.set] = append(d.delElems[ue.set], ue.e)
+		}
+	}
+	for _, ue := range cur.elems {
+		k := at{ue.set, string(ue.e.Key)}
+		if oe, ok := have[k]; !ok || !oe.Same(ue.e) || oe.Comment != ue.e.Comment {
+			d.note(diff{kind: objElem, name: ue.set, key: k.key, what: "missing", label: ue.e.Comment})
+			d.shapes[ue.set] = shared.Sets[ue.set]
+			d.addElems[ue.set] = append(d.addElems[ue.set], ue.e)
+		}
+	}
+	ownOld, ownCur := old.own, cur.own
+	if ownOld == nil && ownCur == nil {
+		return d
+	}
+	if ownCur == nil {
+		ownCur = NewTableSpec(nftables.TableFamilyINet)
+	}
+	oo := EmptyObserved()
+	oo.Exists = true
+	if ownOld != nil {
+		oo = ObservedFrom(ownOld)
+	}
+	d.merge(makeDelta(ownCur, oo, nil))
+	return d
+}
+
+// whole is the applied inet table, every unit in it.
+func (s *State) whole() *TableSpec {
+	return assemble(s.inet, len(s.exps), func(yield func(*unit) bool) {
+		for _, e := range s.exps {
+			u, err := unitOf(e, s.kernelCap)
+			if err == nil && !yield(u) {
+				return
+			}
+		}
+	})
+}
+
+// wholeOf is the target's inet table, every unit in it.
+func wholeOf(w *want) (*TableSpec, error) {
+	var err error
+	t := assemble(w.inet, w.n, func(yield func(*unit) bool) {
+		for e := range w.all {
+			u, uerr := unitOf(e, w.kernelCap)
+			if uerr != nil {
+				err = uerr
+				return
+			}
+			if !yield(u) {
+				return
+			}
+		}
+	})
+	return t, err
+}
+
+// fullDeltas plans the whole target against what the kernel holds. A
+// difference is a change when the object is defined differently in the
+// target than in what the state applied, and drift (a repair) otherwise.
+// Shared maps whose observed digest is what the state applied were not
+// read: only the changed exposures' elements are planned there.
+func (s *State) fullDeltas(w *want, obs *Observation, p *Plan) (dInet, dBridge *delta, touched map[string]bool, err error) {
+	wi, err := wholeOf(w)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	var prevInet *TableSpec
+	if s.Applied() {
+		prevInet = s.whole()
+	}
+	unread := func(set string) bool {
+		os, ok := obs.Inet.Sets[set]
+		return ok && os.Elems == nil && wi.Sets[set] != nil && !wi.Sets[set].Stateful
+	}
+	for n := range wi.Sets {
+		if unread(n) && (!s.Applied() || obs.Inet.Sets[n].Digest != s.Digest(n)) {
+			return nil, nil, nil, fmt.Errorf("set %s: its elements differ from what was applied and were not read", n)
+		}
+	}
+	dInet = makeDelta(wi, obs.Inet, unread)
+	dBridge = makeDelta(w.bridge, obs.Bridge, nil)
+	// The sets not read hold what the state applied: their elements
+	// follow the changed units.
+	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
+		old := (*unit)(nil)
+		if e, ok := s.exps[n]; ok {
+			old, _ = unitOf(e, s.kernelCap)
+		}
+		var cur *unit
+		if e := w.changed[n]; e != nil {
+			cur, _ = unitOf(*e, w.kernelCap)
+		}
+		u := unitDelta(w.inet, old, cur)
+		keep := newDelta(nftables.TableFamilyINet)
+		for set, es := range u.delElems {
+			if unread(set) {
+				keep.delElems[set] = es
+			}
+		}
+		for set, es := range u.addElems {
+			if unread(set) {
+				keep.addElems[set] = es
+				keep.shapes[set] = wi.Sets[set]
+			}
+		}
+		for _, d := range u.diffs {
+			if d.kind == objElem && unread(d.name) {
+				keep.note(d)
+			}
+		}
+		dInet.merge(keep)
+	}
+	touched = map[string]bool{}
+	var orphans []Change
+	classify := func(d *delta, prev, cur *TableSpec) {
+		for _, df := range d.diffs {
+			if prev != nil && sameObject(prev, cur, df) {
+				p.Repairs = append(p.Repairs, Repair{df.object(d.fam), df.whatText()})
+				continue
+			}
+			own := owners(prev, cur, df)
+			for _, o := range own {
+				touched[o] = true
+			}
+			if len(own) == 0 && df.kind == objElem && df.what != "missing" {
+				// A dispatch element no exposure owns (left by one deleted
+				// while no daemon ran): its host side is flushed too.
+				if hs, ok := dispatchSide(df.name, []byte(df.key)); ok {
+					orphans = append(orphans, Change{Exposure{Name: df.label}, Removed, hs, true})
+				}
+			}
+		}
+	}
+	classify(dInet, prevInet, wi)
+	var prevBridge *TableSpec
+	if s.Applied() {
+		prevBridge = s.bridge
+	}
+	classify(dBridge, prevBridge, w.bridge)
+	sort.Slice(p.Repairs, func(i, j int) bool { return p.Repairs[i].String() < p.Repairs[j].String() })
+	sort.Slice(orphans, func(i, j int) bool { return orphans[i].Exposure.Name < orphans[j].Exposure.Name })
+	p.Changes = orphans
+	return dInet, dBridge, touched, nil
+}
+
+// owners lists the exposures an object belongs to in a and b.
+func owners(a, b *TableSpec, d diff) []string {
+	var out []string
+	for _, t := range []*TableSpec{a, b} {
+		if t == nil {
+			continue
+		}
+		switch d.kind {
+		case objChain, objRules:
+			if c, ok := t.Chains[d.name]; ok && c.Owner != "" {
+				out = append(out, c.Owner)
+			}
+		case objSet:
+			if s, ok := t.Sets[d.name]; ok && s.Owner != "" {
+				out = append(out, s.Owner)
+			}
+		case objElem:
+			if e, ok := elemOf(t, d.name, d.key); ok && e.Owner != "" {
+				out = append(out, e.Owner)
+			}
+		case objCounter:
+			if c, ok := t.Counters[d.name]; ok && c.Exposure != "" {
+				out = append(out, c.Exposure)
+			}
+		}
+	}
+	return out
+}
+
+// changes lists the exposures the target creates, changes or removes,
+// against the state; touched are those whose objects the batch changes in
+// the kernel (only they flush).
+func (s *State) changes(w *want, touched map[string]bool) []Change {
+	var out []Change
+	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
+		cur := w.changed[n]
+		old, had := s.exps[n]
+		published := func(e Exposure) bool { return !e.LoopbackOnly() }
+		switch {
+		case cur == nil:
+			out = append(out, Change{old, Removed, old.HostSide(), touched[n] && published(old)})
+		case !had:
+			out = append(out, Change{*cur, Created, cur.HostSide(), touched[n] && published(*cur)})
+		case old.HostSide() != cur.HostSide() || old.LoopbackOnly() != cur.LoopbackOnly():
+			out = append(out, Change{old, Removed, old.HostSide(), touched[n] && published(old)},
+				Change{*cur, Created, cur.HostSide(), touched[n] && published(*cur)})
+		default:
+			// Only where the flows go decides: a new cap keeps them.
+			retarget := old.GuestAddr != cur.GuestAddr || old.GuestPort != cur.GuestPort || old.MarkID != cur.MarkID
+			out = append(out, Change{*cur, Changed, cur.HostSide(), touched[n] && published(*cur) && retarget})
+		}
+	}
+	return out
+}
+
+// replacement is the target as ops that delete both tables and create them
+// whole (what Plan.Replacement returns).
+func (s *State) replacement(w *want, counters map[string]CounterValue) []Op {
+	wi, err := wholeOf(w)
+	if err != nil {
+		return nil // the target was built once already: cannot happen
+	}
+	fi, fb := nftables.TableFamilyINet, nftables.TableFamilyBridge
+	// Create-if-missing, then delete: the batch fails on neither.
+	ops := []Op{AddTable{fi}, AddTable{fb}, DelTable{fi}, DelTable{fb}}
+	ops = append(ops, makeDelta(wi, EmptyObserved(), nil).ops(counters)...)
+	return append(ops, makeDelta(w.bridge, EmptyObserved(), nil).ops(counters)...)
+}
+
+// Commit records p as applied.
+func (s *State) Commit(p *Plan) {
+	n := p.next
+	rebuild := s.inet != nil && n.kernelCap != s.kernelCap
+	for name, e := range n.changed {
+		if old, ok := s.exps[name]; ok {
+			s.forget(name, old)
+		}
+		if e != nil {
+			s.exps[name] = *e
+			if !e.LoopbackOnly() {
+				s.marks[e.MarkID] = name
+				s.sides[e.HostSide()] = name
+			}
+		}
+	}
+	s.inet, s.bridge, s.kernelCap = n.inet, n.bridge, n.kernelCap
+	if rebuild {
+		s.unitDigests = map[string]Digest{}
+		for _, e := range s.exps {
+			s.addDigests(e)
+		}
+		return
+	}
+	for _, e := range n.changed {
+		if e != nil {
+			s.addDigests(*e)
+		}
+	}
+}
+
+// forget takes an applied exposure out of the indexes and digests.
+func (s *State) forget(name string, e Exposure) {
+	delete(s.exps, name)
+	if s.marks[e.MarkID] == name {
+		delete(s.marks, e.MarkID)
+	}
+	if s.sides[e.HostSide()] == name {
+		delete(s.sides, e.HostSide())
+	}
+	if u, err := unitOf(e, s.kernelCap); err == nil {
+		for _, ue := range u.elems {
+			s.unitDigests[ue.set] = s.unitDigests[ue.set].sub(ue.e)
+		}
+	}
+}
+
+func (s *State) addDigests(e Exposure) {
+	if u, err := unitOf(e, s.kernelCap); err == nil {
+		for _, ue := range u.elems {
+			s.unitDigests[ue.set] = s.unitDigests[ue.set].add(ue.e)
+		}
+	}
+}
+
+// Reset forgets everything applied (the tables were deleted).
+func (s *State) Reset() { *s = *NewState() }
+
+// Trusts reports whether the kernel's elements of set need not be read: it
+// is a shared map whose observed digest d is what the state applied.
+func (s *State) Trusts(set string, d Digest) bool {
+	if s.inet == nil {
+		return false
+	}
+	st, ok := s.inet.Sets[set]
+	return ok && st.PerExposure && d == s.Digest(set)
+}
+
+// Each calls fn for every applied exposure.
+func (s *State) Each(fn func(Exposure)) {
+	for _, e := range s.exps {
+		fn(e)
+	}
+}
