@@ -64,6 +64,11 @@ func (k *nlKernel) queue(conn *batchConn, o compile.Op) error {
 		if err := conn.AddSet(toSet(tab, x.Set), nil); err != nil {
 			return fmt.Errorf("nft: set %s: %w", x.Set.Name, err)
 		}
+		if x.Set.IsMap && x.Set.Data.Name == nftables.TypeMark.Name {
+			if err := conn.hostEndianData(); err != nil {
+				return err
+			}
+		}
 		if x.Set.Stateful {
 			seed, err := k.seedElems(x.Set)
 			if err != nil {
@@ -91,12 +96,7 @@ func (k *nlKernel) queue(conn *batchConn, o compile.Op) error {
 			}
 		}
 	case compile.AddElems:
-		set := toSet(tab, x.Set)
-		for _, ch := range chunks(toElems(x.Elems)) {
-			if err := conn.SetAddElements(set, ch); err != nil {
-				return err
-			}
-		}
+		return conn.addElems(tab.Family, x.Set.Name, x.Set.Counter, x.Elems)
 	default:
 		return fmt.Errorf("nft: operation %T", o)
 	}
@@ -158,7 +158,7 @@ func toSet(tab *nftables.Table, s *compile.SetSpec) *nftables.Set {
 		// Host-endian types: without this nft prints them byte-reversed.
 		order = binaryutil.NativeEndian
 	}
-	return &nftables.Set{KeyByteOrder: order, Table: tab, Name: s.Name, IsMap: s.IsMap, Dynamic: s.Dynamic, Size: s.Size,
+	return &nftables.Set{KeyByteOrder: order, Table: tab, Name: s.Name, IsMap: s.IsMap, Dynamic: s.Dynamic, Size: s.Size, Counter: s.Counter,
 		KeyType: s.Key, DataType: s.Data, Comment: s.Comment, Concatenation: len(s.Key.Name) > 0 && s.Key.Bytes > 0 && isConcat(s.Key)}
 }
 

@@ -476,7 +476,7 @@ func (cw *capWatcher) endedBytes(name string) (uint64, uint64) {
 
 // ExposureCounters are one exposure's kernel-path numbers.
 type ExposureCounters struct {
-	Accepted uint64 // connections admitted (named counter NAME-accepted + the cap slow path's)
+	Accepted uint64 // connections admitted (the counter of the exposure's exp-target element + the cap slow path's)
 	Refused  uint64 // connections refused by the cap (named counter NAME-refused + the slow path's)
 	BytesIn  uint64 // caller -> guest, conntrack accounting (live + ended)
 	BytesOut uint64 // guest -> caller
@@ -496,9 +496,15 @@ func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 	if err != nil {
 		return nil, err
 	}
+	admitted, err := c.k.elemCounters(compile.MapExpTarget)
+	if err != nil {
+		return nil, err
+	}
 	ov := c.ov.Load()
 	for _, e := range byID {
-		ec := ExposureCounters{Accepted: cv[compile.AcceptedCounter(e.Name)].Packets, Refused: cv[compile.RefusedCounter(e.Name)].Packets}
+		// Admitted in the kernel: the connections DNATed to the guest, which
+		// is a lookup of the exposure's target element.
+		ec := ExposureCounters{Accepted: admitted[string(compile.MarkKey(e.MarkID))].Packets, Refused: cv[compile.RefusedCounter(e.Name)].Packets}
 		if ov != nil {
 			// The slow path decides in userspace: a named counter cannot
 			// be bumped from there.

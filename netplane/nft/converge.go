@@ -124,13 +124,13 @@ func (t *Table) run(p *compile.Plan) (Result, error) {
 		if err != nil {
 			t.log.Warn("nft: incremental update failed, replacing the tables", "err", err)
 			res.Replaced = err
-			counters, cerr := t.k.counters()
+			counts, cerr := t.k.counts(t.state.CountingSets())
 			if cerr != nil {
 				// Unreadable: the counters start again at zero, but the
 				// tables are still replaced.
-				counters = map[string]compile.CounterValue{}
+				counts = compile.Counts{}
 			}
-			if err := t.k.apply(p.Replacement(counters)); err != nil {
+			if err := t.k.apply(p.Replacement(counts)); err != nil {
 				t.genValid = false // the next pass reads the kernel again
 				return res, fmt.Errorf("nft: replacing the tables: %w", err)
 			}

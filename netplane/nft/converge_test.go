@@ -207,17 +207,24 @@ func TestLeftoverOfAnExposureDeletedWhileDownIsFlushed(t *testing.T) {
 }
 
 // When the batch fails, both tables are replaced in one batch that carries
-// the counters' values; the result says so.
+// the counters' values (named and per element); the result says so.
 func TestFailedBatchReplacesBothTables(t *testing.T) {
 	tb, k := withFake(t)
 	r := unitRules(many(3)...)
-	r.KernelCap = false // named counters
+	r.KernelCap = false // the set-based cap: counters in the table
+	r.Exposures[0].MaxConns = 4
 	_, err := tb.Converge(r)
 	require.NoError(t, err)
-	k.edit(famInet, func(ft *fakeTable) { ft.counters["x00000-accepted"] = compile.CounterValue{Packets: 5, Bytes: 500} })
+	target := string(compile.MarkKey(r.Exposures[0].MarkID))
+	k.edit(famInet, func(ft *fakeTable) {
+		ft.counters["x00000-refused"] = compile.CounterValue{Packets: 5, Bytes: 500}
+		e := ft.sets[compile.MapExpTarget].elems[target]
+		e.Counter = compile.CounterValue{Packets: 7, Bytes: 700}
+		ft.sets[compile.MapExpTarget].elems[target] = e
+	})
 	boom := errors.New("boom")
 	k.failApply = func(ops []compile.Op) error {
-		if _, ok := ops[0].(compile.AddTable); ok && len(ops) > 4 {
+		if len(ops) > 4 {
 			if _, del := ops[2].(compile.DelTable); del {
 				return nil // the replace goes through
 			}
@@ -231,9 +238,10 @@ func TestFailedBatchReplacesBothTables(t *testing.T) {
 	inet, _, err := compile.Whole(r)
 	require.NoError(t, err)
 	assert.Equal(t, compile.ObservedFrom(inet), k.spec(famInet))
-	c, err := k.counters()
+	c, err := k.counts([]string{compile.MapExpTarget})
 	require.NoError(t, err)
-	assert.Equal(t, uint64(5), c["x00000-accepted"].Packets, "the counter's value survives the replace")
+	assert.Equal(t, uint64(5), c.Named["x00000-refused"].Packets, "a named counter's value survives the replace")
+	assert.Equal(t, uint64(7), c.Elems[compile.MapExpTarget][target].Packets, "so does an element's")
 	assert.Equal(t, []string{"tcp *:10002"}, flushed(k)[3:])
 }
 

@@ -259,6 +259,14 @@ func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]setInfo,
 				if s := find(b, unix.NFTA_SET_DESC_SIZE); len(s) == 4 {
 					sh.Size = binary.BigEndian.Uint32(s)
 				}
+			case nftaSetExpr:
+				_, sh.Counter = exprCounter(b)
+			case nftaSetExpressions:
+				walk(b, func(t uint16, x []byte) {
+					if _, ok := exprCounter(x); t == unix.NFTA_LIST_ELEM && ok {
+						sh.Counter = true
+					}
+				})
 			}
 		})
 		if table == compile.TableName {
@@ -274,6 +282,40 @@ type elem struct {
 	key, val, chain, comment []byte
 	verdict                  int32
 	isVerdict                bool
+	counter                  compile.CounterValue // the element's counter (sets with one)
+}
+
+// Element attributes past what x/sys/unix names.
+const (
+	nftaSetElemExpressions = 11 // NFTA_SET_ELEM_EXPRESSIONS
+	nftaSetExpr            = 17 // NFTA_SET_EXPR
+	nftaSetExpressions     = 18 // NFTA_SET_EXPRESSIONS
+)
+
+// exprCounter reads a counter expression (NFTA_EXPR_NAME "counter" and its
+// NFTA_EXPR_DATA), if b is one.
+func exprCounter(b []byte) (compile.CounterValue, bool) {
+	var c compile.CounterValue
+	isCounter := false
+	walk(b, func(t uint16, d []byte) {
+		switch t {
+		case unix.NFTA_EXPR_NAME:
+			isCounter = cstr(d) == "counter"
+		case unix.NFTA_EXPR_DATA:
+			walk(d, func(t uint16, v []byte) {
+				if len(v) != 8 {
+					return
+				}
+				switch t {
+				case unix.NFTA_COUNTER_BYTES:
+					c.Bytes = binary.BigEndian.Uint64(v)
+				case unix.NFTA_COUNTER_PACKETS:
+					c.Packets = binary.BigEndian.Uint64(v)
+				}
+			})
+		}
+	})
+	return c, isCounter
 }
 
 // verdictText is how an element's verdict reads in an ElemSpec: the chain
@@ -296,7 +338,7 @@ func (e *elem) hash() uint64 {
 }
 
 func (e *elem) spec() compile.ElemSpec {
-	es := compile.ElemSpec{Key: append([]byte(nil), e.key...), Comment: string(e.comment), Verdict: e.verdictText()}
+	es := compile.ElemSpec{Key: append([]byte(nil), e.key...), Comment: string(e.comment), Verdict: e.verdictText(), Counter: e.counter}
 	if !e.isVerdict {
 		es.Val = append([]byte(nil), e.val...)
 	}
@@ -332,6 +374,16 @@ func parseElem(b []byte) elem {
 			}
 		case unix.NFTA_SET_ELEM_USERDATA:
 			e.comment = udataComment(d)
+		case unix.NFTA_SET_ELEM_EXPR:
+			if c, ok := exprCounter(d); ok {
+				e.counter = c
+			}
+		case nftaSetElemExpressions:
+			walk(d, func(t uint16, x []byte) {
+				if c, ok := exprCounter(x); t == unix.NFTA_LIST_ELEM && ok {
+					e.counter = c
+				}
+			})
 		}
 	})
 	return e
@@ -409,6 +461,20 @@ func counterOf(o nftables.Obj) (string, compile.CounterValue, bool) {
 		}
 	}
 	return "", compile.CounterValue{}, false
+}
+
+// elemCounters reads the counters of a set's elements, by string(key).
+func elemCounters(c *netlink.Conn, set string) (map[string]compile.CounterValue, error) {
+	msgs, err := dump(c, unix.NFT_MSG_GETSETELEM, nftables.TableFamilyINet, []netlink.Attribute{
+		{Type: unix.NFTA_SET_ELEM_LIST_TABLE, Data: []byte(compile.TableName + "\x00")},
+		{Type: unix.NFTA_SET_ELEM_LIST_SET, Data: []byte(set + "\x00")},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dump elements of %s: %w", set, err)
+	}
+	out := map[string]compile.CounterValue{}
+	eachElem(msgs, func(e *elem) { out[string(e.key)] = e.counter })
+	return out, nil
 }
 
 // readCounters reads the named counters of the inet table (nlMu held).

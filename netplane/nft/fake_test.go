@@ -106,7 +106,7 @@ func (k *fakeKernel) observe(fam nftables.TableFamily, read func(string, compile
 				k.decoded = append(k.decoded, n)
 				os.Elems = map[string]compile.ElemSpec{}
 				for key, e := range s.elems {
-					e.Owner = "" // the kernel knows no owners
+					e.Owner, e.Counter = "", compile.CounterValue{} // the kernel knows no owners; counts are read apart
 					os.Elems[key] = e
 				}
 			}
@@ -129,13 +129,22 @@ func (k *fakeKernel) digest(fam nftables.TableFamily, set string) (compile.Diges
 	return compile.DigestOf(t.sets[set].elems), nil
 }
 
-func (k *fakeKernel) counters() (map[string]compile.CounterValue, error) {
+func (k *fakeKernel) counts(sets []string) (compile.Counts, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
+	c := compile.Counts{Named: map[string]compile.CounterValue{}, Elems: map[string]map[string]compile.CounterValue{}}
 	if t := k.tabs[famInet]; t != nil {
-		return maps.Clone(t.counters), nil
+		c.Named = maps.Clone(t.counters)
+		for _, n := range sets {
+			if s := t.sets[n]; s != nil {
+				c.Elems[n] = map[string]compile.CounterValue{}
+				for key, e := range s.elems {
+					c.Elems[n][key] = e.Counter
+				}
+			}
+		}
 	}
-	return map[string]compile.CounterValue{}, nil
+	return c, nil
 }
 
 func (k *fakeKernel) flush(sides []compile.HostSide) ([]int, error) {
@@ -343,5 +352,8 @@ func (t *fakeTable) refersToSet(name string) bool {
 // the compiler builds).
 func (k *fakeKernel) spec(fam nftables.TableFamily) *compile.Observed {
 	o, _ := k.observe(fam, func(string, compile.Digest) bool { return true })
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.reads--
 	return o
 }

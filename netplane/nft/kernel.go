@@ -34,8 +34,9 @@ type kernel interface {
 	apply(ops []compile.Op) error
 	// digest reads one set's digest (the verify after a large batch).
 	digest(fam nftables.TableFamily, set string) (compile.Digest, error)
-	// counters reads the named counters' values (a replace carries them).
-	counters() (map[string]compile.CounterValue, error)
+	// counts reads the named counters and the counters of the elements of
+	// sets (a replace carries them).
+	counts(sets []string) (compile.Counts, error)
 	// flush deletes the conntrack entries of each host side and returns
 	// how many per side.
 	flush(sides []compile.HostSide) ([]int, error)
@@ -184,8 +185,31 @@ func (k *nlKernel) digest(fam nftables.TableFamily, set string) (d compile.Diges
 	return d, err
 }
 
+func (k *nlKernel) counts(sets []string) (compile.Counts, error) {
+	c := compile.Counts{Elems: map[string]map[string]compile.CounterValue{}}
+	err := k.nl(func() (err error) {
+		if c.Named, err = readCounters(k.conn); err != nil {
+			return err
+		}
+		for _, s := range sets {
+			if c.Elems[s], err = elemCounters(k.raw, s); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	return c, err
+}
+
+// counters reads the named counters alone.
 func (k *nlKernel) counters() (m map[string]compile.CounterValue, err error) {
 	err = k.nl(func() error { m, err = readCounters(k.conn); return err })
+	return m, err
+}
+
+// elemCounters reads the counters of one set's elements, by string(key).
+func (k *nlKernel) elemCounters(set string) (m map[string]compile.CounterValue, err error) {
+	err = k.nl(func() error { m, err = elemCounters(k.raw, set); return err })
 	return m, err
 }
 

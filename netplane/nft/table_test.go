@@ -3,6 +3,7 @@ package nft
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -188,14 +189,14 @@ func TestCapBurstAndSurvivesConverge(t *testing.T) {
 	func() {
 		tp.table.mu.Lock()
 		defer tp.table.mu.Unlock()
-		counters, err := tp.table.k.counters()
+		counts, err := tp.table.k.counts(tp.table.state.CountingSets())
 		require.NoError(t, err)
 		rr := r
 		rr.OverflowPort = tp.table.fixed.OverflowPort
 		p, err := tp.table.state.Plan(rr, nil)
 		require.NoError(t, err)
 		require.True(t, p.Empty(), "%v", p.Ops)
-		require.NoError(t, tp.table.k.apply(p.Replacement(counters)))
+		require.NoError(t, tp.table.k.apply(p.Replacement(counts)))
 		tp.table.genValid = false
 	}()
 	ok, _, cl = openConns(t, tp.client, dst, 3)
@@ -239,7 +240,8 @@ func TestDriftRepaired(t *testing.T) {
 	}{
 		{"flush table", []string{"nft", "flush", "table", "inet", "brokkr"}, "rules of chain prerouting differ"},
 		{"delete element", []string{"nft", "delete", "element", "inet", "brokkr", "exp-any", "{", "tcp", ".", "8080", "}"}, "element exp-any[web] missing"},
-		{"delete rule chain", []string{"sh", "-c", "nft delete element inet brokkr exp-any '{ tcp . 8080 }' && nft delete chain inet brokkr exp-web"}, "chain exp-web missing"},
+		{"delete cap chain", []string{"sh", "-c", fmt.Sprintf("nft delete element inet brokkr exp-cap '{ 0x%08x }' && nft delete chain inet brokkr cap-web",
+			compile.MarkOwned|tp.mark("web"))}, "chain cap-web missing"},
 		{"delete table", []string{"nft", "delete", "table", "inet", "brokkr"}, "table inet brokkr missing"},
 		{"bridge table", []string{"nft", "delete", "table", "bridge", "brokkr"}, "table bridge brokkr missing"},
 	} {
@@ -438,35 +440,83 @@ func TestAntiSpoofAndIsolation(t *testing.T) {
 	assert.Error(t, err, "guest reached another guest while isolated")
 }
 
-// When the incremental batch fails, both tables are replaced in one batch:
-// here a foreign chain inside brokkr's table jumps to an exposure chain that
-// is being removed, so deleting that chain fails (EBUSY) in the incremental
-// batch; the replace removes both. Counter values survive the replace.
-func TestFallbackWholeTableReplace(t *testing.T) {
+// A foreign chain inside brokkr's table that jumps to the cap chain of an
+// exposure being removed does not fail the batch: every chain that goes is
+// flushed before anything it references goes, so the foreign chain is
+// deleted as drift and the cap chain after it.
+func TestForeignChainReferencingARemovedChainIsDrift(t *testing.T) {
 	tp := newTopo(t, 1)
 	serveTCP(t, tp.guests[0], ":80", "g1")
 	keep := Exposure{Name: "keep", Protocol: "tcp", HostPort: 9000, GuestAddr: guestAddr(0), GuestPort: 80}
-	tp.converge(t, tp.rules(web(0), keep))
-	_, err := dialTag(tp.client, "10.99.0.1:9000")
-	require.NoError(t, err)
+	tp.converge(t, tp.rules(web(5), keep))
 	tp.host.MustRun(t, "nft", "add", "chain", "inet", "brokkr", "zz-foreign")
-	tp.host.MustRun(t, "nft", "add", "rule", "inet", "brokkr", "zz-foreign", "jump", "exp-web")
+	tp.host.MustRun(t, "nft", "add", "rule", "inet", "brokkr", "zz-foreign", "jump", "cap-web")
 	res := tp.converge(t, tp.rules(keep))
-	require.Error(t, res.Replaced, "the incremental batch must have failed")
+	require.NoError(t, res.Replaced)
 	require.Len(t, res.Changes, 1)
 	assert.Equal(t, "web", res.Changes[0].Exposure.Name)
 	assert.Equal(t, compile.Removed, res.Changes[0].Kind)
 	assert.Contains(t, repaired(res), "chain zz-foreign unexpected")
 	out := tp.host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
 	assert.NotContains(t, out, "zz-foreign")
-	assert.NotContains(t, out, "exp-web")
+	assert.NotContains(t, out, "cap-web")
 	tag, err := dialTag(tp.client, "10.99.0.1:9000")
 	require.NoError(t, err)
 	assert.Equal(t, "g1", tag)
+}
+
+// failFirst fails the first batch it is given, then is the kernel.
+type failFirst struct {
+	kernel
+	failed bool
+}
+
+var errInjected = errors.New("injected: the incremental batch failed")
+
+func (f *failFirst) apply(ops []compile.Op) error {
+	if !f.failed {
+		f.failed = true
+		return errInjected
+	}
+	return f.kernel.apply(ops)
+}
+
+// When the incremental batch fails, both tables are replaced in one batch
+// (made by the real kernel here: the failure is injected), and the
+// counters' values survive the replace, the named ones and those of the
+// elements alike.
+func TestFallbackWholeTableReplace(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	keep := Exposure{Name: "keep", Protocol: "tcp", HostPort: 9000, GuestAddr: guestAddr(0), GuestPort: 80}
+	capped := web(1)
+	tp.converge(t, tp.rules(capped, keep))
+	_, err := dialTag(tp.client, "10.99.0.1:9000")
+	require.NoError(t, err)
+	ok, refused, cl := openConns(t, tp.client, netip.MustParseAddrPort("10.99.0.1:8080"), 2)
+	cl()
+	require.Equal(t, 1, ok)
+	require.Equal(t, 1, refused)
+	before, err := tp.table.Counters()
+	require.NoError(t, err)
+	require.Equal(t, uint64(1), before["keep"].Accepted)
+
+	tp.table.mu.Lock()
+	tp.table.k = &failFirst{kernel: tp.table.k}
+	tp.table.mu.Unlock()
+	more := Exposure{Name: "more", Protocol: "tcp", HostPort: 9001, GuestAddr: guestAddr(0), GuestPort: 80}
+	res := tp.converge(t, tp.rules(capped, keep, more))
+	require.ErrorIs(t, res.Replaced, errInjected)
+	for _, port := range []string{"9000", "9001"} {
+		tag, err := dialTag(tp.client, "10.99.0.1:"+port)
+		require.NoError(t, err, port)
+		assert.Equal(t, "g1", tag)
+	}
 	c, err := tp.table.Counters()
 	require.NoError(t, err)
-	assert.Equal(t, uint64(2), c["keep"].Accepted, "kept across the replace")
-	res = tp.converge(t, tp.rules(keep))
+	assert.Equal(t, uint64(2), c["keep"].Accepted, "an element's counter is kept across the replace")
+	assert.Equal(t, before["web"].Refused, c["web"].Refused, "and a named counter")
+	res = tp.converge(t, tp.rules(capped, keep, more))
 	assert.Empty(t, res.Changes)
 	assert.Empty(t, res.Repaired)
 	assert.NoError(t, res.Replaced)

@@ -30,20 +30,40 @@ const (
 // connMark is the ct mark a connection of exposure id gets.
 func connMark(id uint32) []byte { return binaryutil.NativeEndian.PutUint32(id | MarkOwned) }
 
+// The table is data: an exposure is elements of a few maps, looked up by
+// rules that never change.
+//
+//	dispatch: ct mark set <addr . proto . port> map @exp-addr goto publish
+//	          ct mark set <proto . port> map @exp-any goto publish
+//	publish:  [set-based cap: ct mark vmap @exp-cap]
+//	          meta l4proto tcp|udp dnat ip to ct mark map @exp-target
+//
+// The connection's mark (its exposure's counter slot + 1, with the owner
+// bit) is looked up by where it was dialled, and the guest by the mark, so
+// adding, changing or removing an exposure is element updates only: no
+// chain is made or deleted, and the kernel does not validate a jump graph
+// that grows with the exposures. Only the set-based cap (the fallback where
+// the BPF nat path cannot load) keeps a chain per capped exposure, because
+// its admission adds to a set of the exposure's own.
+
 // Names of the fixed objects of table inet brokkr.
 const (
 	chainPrerouting  = "prerouting"  // nat prerouting: DNAT dispatch
 	chainOutput      = "output"      // nat output: DNAT dispatch for host-local callers
 	chainPostrouting = "postrouting" // nat postrouting: hairpin + egress masquerade
-	chainDispatch    = "dispatch"    // the two verdict-map lookups
+	chainDispatch    = "dispatch"    // the mark, by where the caller dialled
+	chainPublish     = "publish"     // the guest, by the mark
 	chainGuard       = "guard"       // raw prerouting: drop remote packets to 127/8
 	chainInput       = "input"       // filter input: host isolation
 	chainFromGuests  = "from-guests" // what a guest may send to the host itself
-	chainClosePre    = "close-pre"   // FIN/RST bookkeeping for the cap (prerouting)
+	chainClosePre    = "close-pre"   // FIN/RST bookkeeping for the set-based cap (prerouting)
 	chainCloseOut    = "close-out"   // the same for host-local callers (output)
-	MapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : goto exp-NAME
-	MapExpAny        = "exp-any"     // l4proto . dport : goto exp-NAME
-	MapClosers       = "closers"     // mark id : goto close-NAME
+	chainClose       = "close"       // the bookkeeping itself
+	MapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : mark
+	MapExpAny        = "exp-any"     // l4proto . dport : mark
+	MapExpTarget     = "exp-target"  // mark : guest address . guest port
+	MapExpCap        = "exp-cap"     // set-based cap: mark : goto cap-NAME
+	SetCappedTCP     = "capped-tcp"  // set-based cap: mark ids of capped TCP exposures
 	MapOverflow      = "overflow"    // l4proto : port of the cap's slow-path listener
 	setGuestPorts    = "guest-ports" // bridge table: ports under anti-spoof
 	setGuestAddrs    = "guest-addrs" // bridge table: port . mac . ipv4
@@ -53,13 +73,9 @@ const (
 	chainBrForward   = "forward"     // bridge table: guest isolation
 )
 
-// Per-exposure object names.
-func ExpChain(name string) string   { return "exp-" + name }
-func closeChain(name string) string { return "close-" + name }
-func ConnsSet(name string) string   { return "conns-" + name }
-func AcceptedCounter(name string) string {
-	return name + "-accepted"
-}
+// Per-exposure object names (the set-based cap's, for capped exposures).
+func CapChain(name string) string       { return "cap-" + name }
+func ConnsSet(name string) string       { return "conns-" + name }
 func RefusedCounter(name string) string { return name + "-refused" }
 
 // buildFixed computes both tables without the exposures: everything that
@@ -87,11 +103,20 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		Rules: []RuleSpec{entry("published ports")}})
 	inet.addChain(&ChainSpec{Name: chainOutput, Hook: &HookSpec{nftables.ChainTypeNAT, *nftables.ChainHookOutput, -100},
 		Rules: []RuleSpec{entry("published ports, host-local callers")}})
+	toPublish := &expr.Verdict{Kind: expr.VerdictGoto, Chain: chainPublish}
 	inet.addChain(&ChainSpec{Name: chainDispatch, Rules: []RuleSpec{
-		rule(fam, "exposures bound to one address", append(loadAddrProtoPort(), lookupVmap(MapExpAddr))...),
-		rule(fam, "exposures bound to every local address", append(loadProtoPort(), lookupVmap(MapExpAny))...),
+		rule(fam, "exposures bound to one address", append(append(loadAddrProtoPort(), markFrom(MapExpAddr)...), toPublish)...),
+		rule(fam, "exposures bound to every local address", append(append(loadProtoPort(), markFrom(MapExpAny)...), toPublish)...),
 	}})
-	addSharedMaps(inet)
+	var publish []RuleSpec
+	if !r.KernelCap {
+		publish = append(publish, rule(fam, "capped exposures: the set-based cap",
+			&expr.Ct{Register: 1, Key: expr.CtKeyMARK}, lookupVmap(MapExpCap)))
+	}
+	publish = append(publish, rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnatToTarget()...)...),
+		rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnatToTarget()...)...))
+	inet.addChain(&ChainSpec{Name: chainPublish, Rules: publish})
+	addSharedMaps(inet, r.KernelCap)
 	if !r.KernelCap {
 		desiredSetCap(inet, r.OverflowPort)
 	}
@@ -130,9 +155,9 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 	return inet, desiredBridge(r), nil
 }
 
-// desiredSetCap adds the objects of the set-based cap (the fallback when the
-// BPF nat path cannot load): the slow path's port map and the FIN/RST
-// bookkeeping chains.
+// desiredSetCap adds the fixed objects of the set-based cap (the fallback
+// when the BPF nat path cannot load): the slow path's port map and the
+// FIN/RST bookkeeping.
 func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 	fam := inet.Family
 	// The cap's slow path: one element, the listener's port, so a new port
@@ -146,31 +171,54 @@ func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 	}
 	inet.addSet(ov)
 
-	// Cap bookkeeping: FIN/RST of a marked connection updates its mark bits
-	// and, once closed, frees its slot. Only FIN/RST packets get past the
-	// first comparison, so established traffic pays one load and compare.
+	// Cap bookkeeping: FIN/RST of a connection of a capped TCP exposure
+	// sets its mark's close bits; once closed, the watcher frees its place.
+	// Only FIN/RST packets get past the first comparison, so established
+	// traffic pays one load and compare.
 	closeRule := rule(fam, "cap: closing connections",
-		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(MarkIDMask)...), lookupVmap(MapClosers))...)
+		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(MarkIDMask)...),
+			&expr.Lookup{SourceRegister: 1, SetName: SetCappedTCP}, &expr.Verdict{Kind: expr.VerdictJump, Chain: chainClose})...)
 	inet.addChain(&ChainSpec{Name: chainClosePre, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -150},
 		Rules: []RuleSpec{closeRule}})
 	inet.addChain(&ChainSpec{Name: chainCloseOut, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookOutput, -150},
 		Rules: []RuleSpec{closeRule}})
+	setBits := func(bits uint32) []expr.Any {
+		return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
+			&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
+				Mask: binaryutil.NativeEndian.PutUint32(^bits), Xor: binaryutil.NativeEndian.PutUint32(bits)},
+			&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true}}
+	}
+	inet.addChain(&ChainSpec{Name: chainClose, Rules: []RuleSpec{
+		rule(fam, "reset", append(tcpFlagsAny(0x04), setBits(MarkClosed)...)...),
+		rule(fam, "fin from caller", append(ctDirection(0), setBits(MarkFINOrig)...)...),
+		rule(fam, "fin from guest", append(ctDirection(1), setBits(MarkFINRepl)...)...),
+	}})
 }
 
-// Key types of the two exposure maps (built once: every unit has the maps).
+// Key and data types of the exposure maps (built once).
 var (
 	expAddrKey = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService)
 	expAnyKey  = nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService)
+	targetData = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService)
 )
 
-// addSharedMaps adds the verdict maps every exposure has an element in.
-func addSharedMaps(inet *TableSpec) {
-	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey, PerExposure: true,
-		Data: nftables.TypeVerdict, IsMap: true, Comment: "exposures by address, protocol, port", Elems: map[string]ElemSpec{}})
-	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey, PerExposure: true,
-		Data: nftables.TypeVerdict, IsMap: true, Comment: "exposures by protocol, port", Elems: map[string]ElemSpec{}})
-	inet.addSet(&SetSpec{Name: MapClosers, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,
-		Comment: "capped tcp exposures by mark", Elems: map[string]ElemSpec{}})
+// addSharedMaps adds the maps every exposure has elements in. With the
+// set-based cap the targets count each exposure's admitted connections
+// (their element's counter), and capped exposures are found by mark.
+func addSharedMaps(inet *TableSpec, kernelCap bool) {
+	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
+		Comment: "exposures bound to one address: their mark", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
+		Comment: "exposures bound to every local address: their mark", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: MapExpTarget, Key: nftables.TypeMark, Data: targetData, IsMap: true, PerExposure: true,
+		Counter: !kernelCap, Comment: "each exposure's guest, by its mark", Elems: map[string]ElemSpec{}})
+	if kernelCap {
+		return
+	}
+	inet.addSet(&SetSpec{Name: MapExpCap, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,
+		Comment: "capped exposures: their cap, by mark", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: SetCappedTCP, Key: nftables.TypeMark, PerExposure: true,
+		Comment: "capped tcp exposures by mark id", Elems: map[string]ElemSpec{}})
 }
 
 // unit is one exposure's part of the inet table: its elements in the
@@ -195,34 +243,70 @@ func unitOf(e Exposure, kernelCap bool) (*unit, error) {
 	if err := e.buildable(); err != nil {
 		return nil, err
 	}
-	t := NewTableSpec(nftables.TableFamilyINet)
-	addSharedMaps(t)
-	addExposure(t, e, e.MarkID, kernelCap)
-	u := &unit{}
-	for _, n := range sortedKeys(t.Sets) {
-		s := t.Sets[n]
-		if !s.PerExposure {
-			continue
-		}
-		for _, k := range sortedKeys(s.Elems) {
-			el := s.Elems[k]
-			el.Owner = e.Name
-			u.elems = append(u.elems, unitElem{n, el})
-		}
-		delete(t.Sets, n)
+	u := &unit{elems: make([]unitElem, 0, 2)}
+	add := func(set string, el ElemSpec) {
+		el.Comment, el.Owner = e.Name, e.Name
+		u.elems = append(u.elems, unitElem{set, el})
 	}
-	if len(t.Sets)+len(t.Chains)+len(t.Counters) > 0 {
-		u.own = t
+	proto := ProtoNum(e.Protocol)
+	mark := connMark(e.MarkID)
+	if e.Wildcard() {
+		add(MapExpAny, ElemSpec{Key: append(pad4([]byte{proto}), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...), Val: mark})
+	} else {
+		add(MapExpAddr, ElemSpec{Key: append(append(e.HostAddr.AsSlice(), pad4([]byte{proto})...), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...), Val: mark})
 	}
+	add(MapExpTarget, ElemSpec{Key: mark, Val: append(e.GuestAddr.AsSlice(), pad4(binaryutil.BigEndian.PutUint16(e.GuestPort))...)})
+	if kernelCap || e.MaxConns <= 0 {
+		return u, nil
+	}
+	// The set-based cap: the exposure's set of open connections, the
+	// chain that admits into it, and its refused counter.
+	add(MapExpCap, ElemSpec{Key: mark, Verdict: CapChain(e.Name)})
+	if proto == unix.IPPROTO_TCP {
+		add(SetCappedTCP, ElemSpec{Key: binaryutil.NativeEndian.PutUint32(e.MarkID)})
+	}
+	u.own = capObjects(e, proto)
 	return u, nil
+}
+
+// capObjects are a capped exposure's own objects under the set-based cap.
+func capObjects(e Exposure, proto byte) *TableSpec {
+	t := NewTableSpec(nftables.TableFamilyINet)
+	fam := t.Family
+	t.Counters[RefusedCounter(e.Name)] = CounterSpec{Name: RefusedCounter(e.Name), Exposure: e.Name}
+	t.addSet(&SetSpec{Name: ConnsSet(e.Name), Key: ConnKeyType, Dynamic: true, Size: uint32(e.MaxConns),
+		Comment: "open connections of " + e.Name, Stateful: true, Owner: e.Name, SeedID: e.MarkID})
+	// The add fails (and the rule stops) once the set holds MaxConns
+	// connections.
+	admit := append(append(nfprotoIPv4(), l4proto(proto)...),
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+		&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4},
+		&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 2},
+		&expr.Dynset{SrcRegKey: 1, SetName: ConnsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
+	rules := []RuleSpec{rule(fam, e.Name, append(admit, dnatToTarget()...)...)}
+	rej := &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}
+	if proto != unix.IPPROTO_TCP {
+		rej = &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_PORT_UNREACH}
+	}
+	if proto == unix.IPPROTO_TCP {
+		// Full in the kernel: let package nft's slow path decide exactly.
+		// Without a listener (no element) the lookup fails and the next
+		// rule refuses.
+		rules = append(rules, rule(fam, e.Name+": full in the kernel, to the slow path", append(l4proto(proto),
+			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+			&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapOverflow},
+			&expr.Redir{RegisterProtoMin: 1, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED})...))
+	}
+	rules = append(rules, rule(fam, e.Name+": over the cap", append(l4proto(proto),
+		&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: RefusedCounter(e.Name)}, rej)...))
+	t.addChain(&ChainSpec{Name: CapChain(e.Name), Owner: e.Name, Rules: rules})
+	return t
 }
 
 // assemble is a whole inet table: the fixed part and every unit.
 func assemble(fixed *TableSpec, n int, units func(yield func(*unit) bool)) *TableSpec {
-	whole := &TableSpec{Family: fixed.Family, Counters: make(map[string]CounterSpec, len(fixed.Counters)),
-		Sets: make(map[string]*SetSpec, len(fixed.Sets)), Chains: make(map[string]*ChainSpec, n+len(fixed.Chains))}
-	maps.Copy(whole.Counters, fixed.Counters)
-	maps.Copy(whole.Chains, fixed.Chains)
+	whole := &TableSpec{Family: fixed.Family, Counters: maps.Clone(fixed.Counters),
+		Sets: make(map[string]*SetSpec, len(fixed.Sets)), Chains: maps.Clone(fixed.Chains)}
 	for name, s := range fixed.Sets {
 		if s.PerExposure {
 			c := *s // the fixed part's own stays empty
@@ -262,101 +346,16 @@ func Whole(r Rules) (inet, bridge *TableSpec, err error) {
 	return assemble(fixed, len(units), slices.Values(units)), bridge, nil
 }
 
-// addExposure adds everything one exposure needs: its chain, counters, map
-// element, and for a cap its slot set (and close chain for TCP).
-func addExposure(t *TableSpec, e Exposure, id uint32, kernelCap bool) {
-	fam := t.Family
-	proto := ProtoNum(e.Protocol)
-	inet := func(exprs ...expr.Any) []expr.Any { return exprs }
-	if kernelCap {
-		// The BPF nat path reads the mark and does the rest.
-		t.addChain(&ChainSpec{Name: ExpChain(e.Name), Owner: e.Name, Rules: []RuleSpec{rule(fam, e.Name, append(l4proto(proto),
-			&expr.Immediate{Register: 1, Data: connMark(id)},
-			&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
-			&expr.Immediate{Register: 1, Data: e.GuestAddr.AsSlice()},
-			&expr.Immediate{Register: 2, Data: binaryutil.BigEndian.PutUint16(e.GuestPort)},
-			&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegProtoMin: 2, Specified: true})...)}})
-		addDispatch(t, e, proto)
-		return
+// dispatchSide decodes the host side from the key of an element of a
+// dispatch map (the maps looked up by address, protocol and port).
+func dispatchSide(set string, k []byte) (HostSide, bool) {
+	switch {
+	case set == MapExpAny && len(k) == 8:
+		return HostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
+	case set == MapExpAddr && len(k) == 12:
+		return HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
 	}
-	t.Counters[AcceptedCounter(e.Name)] = CounterSpec{Name: AcceptedCounter(e.Name), Exposure: e.Name}
-	if e.MaxConns > 0 {
-		// Only a cap refuses: an uncapped exposure has no refused counter
-		// (one object less per exposure in a 10,000-exposure batch).
-		t.Counters[RefusedCounter(e.Name)] = CounterSpec{Name: RefusedCounter(e.Name), Exposure: e.Name}
-	}
-
-	admit := l4proto(proto)
-	if e.MaxConns > 0 {
-		t.addSet(&SetSpec{Name: ConnsSet(e.Name), Key: ConnKeyType, Dynamic: true, Size: uint32(e.MaxConns),
-			Comment: "open connections of " + e.Name, Stateful: true, Owner: e.Name, SeedID: id})
-		// The add fails (and the rule stops) once the set holds MaxConns
-		// connections.
-		admit = append(append(nfprotoIPv4(), admit...),
-			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
-			&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4},
-			&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 2},
-			&expr.Dynset{SrcRegKey: 1, SetName: ConnsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
-	}
-	admit = append(admit,
-		&expr.Immediate{Register: 1, Data: connMark(id)},
-		&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
-		&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: AcceptedCounter(e.Name)},
-		&expr.Immediate{Register: 1, Data: e.GuestAddr.AsSlice()},
-		&expr.Immediate{Register: 2, Data: binaryutil.BigEndian.PutUint16(e.GuestPort)},
-		&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegProtoMin: 2, Specified: true})
-	rules := []RuleSpec{rule(fam, e.Name, admit...)}
-	if e.MaxConns > 0 {
-		rej := &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}
-		if proto != unix.IPPROTO_TCP {
-			rej = &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_PORT_UNREACH}
-		}
-		refuse := func(comment string, pre ...expr.Any) RuleSpec {
-			return rule(fam, e.Name+": "+comment, append(append(l4proto(proto), pre...),
-				&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: RefusedCounter(e.Name)}, rej)...)
-		}
-		if proto == unix.IPPROTO_TCP {
-			// Full in the kernel: let package nft's slow path decide
-			// exactly. Without a listener (no element) the lookup fails
-			// and the next rule refuses.
-			rules = append(rules, rule(fam, e.Name+": full in the kernel, to the slow path", append(l4proto(proto),
-				&expr.Immediate{Register: 1, Data: connMark(id)},
-				&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
-				&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
-				&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapOverflow},
-				&expr.Redir{RegisterProtoMin: 1, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED})...))
-		}
-		rules = append(rules, refuse("over the cap"))
-		if proto == unix.IPPROTO_TCP {
-			setBits := func(bits uint32) []expr.Any {
-				return inet(&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
-					&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
-						Mask: binaryutil.NativeEndian.PutUint32(^bits), Xor: binaryutil.NativeEndian.PutUint32(bits)},
-					&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true})
-			}
-			t.addChain(&ChainSpec{Name: closeChain(e.Name), Owner: e.Name, Rules: []RuleSpec{
-				rule(fam, e.Name+": reset", append(tcpFlagsAny(0x04), setBits(MarkClosed)...)...),
-				rule(fam, e.Name+": fin from caller", append(ctDirection(0), setBits(MarkFINOrig)...)...),
-				rule(fam, e.Name+": fin from guest", append(ctDirection(1), setBits(MarkFINRepl)...)...),
-			}})
-			k := binaryutil.NativeEndian.PutUint32(id)
-			t.Sets[MapClosers].Elems[string(k)] = ElemSpec{Key: k, Verdict: closeChain(e.Name), Comment: e.Name}
-		}
-	}
-	t.addChain(&ChainSpec{Name: ExpChain(e.Name), Owner: e.Name, Rules: rules})
-	addDispatch(t, e, proto)
-}
-
-// addDispatch adds the exposure's element in the dispatch map for its host
-// side.
-func addDispatch(t *TableSpec, e Exposure, proto byte) {
-	if e.Wildcard() {
-		k := append(pad4([]byte{proto}), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...)
-		t.Sets[MapExpAny].Elems[string(k)] = ElemSpec{Key: k, Verdict: ExpChain(e.Name), Comment: e.Name}
-	} else {
-		k := append(append(e.HostAddr.AsSlice(), pad4([]byte{proto})...), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...)
-		t.Sets[MapExpAddr].Elems[string(k)] = ElemSpec{Key: k, Verdict: ExpChain(e.Name), Comment: e.Name}
-	}
+	return HostSide{}, false
 }
 
 // desiredBridge: anti-spoof per guest port and guest isolation.
@@ -560,14 +559,18 @@ func lookupVmap(set string) expr.Any {
 	return &expr.Lookup{SourceRegister: 1, DestRegister: 0, IsDestRegSet: true, SetName: set}
 }
 
-// dispatchSide decodes the host side from the key of an element of a
-// dispatch map (the maps looked up by address, protocol and port).
-func dispatchSide(set string, k []byte) (HostSide, bool) {
-	switch {
-	case set == MapExpAny && len(k) == 8:
-		return HostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
-	case set == MapExpAddr && len(k) == 12:
-		return HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
-	}
-	return HostSide{}, false
+// markFrom sets the connection's mark to what the key loaded before maps
+// to in set: ct mark set <key> map @set.
+func markFrom(set string) []expr.Any {
+	return []expr.Any{&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: set},
+		&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true}}
+}
+
+// dnatToTarget DNATs to the guest the connection's mark maps to: dnat ip to
+// ct mark map @exp-target. The map's data is address . port, which lands
+// in reg32 00 and 01 (NFT_REG_1 and the 32-bit register after it).
+func dnatToTarget() []expr.Any {
+	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
+		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapExpTarget},
+		&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegAddrMax: 1, RegProtoMin: 9, RegProtoMax: 9, Specified: true}}
 }

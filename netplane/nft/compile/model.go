@@ -54,6 +54,7 @@ type SetSpec struct {
 	Data     nftables.SetDatatype // zero unless a map
 	IsMap    bool
 	Dynamic  bool
+	Counter  bool // every element counts the packets that found it (NFTA_SET_EXPRESSIONS: counter)
 	Size     uint32
 	Comment  string
 	Stateful bool   // elements are runtime state (cap slots): never diffed; seeded when created
@@ -71,6 +72,9 @@ type ElemSpec struct {
 	Verdict string // goto target for verdict maps
 	Comment string
 	Owner   string // the exposure whose unit holds it (not in the kernel: "" when observed)
+	// Counter: in a set whose elements count (SetSpec.Counter), the value
+	// the element starts at (a replace carries what the kernel held).
+	Counter CounterValue
 }
 
 func (e ElemSpec) Same(o ElemSpec) bool {

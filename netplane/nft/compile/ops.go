@@ -90,5 +90,13 @@ func (o AddChain) Family() nftables.TableFamily   { return o.Fam }
 func (o AddRules) Family() nftables.TableFamily   { return o.Fam }
 func (o AddElems) Family() nftables.TableFamily   { return o.Fam }
 
-// CounterValue is a named counter's packets and bytes.
+// CounterValue is a counter's packets and bytes.
 type CounterValue struct{ Packets, Bytes uint64 }
+
+// Counts is what the kernel's counters hold: the named counters, and the
+// counters of the elements of counting sets (by set, then string(key)). A
+// replace creates them again with these values.
+type Counts struct {
+	Named map[string]CounterValue
+	Elems map[string]map[string]CounterValue
+}

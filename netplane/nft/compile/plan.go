@@ -34,14 +34,14 @@ type ObsSet struct {
 // SetShape is what a set is, apart from its elements.
 type SetShape struct {
 	KeyType, KeyLen, DataType uint32
-	IsMap, Dynamic            bool
+	IsMap, Dynamic, Counter   bool
 	Size                      uint32
 }
 
 const verdictDataType = 0xffffff00 // NFT_DATA_VERDICT, how the kernel stores a vmap's data type
 
 func (s *SetSpec) Shape() SetShape {
-	sh := SetShape{KeyType: s.Key.GetNFTMagic(), KeyLen: s.Key.Bytes, IsMap: s.IsMap, Dynamic: s.Dynamic, Size: s.Size}
+	sh := SetShape{KeyType: s.Key.GetNFTMagic(), KeyLen: s.Key.Bytes, IsMap: s.IsMap, Dynamic: s.Dynamic, Counter: s.Counter, Size: s.Size}
 	if s.IsMap {
 		sh.DataType = s.Data.GetNFTMagic()
 		if s.Data.Name == nftables.TypeVerdict.Name {
@@ -128,6 +128,10 @@ type diff struct {
 	key   string // an element's key
 	what  string // missing | unexpected | differs
 	label string // an element's name in the report: its comment, or its key
+	// quiet: an element of a set that is missing as a whole, noted for
+	// whose it is (a first apply flushes its host side) but not reported
+	// one by one (the set's own difference says it).
+	quiet bool
 }
 
 func (d diff) object(f nftables.TableFamily) string {
@@ -188,14 +192,24 @@ func (p *delta) ops(counters map[string]CounterValue) []Op {
 	for _, n := range slices.Sorted(maps.Keys(p.delElems)) {
 		out = append(out, DelElems{f, n, p.delElems[n]})
 	}
+	// Rules go before what they reference: the chains rewritten and the
+	// chains deleted are flushed first, then sets go (with their elements,
+	// which may jump to chains), then chains.
+	flushed := map[string]bool{}
 	for _, n := range p.flushChains {
+		flushed[n] = true
 		out = append(out, FlushChain{f, n})
 	}
 	for _, n := range p.delChains {
-		out = append(out, DelChain{f, n})
+		if !flushed[n] {
+			out = append(out, FlushChain{f, n})
+		}
 	}
 	for _, n := range p.delSets {
 		out = append(out, DelSet{f, n})
+	}
+	for _, n := range p.delChains {
+		out = append(out, DelChain{f, n})
 	}
 	for _, n := range p.delCounters {
 		out = append(out, DelCounter{f, n})
@@ -251,6 +265,12 @@ func makeDelta(d *TableSpec, o *Observed, skipElems func(set string) bool) *delt
 			p.shapes[n] = s
 			for _, k := range sortedKeys(s.Elems) {
 				p.addElems[n] = append(p.addElems[n], s.Elems[k])
+				if !ok {
+					// A set of another shape is recreated with the same
+					// elements in another form (an upgrade): those do
+					// not change where flows go. A missing set's do.
+					p.note(diff{kind: objElem, name: n, key: k, what: "missing", label: s.Elems[k].Comment, quiet: true})
+				}
 			}
 		}
 	}

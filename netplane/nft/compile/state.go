@@ -101,8 +101,8 @@ type Plan struct {
 	Repairs []Repair
 
 	next    planned
-	repl    func(map[string]CounterValue) []Op // the same target state, as a whole-table replace
-	elemsIn map[string]int                     // elements the batch adds, per set (what verify checks)
+	repl    func(Counts) []Op // the same target state, as a whole-table replace
+	elemsIn map[string]int    // elements the batch adds, per set (what verify checks)
 }
 
 // planned is what Commit records.
@@ -118,9 +118,9 @@ type planned struct {
 func (p *Plan) Empty() bool { return len(p.Ops) == 0 }
 
 // Replacement is the plan's target state as one batch that deletes both
-// tables and creates them whole, for when the plan's batch failed. counters
-// carries the values of named counters that are created again.
-func (p *Plan) Replacement(counters map[string]CounterValue) []Op { return p.repl(counters) }
+// tables and creates them whole, for when the plan's batch failed. The
+// counters that are created again start at what c says the kernel held.
+func (p *Plan) Replacement(c Counts) []Op { return p.repl(c) }
 
 // AddedElems is how many elements the plan adds to each set.
 func (p *Plan) AddedElems() map[string]int { return p.elemsIn }
@@ -369,7 +369,7 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 		p.elemsIn[n] += len(es)
 	}
 	p.Changes = append(s.changes(w, touched), p.Changes...)
-	p.repl = func(counters map[string]CounterValue) []Op { return s.replacement(w, counters) }
+	p.repl = func(c Counts) []Op { return s.replacement(w, c) }
 	return p, nil
 }
 
@@ -400,13 +400,20 @@ func (s *State) fastDeltas(w *want, newU map[string]*unit, oldU func(string) *un
 	touched = map[string]bool{}
 	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
 		u := unitDelta(w.inet, oldU(n), newU[n])
-		if !u.empty() {
-			touched[n] = true
+		for _, d := range u.diffs {
+			if d.kind == objElem && routing(d.name) {
+				touched[n] = true
+			}
 		}
 		dInet.merge(u)
 	}
 	return dInet, dBridge, touched
 }
+
+// routing reports whether a set's elements decide where a connection goes
+// (its mark by where it was dialled, its guest by its mark): a change there
+// flushes the exposure's host side; a change of the cap's objects does not.
+func routing(set string) bool { return set == MapExpAddr || set == MapExpAny || set == MapExpTarget }
 
 // unitDelta plans one exposure's unit from old to cur (nil: none).
 func unitDelta(shared *TableSpec, old, cur *unit) *delta {
@@ -548,12 +555,20 @@ func (s *State) fullDeltas(w *want, obs *Observation, p *Plan) (dInet, dBridge *
 	classify := func(d *delta, prev, cur *TableSpec) {
 		for _, df := range d.diffs {
 			if prev != nil && sameObject(prev, cur, df) {
-				p.Repairs = append(p.Repairs, Repair{df.object(d.fam), df.whatText()})
+				if !df.quiet {
+					p.Repairs = append(p.Repairs, Repair{df.object(d.fam), df.whatText()})
+				}
 				continue
 			}
 			own := owners(prev, cur, df)
-			for _, o := range own {
-				touched[o] = true
+			if df.kind == objElem && routing(df.name) && (!df.quiet || df.name != MapExpTarget) {
+				// An element of a dispatch map missing with its whole map is
+				// a first apply; exp-target missing whole, with the
+				// dispatch maps there, is an upgrade: the flows' guests
+				// are the same.
+				for _, o := range own {
+					touched[o] = true
+				}
 			}
 			if len(own) == 0 && df.kind == objElem && df.what != "missing" {
 				// A dispatch element no exposure owns (left by one deleted
@@ -606,8 +621,8 @@ func owners(a, b *TableSpec, d diff) []string {
 }
 
 // changes lists the exposures the target creates, changes or removes,
-// against the state; touched are those whose objects the batch changes in
-// the kernel (only they flush).
+// against the state; touched are those whose routing elements the batch
+// changes in the kernel (only they flush).
 func (s *State) changes(w *want, touched map[string]bool) []Change {
 	var out []Change
 	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
@@ -633,11 +648,21 @@ func (s *State) changes(w *want, touched map[string]bool) []Change {
 
 // replacement is the target as ops that delete both tables and create them
 // whole (what Plan.Replacement returns).
-func (s *State) replacement(w *want, counters map[string]CounterValue) []Op {
+func (s *State) replacement(w *want, c Counts) []Op {
 	wi, err := wholeOf(w)
 	if err != nil {
 		return nil // the target was built once already: cannot happen
 	}
+	for n, set := range wi.Sets {
+		if !set.Counter || len(c.Elems[n]) == 0 {
+			continue
+		}
+		for k, e := range set.Elems {
+			e.Counter = c.Elems[n][k]
+			set.Elems[k] = e
+		}
+	}
+	counters := c.Named
 	fi, fb := nftables.TableFamilyINet, nftables.TableFamilyBridge
 	// Create-if-missing, then delete: the batch fails on neither.
 	ops := []Op{AddTable{fi}, AddTable{fb}, DelTable{fi}, DelTable{fb}}
@@ -702,6 +727,24 @@ func (s *State) addDigests(e Exposure) {
 
 // Reset forgets everything applied (the tables were deleted).
 func (s *State) Reset() { *s = *NewState() }
+
+// CountingSets are the inet table's sets whose elements have counters.
+func (s *State) CountingSets() []string {
+	var out []string
+	if s.inet != nil {
+		for n, st := range s.inet.Sets {
+			if st.Counter {
+				out = append(out, n)
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// MarkKey is the key of an exposure's element in the maps keyed by mark
+// (exp-target): its ct mark, host-endian like the kernel's register.
+func MarkKey(id uint32) []byte { return connMark(id) }
 
 // Trusts reports whether the kernel's elements of set need not be read: it
 // is a shared map whose observed digest d is what the state applied.
