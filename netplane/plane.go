@@ -16,7 +16,6 @@ import (
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/internal/nlsafe"
-	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane/dhcp"
 	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/netplane/link"
@@ -81,6 +80,7 @@ type Plane struct {
 	natGuests  netip.Prefix
 	madeBridge bool            // the bridge existed after an earlier pass of this process
 	madeTaps   map[string]bool // likewise per tap
+	facts      *passFacts      // what the last full pass learned (nil before one)
 	forwarding bool
 	closed     bool
 	ownStats   bool // Stats was made here (in memory) and is closed with the Plane
@@ -249,7 +249,11 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		rep.Guests = append(rep.Guests, st)
 	}
 
-	rep.Exposures, rep.Repaired = p.convergeExposures(d, leases, hasAddr, guestErr, rep.Repaired)
+	p.facts = &passFacts{network: n, leases: leases, hasAddr: hasAddr, guestErr: guestErr, guests: map[string]bool{}}
+	for _, g := range d.Guests {
+		p.facts.guests[g.Name] = true
+	}
+	rep.Exposures, rep.Repaired = p.convergeExposures(d, rep.Repaired)
 	if p.natReason != "" && len(d.Exposures) > 0 {
 		rep.Warnings = append(rep.Warnings, p.natReason)
 	}
@@ -384,160 +388,6 @@ func (p *Plane) guestsWithAddress(bridge string, leases map[string]ipam.Lease) m
 		}
 	}
 	return out
-}
-
-// convergeExposures builds the table's rules, applies them, feeds the
-// counters into the slots and reports one row per exposure.
-func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAddr map[string]bool,
-	guestErr map[string]string, repaired []string) ([]ExposureStatus, []string) {
-	n := d.Network
-	rules := nft.Rules{
-		Bridge: n.Bridge, Subnet: n.CIDR.Masked(),
-		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP,
-	}
-	// Anti-spoof admits each tap's assigned address from the start, not
-	// only after the DHCP ACK: a guest configured with ip= must be able to
-	// ARP and talk before anyone has seen it, and the assigned address is
-	// the only one it could ever lease.
-	for _, g := range d.Guests {
-		if l, ok := leases[g.Name]; ok && guestErr[g.Name] == "" {
-			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
-		}
-	}
-	p.ensureNatPath(n)
-	rules.KernelCap = p.kernelCap()
-	p.attachSlots(d.Exposures)
-	status := make([]ExposureStatus, len(d.Exposures))
-	for i, e := range d.Exposures {
-		status[i] = ExposureStatus{Name: e.Name, State: spec.StateActive}
-		target := e.Target.Addr
-		if vm := e.Target.VM; vm != "" {
-			l, ok := leases[vm]
-			switch {
-			case !ok:
-				status[i].State, status[i].Reason = spec.StateFailed, fmt.Sprintf("guest %s has no address: %s", vm, guestErr[vm])
-				continue
-			case guestErr[vm] != "":
-				status[i].State, status[i].Reason = spec.StateFailed, fmt.Sprintf("guest %s: %s", vm, guestErr[vm])
-				continue
-			case !hasAddr[vm]:
-				// The rule is installed anyway: the address is fixed, and
-				// after a daemon restart a guest may hold its lease long
-				// before we hear from it again.
-				status[i].State, status[i].Reason = spec.StatePending, fmt.Sprintf("guest %s has not taken its address %s yet", vm, l.Addr)
-			}
-			target = l.Addr
-		}
-		x := nft.Exposure{
-			Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort,
-			GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
-		}
-		// The mark is the counter slot: the nat path's programs write it,
-		// the set-based cap's watcher reads it.
-		f := p.feeds[e.Name]
-		if f == nil {
-			status[i].State, status[i].Reason = spec.StateFailed, "no counter slot"
-			continue
-		}
-		x.MarkID = bpf.MarkOf(f.slot.Index()) & bpf.MarkIDMask
-		rules.Exposures = append(rules.Exposures, x)
-	}
-
-	var counters map[string]nft.ExposureCounters
-	tableErr := p.applyTable(rules, &repaired)
-	// In the event-fed fallback, a counter read asks the kernel for brokkr's
-	// conntrack entries, so it is skipped when nothing is published. The
-	// nat path writes the slots itself: nothing to read.
-	if tableErr == nil && len(rules.Exposures) > 0 && !rules.KernelCap {
-		var err error
-		if counters, err = p.table.Counters(); err != nil {
-			p.log.Warn("netplane: reading nft counters", "err", err)
-		}
-	}
-	p.feedSlots(counters)
-	for i, e := range d.Exposures {
-		if tableErr != nil && status[i].State != spec.StateFailed {
-			status[i].State, status[i].Reason = spec.StateFailed, tableErr.Error()
-		}
-		if f := p.feeds[e.Name]; f != nil {
-			status[i].Counters = f.slot.Read()
-		} else if c, ok := p.opts.Stats.Lookup(e.Name); ok {
-			status[i].Counters = c
-		}
-	}
-	return status, repaired
-}
-
-func (p *Plane) nftOptions() []nft.Option {
-	opts := append([]nft.Option{nft.WithLogger(p.log)}, p.natOptions()...)
-	if p.opts.Overflow != nil {
-		opts = append(opts, nft.WithOverflow(p.opts.Overflow))
-	}
-	return opts
-}
-
-func (p *Plane) applyTable(r nft.Rules, repaired *[]string) error {
-	if p.table == nil {
-		t, err := nft.Open(p.opts.NetNS, p.nftOptions()...)
-		if err != nil {
-			return fmt.Errorf("opening nftables table: %w", err)
-		}
-		p.table = t
-	}
-	res, err := p.table.Converge(r)
-	for _, d := range res.Repaired {
-		*repaired = append(*repaired, "nft "+d.String())
-	}
-	if res.Replaced != nil {
-		p.log.Warn("netplane: nft incremental update failed; tables replaced whole", "err", res.Replaced)
-	}
-	if err != nil {
-		return fmt.Errorf("nftables: %w", err)
-	}
-	return nil
-}
-
-// attachSlots attaches a slot per desired exposure (re-attaching when its
-// protocol or host port changed, so bpftool shows the current shape), sets
-// its cap for every path, and releases the slots of exposures that left the
-// desired state as deleted (zeroed once the proxy lets go too).
-func (p *Plane) attachSlots(exps []Exposure) {
-	want := map[string]bool{}
-	for _, e := range exps {
-		want[e.Name] = true
-		proto := bpf.ProtoNumber(string(e.Proto))
-		f := p.feeds[e.Name]
-		if f == nil || f.proto != proto || f.hostPort != e.HostPort {
-			slot, err := p.opts.Stats.Attach(e.Name, proto, e.HostPort)
-			if err != nil {
-				p.log.Warn("netplane: counter slot", "exposure", e.Name, "err", err)
-				continue
-			}
-			if f != nil {
-				f.slot.Release(false)
-				f.slot, f.proto, f.hostPort = slot, proto, e.HostPort
-			} else {
-				f = &slotFeed{slot: slot, proto: proto, hostPort: e.HostPort}
-				p.feeds[e.Name] = f
-			}
-		}
-		f.slot.SetCap(uint32(e.MaxConns))
-	}
-	for name, f := range p.feeds {
-		if !want[name] {
-			f.slot.Release(true)
-			delete(p.feeds, name)
-		}
-	}
-}
-
-// feedSlots adds the event-fed fallback's kernel counters to the slots.
-func (p *Plane) feedSlots(counters map[string]nft.ExposureCounters) {
-	for name, c := range counters {
-		if f := p.feeds[name]; f != nil {
-			f.feed(c)
-		}
-	}
 }
 
 // Close stops the DHCP server and releases the counter slots (their values

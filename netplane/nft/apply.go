@@ -29,10 +29,29 @@ func (k *nlKernel) apply(ops []compile.Op) error {
 			return err
 		}
 	}
-	if err := k.nl(func() error { return conn.commit(k.raw) }); err != nil {
+	commit := func() error { return k.nl(func() error { return conn.commit(k.raw) }) }
+	if k.mon != nil && elems(ops) >= quietMin {
+		err = k.mon.quiet(k.generation, commit)
+	} else {
+		err = commit()
+	}
+	if err != nil {
 		return fmt.Errorf("nft: commit: %w", err)
 	}
 	return nil
+}
+
+func elems(ops []compile.Op) int {
+	n := 0
+	for _, o := range ops {
+		switch x := o.(type) {
+		case compile.AddElems:
+			n += len(x.Elems)
+		case compile.DelElems:
+			n += len(x.Elems)
+		}
+	}
+	return n
 }
 
 func table(f nftables.TableFamily) *nftables.Table {

@@ -57,7 +57,7 @@ func TestDigestMatchesKernel(t *testing.T) {
 		exps = append(exps, Exposure{Name: fmt.Sprintf("c%04d", i), Protocol: "tcp", HostPort: uint16(30000 + i), GuestAddr: guestAddr(0), GuestPort: 80})
 	}
 	tp.converge(t, tp.rules(exps...))
-	d, err := tp.table.k.digest(famInet, compile.MapExpAny)
+	d, err := tp.table.nl.digest(famInet, compile.MapExpAny)
 	require.NoError(t, err)
 	assert.Equal(t, 1500, d.Count)
 	assert.Equal(t, tp.table.state.Digest(compile.MapExpAny), d)
@@ -69,7 +69,7 @@ func TestDigestMatchesKernel(t *testing.T) {
 	require.NoError(t, err)
 	assert.Len(t, got, d.Count)
 	tp.host.MustRun(t, "nft", "delete", "element", "inet", "brokkr", compile.MapExpAny, "{ tcp . 30007 }")
-	d, err = tp.table.k.digest(famInet, compile.MapExpAny)
+	d, err = tp.table.nl.digest(famInet, compile.MapExpAny)
 	require.NoError(t, err)
 	assert.Equal(t, 1499, d.Count)
 	assert.NotEqual(t, tp.table.state.Digest(compile.MapExpAny), d)

@@ -84,28 +84,44 @@ func (t *Table) Update(set []Exposure, remove []string) (Result, error) {
 	return res, err
 }
 
-// observation reads both tables, unless the ruleset generation shows that
-// nobody committed anything since the last batch (nil: the kernel holds
-// exactly the state). A shared map whose digest is what the state applied
-// is not decoded.
+// observation reads what may differ from the state in both tables (nil:
+// nothing, the kernel holds exactly the state). With the change
+// notifications listened to, that is what other programs touched in
+// brokkr's tables since the last pass: nothing at all when they committed
+// elsewhere, and only the shared maps whose elements they touched (a map of
+// 100,000 elements is seconds of kernel time to dump). Without them, an
+// unchanged ruleset generation proves nobody committed anything; otherwise
+// everything is read, and a shared map whose digest is what the state
+// applied is not decoded.
 func (t *Table) observation() (*compile.Observation, error) {
-	if g, err := t.k.generation(); err == nil && t.genValid && g == t.gen && t.state.Applied() {
+	f, ferr := t.k.foreign()
+	g, gerr := t.k.generation()
+	trusted := func(string) bool { return false }
+	switch {
+	case !t.state.Applied() || !t.genValid || gerr != nil:
+		// Nothing applied, or the last batch's outcome is unknown.
+	case ferr == nil && !f.lost:
+		if !f.other && len(f.sets) == 0 {
+			return nil, nil
+		}
+		trusted = func(set string) bool { return t.state.Shared(set) && !f.sets[set] }
+	case g == t.gen:
 		return nil, nil
 	}
 	read := func(set string, d compile.Digest) bool { return !t.state.Trusts(set, d) }
-	inet, err := t.k.observe(famInet, read)
+	inet, err := t.k.observe(famInet, trusted, read)
 	if err != nil {
 		return nil, err
 	}
-	bridge, err := t.k.observe(famBridge, read)
+	bridge, err := t.k.observe(famBridge, func(string) bool { return false }, read)
 	if err != nil {
 		return nil, err
 	}
 	return &compile.Observation{Inet: inet, Bridge: bridge}, nil
 }
 
-// verifyMin: element batches at least this large are read back (their
-// digest) after the commit.
+// verifyMin: element batches at least this large are read back (some of
+// their elements) after the commit.
 const verifyMin = 64
 
 // run applies a plan: its batch, or if that fails (or does not verify) the
@@ -119,7 +135,7 @@ func (t *Table) run(p *compile.Plan) (Result, error) {
 		if err == nil {
 			t.state.Commit(p)
 			committed = true
-			err = t.verify(p)
+			err = t.verify(p.Ops)
 		}
 		if err != nil {
 			t.log.Warn("nft: incremental update failed, replacing the tables", "err", err)
@@ -130,14 +146,15 @@ func (t *Table) run(p *compile.Plan) (Result, error) {
 				// tables are still replaced.
 				counts = compile.Counts{}
 			}
-			if err := t.k.apply(p.Replacement(counts)); err != nil {
+			repl := p.Replacement(counts)
+			if err := t.k.apply(repl); err != nil {
 				t.genValid = false // the next pass reads the kernel again
 				return res, fmt.Errorf("nft: replacing the tables: %w", err)
 			}
 			if !committed {
 				t.state.Commit(p)
 			}
-			if err := t.verify(p); err != nil {
+			if err := t.verify(repl); err != nil {
 				t.genValid = false
 				return res, err
 			}
@@ -154,21 +171,33 @@ func (t *Table) run(p *compile.Plan) (Result, error) {
 	return res, nil
 }
 
-// verify reads back the digest of every set the plan added many elements
-// to, against the state that recorded the plan: google/nftables reports no
-// error when the kernel stores part of an oversized list.
-func (t *Table) verify(p *compile.Plan) error {
-	for set, n := range p.AddedElems() {
-		if n < verifyMin {
+// verify reads back, from every large element batch of the plan, one
+// element per message and its last (looked up, not dumped): google/nftables
+// once made the kernel store part of an oversized list with no error, and
+// a list cut short loses its tail.
+func (t *Table) verify(ops []compile.Op) error {
+	for _, o := range ops {
+		a, ok := o.(compile.AddElems)
+		if !ok || len(a.Elems) < verifyMin {
 			continue
 		}
-		want := t.state.Digest(set)
-		got, err := t.k.digest(famInet, set)
-		if err != nil {
-			return fmt.Errorf("nft: verify %s: %w", set, err)
+		var probes []compile.ElemSpec
+		for i := maxElemCount - 1; i < len(a.Elems); i += maxElemCount {
+			probes = append(probes, a.Elems[i])
 		}
-		if got != want {
-			return fmt.Errorf("nft: set %s holds %d elements (digest %x), want %d (%x)", set, got.Count, got.Sum, want.Count, want.Sum)
+		probes = append(probes, a.Elems[len(a.Elems)-1])
+		keys := make([][]byte, len(probes))
+		for i, e := range probes {
+			keys[i] = e.Key
+		}
+		got, err := t.k.lookup(a.Fam, a.Set.Name, keys)
+		if err != nil {
+			return fmt.Errorf("nft: verify %s: %w", a.Set.Name, err)
+		}
+		for _, want := range probes {
+			if have, ok := got[string(want.Key)]; !ok || !have.Same(want) {
+				return fmt.Errorf("nft: set %s does not hold element %s after the batch", a.Set.Name, want.Comment)
+			}
 		}
 	}
 	return nil

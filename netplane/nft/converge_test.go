@@ -115,22 +115,66 @@ func TestUpdateBeforeConvergeIsRefused(t *testing.T) {
 	assert.ErrorContains(t, err, "no whole desired state")
 }
 
-// Another program's commit moves the generation: the next pass reads the
-// tables, but a map whose digest is what brokkr applied is not decoded,
-// and nothing is sent.
-func TestForeignCommitIsReadButMatchingMapsAreNotDecoded(t *testing.T) {
+// Another program's commit to a table of its own costs a pass nothing: the
+// change notifications show it left brokkr's tables alone.
+func TestForeignCommitElsewhereIsNotRead(t *testing.T) {
 	tb, k := withFake(t)
 	r := unitRules(many(100)...)
 	_, err := tb.Converge(r)
 	require.NoError(t, err)
-	k.decoded = nil
-	k.edit(famInet, func(*fakeTable) {}) // someone committed elsewhere
+	reads := k.reads
+	k.elsewhere()
 	res, err := tb.Converge(r)
 	require.NoError(t, err)
+	assert.Equal(t, reads, k.reads)
+	assert.Len(t, k.batches, 1)
+	assert.Empty(t, res.Repaired)
+}
+
+// Without notifications (lost, or not listened to) a moved generation
+// reads both tables, but a map whose digest is what brokkr applied is not
+// decoded, and nothing is sent.
+func TestWithoutNotificationsMatchingMapsAreNotDecoded(t *testing.T) {
+	tb, k := withFake(t)
+	r := unitRules(many(100)...)
+	_, err := tb.Converge(r)
+	require.NoError(t, err)
+	k.deaf = true
+	_, err = tb.Converge(r)
+	require.NoError(t, err)
+	reads := k.reads
+	assert.Empty(t, k.decoded, "the generation did not move: nothing read")
+	k.elsewhere()
+	res, err := tb.Converge(r)
+	require.NoError(t, err)
+	assert.Equal(t, reads+2, k.reads)
 	assert.NotContains(t, k.decoded, compile.MapExpAny)
 	assert.Len(t, k.batches, 1)
 	assert.Empty(t, res.Repaired)
 	assert.Empty(t, res.Changes)
+}
+
+// Another program touching one of brokkr's maps: only that map is read,
+// and its drift repaired.
+func TestForeignElementChangeReadsOnlyThatMap(t *testing.T) {
+	tb, k := withFake(t)
+	r := unitRules(many(5)...)
+	_, err := tb.Converge(r)
+	require.NoError(t, err)
+	k.decoded = nil
+	k.edit(famInet, func(ft *fakeTable) {
+		for key, e := range ft.sets[compile.MapExpTarget].elems {
+			if e.Comment == "x00003" {
+				delete(ft.sets[compile.MapExpTarget].elems, key)
+			}
+		}
+	}, compile.MapExpTarget)
+	res, err := tb.Converge(r)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"element exp-target[x00003] missing"}, repaired(res))
+	assert.Contains(t, k.decoded, compile.MapExpTarget)
+	assert.NotContains(t, k.decoded, compile.MapExpAny, "untouched: not even dumped")
+	assert.Empty(t, k.flushes[1:])
 }
 
 // Drift is repaired and reported, and a repair flushes nothing: the flows
@@ -148,7 +192,8 @@ func TestDriftIsRepairedWithoutFlushing(t *testing.T) {
 			}
 		}
 		ft.chains["prerouting"].rules = nil
-	})
+	}, compile.MapExpAny)
+	k.news.other = true
 	res, err := tb.Converge(r)
 	require.NoError(t, err)
 	assert.Contains(t, repaired(res), "element exp-any[x00001] missing")
@@ -252,7 +297,7 @@ func TestVerifyCatchesAPartlyStoredBatch(t *testing.T) {
 	k.truncate = true
 	res, err := tb.Converge(unitRules(many(200)...))
 	require.Error(t, err, "the replace is truncated too")
-	assert.ErrorContains(t, res.Replaced, "holds")
+	assert.ErrorContains(t, res.Replaced, "verify")
 	k.truncate = false
 	res, err = tb.Converge(unitRules(many(200)...))
 	require.NoError(t, err)
@@ -260,6 +305,7 @@ func TestVerifyCatchesAPartlyStoredBatch(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 200, d.Count)
 	assert.NotEmpty(t, res.Repaired, "the missing elements were drift by then")
+	_ = k.reads
 }
 
 // Input the compiler cannot express sends nothing.

@@ -32,6 +32,10 @@ type fakeKernel struct {
 	// truncate keeps only the first elements of a large AddElems, as the
 	// kernel did with google/nftables' oversized lists.
 	truncate bool
+	// news is what the change notifications hold for the next drain; deaf:
+	// they are not listened to (or were lost).
+	news foreignChanges
+	deaf bool
 }
 
 type fakeTable struct {
@@ -50,7 +54,9 @@ type fakeSet struct {
 	elems map[string]compile.ElemSpec
 }
 
-func newFakeKernel() *fakeKernel { return &fakeKernel{tabs: map[nftables.TableFamily]*fakeTable{}} }
+func newFakeKernel() *fakeKernel {
+	return &fakeKernel{tabs: map[nftables.TableFamily]*fakeTable{}, news: foreignChanges{sets: map[string]bool{}}}
+}
 
 func (t *fakeTable) clone() *fakeTable {
 	c := &fakeTable{chains: map[string]*fakeChain{}, sets: map[string]*fakeSet{}, counters: maps.Clone(t.counters)}
@@ -71,17 +77,40 @@ func (k *fakeKernel) generation() (uint32, error) {
 	return k.gen, nil
 }
 
-// edit changes the tables as another program would, in a commit of its own.
-func (k *fakeKernel) edit(fam nftables.TableFamily, fn func(t *fakeTable)) {
+// edit changes brokkr's tables as another program would, in a commit of its
+// own; the notifications say so (elems: only those sets' elements changed).
+func (k *fakeKernel) edit(fam nftables.TableFamily, fn func(t *fakeTable), elems ...string) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if t := k.tabs[fam]; t != nil {
 		fn(t)
 	}
 	k.gen++
+	if len(elems) == 0 {
+		k.news.other = true
+	}
+	for _, s := range elems {
+		k.news.sets[s] = true
+	}
 }
 
-func (k *fakeKernel) observe(fam nftables.TableFamily, read func(string, compile.Digest) bool) (*compile.Observed, error) {
+// elsewhere is another program's commit to a table of its own.
+func (k *fakeKernel) elsewhere() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.gen++
+}
+
+func (k *fakeKernel) foreign() (foreignChanges, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	f := k.news
+	f.lost = f.lost || k.deaf
+	k.news = foreignChanges{sets: map[string]bool{}}
+	return f, nil
+}
+
+func (k *fakeKernel) observe(fam nftables.TableFamily, trusted func(string) bool, read func(string, compile.Digest) bool) (*compile.Observed, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.reads++
@@ -100,7 +129,9 @@ func (k *fakeKernel) observe(fam nftables.TableFamily, read func(string, compile
 	}
 	for n, s := range t.sets {
 		os := &compile.ObsSet{Shape: s.spec.Shape()}
-		if !s.spec.Dynamic {
+		if trusted(n) {
+			os.Trusted = true
+		} else if !s.spec.Dynamic {
 			os.Digest = compile.DigestOf(s.elems)
 			if read(n, os.Digest) {
 				k.decoded = append(k.decoded, n)
@@ -127,6 +158,24 @@ func (k *fakeKernel) digest(fam nftables.TableFamily, set string) (compile.Diges
 		return compile.Digest{}, unix.ENOENT
 	}
 	return compile.DigestOf(t.sets[set].elems), nil
+}
+
+func (k *fakeKernel) lookup(fam nftables.TableFamily, set string, keys [][]byte) (map[string]compile.ElemSpec, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	t := k.tabs[fam]
+	if t == nil || t.sets[set] == nil {
+		return nil, unix.ENOENT
+	}
+	out := map[string]compile.ElemSpec{}
+	for _, key := range keys {
+		e, ok := t.sets[set].elems[string(key)]
+		if !ok {
+			return nil, unix.ENOENT
+		}
+		out[string(key)] = e
+	}
+	return out, nil
 }
 
 func (k *fakeKernel) counts(sets []string) (compile.Counts, error) {
@@ -351,7 +400,7 @@ func (t *fakeTable) refersToSet(name string) bool {
 // spec is what the fake holds, as whole tables (for comparing with what
 // the compiler builds).
 func (k *fakeKernel) spec(fam nftables.TableFamily) *compile.Observed {
-	o, _ := k.observe(fam, func(string, compile.Digest) bool { return true })
+	o, _ := k.observe(fam, func(string) bool { return false }, func(string, compile.Digest) bool { return true })
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.reads--

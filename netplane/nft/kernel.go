@@ -26,14 +26,19 @@ type kernel interface {
 	// set-based cap's members), so an unchanged value proves nobody else
 	// touched the tables since the last apply.
 	generation() (uint32, error)
+	// foreign drains what nftables' change notifications said other
+	// programs changed in brokkr's tables since the last call.
+	foreign() (foreignChanges, error)
 	// observe reads one table: chains and rule fingerprints, set shapes
-	// and digests, counter names. A set's elements are decoded too when
-	// read says so, given its digest.
-	observe(fam nftables.TableFamily, read func(set string, d compile.Digest) bool) (*compile.Observed, error)
+	// and digests, counter names. A set trusted names is not read (its
+	// elements are what brokkr applied); another set's elements are
+	// decoded too when read says so, given its digest.
+	observe(fam nftables.TableFamily, trusted func(set string) bool, read func(set string, d compile.Digest) bool) (*compile.Observed, error)
 	// apply sends ops as one batch: all or nothing.
 	apply(ops []compile.Op) error
-	// digest reads one set's digest (the verify after a large batch).
-	digest(fam nftables.TableFamily, set string) (compile.Digest, error)
+	// lookup reads the elements of set at keys (the verify after a large
+	// batch): an error when one is missing.
+	lookup(fam nftables.TableFamily, set string, keys [][]byte) (map[string]compile.ElemSpec, error)
 	// counts reads the named counters and the counters of the elements of
 	// sets (a replace carries them).
 	counts(sets []string) (compile.Counts, error)
@@ -68,12 +73,20 @@ type nlKernel struct {
 	// sideCommits counts the batches committed outside apply (member
 	// adds and deletes): generation discounts them.
 	sideCommits atomic.Uint32
+
+	// mon: the ruleset's change notifications, less brokkr's own (nil when
+	// they could not be listened to). Drained by the Table (Table.mu).
+	mon *monitor
 }
 
 func openKernel(netnsPath string) (*nlKernel, error) {
 	k := &nlKernel{nsPath: netnsPath}
 	ncfg := &netlink.Config{}
-	nopts := []nftables.ConnOption{nftables.AsLasting(), nftables.WithSockOptions(forceBuffers)}
+	var lastingPID uint32
+	nopts := []nftables.ConnOption{nftables.AsLasting(), nftables.WithSockOptions(forceBuffers, func(c *netlink.Conn) (err error) {
+		lastingPID, err = portID(c)
+		return err
+	})}
 	if netnsPath != "" {
 		f, err := os.Open(netnsPath)
 		if err != nil {
@@ -100,7 +113,49 @@ func openKernel(netnsPath string) (*nlKernel, error) {
 		k.closeFiles()
 		return nil, err
 	}
+	rawPID, err := portID(k.raw)
+	if err != nil {
+		k.closeFiles()
+		return nil, err
+	}
+	// Without notifications a pass falls back to the generation and full
+	// reads: slower at scale, still right.
+	k.mon, _ = openMonitor(netnsPath, rawPID, lastingPID)
 	return k, nil
+}
+
+// portID is a netlink socket's port id (what the kernel puts in the
+// notifications of what it commits).
+func portID(c *netlink.Conn) (uint32, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var pid uint32
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		var sa unix.Sockaddr
+		if sa, serr = unix.Getsockname(int(fd)); serr == nil {
+			if nl, ok := sa.(*unix.SockaddrNetlink); ok {
+				pid = nl.Pid
+			} else {
+				serr = errors.New("not a netlink socket")
+			}
+		}
+	}); err != nil {
+		return 0, err
+	}
+	if serr != nil {
+		return 0, fmt.Errorf("nft: socket port id: %w", serr)
+	}
+	return pid, nil
+}
+
+func (k *nlKernel) foreign() (foreignChanges, error) {
+	if k.mon == nil {
+		return foreignChanges{lost: true}, nil
+	}
+	return k.mon.drain()
 }
 
 func forceBuffers(c *netlink.Conn) error {
@@ -137,6 +192,9 @@ func (k *nlKernel) closeFiles() {
 	if k.nsFile != nil {
 		_ = k.nsFile.Close()
 	}
+	if k.mon != nil {
+		_ = k.mon.close()
+	}
 }
 
 func (k *nlKernel) close() error {
@@ -172,11 +230,17 @@ func (k *nlKernel) generation() (uint32, error) {
 	return g, err
 }
 
-func (k *nlKernel) observe(fam nftables.TableFamily, read func(string, compile.Digest) bool) (o *compile.Observed, err error) {
-	err = k.nl(func() error { o, err = observeTable(k.conn, k.raw, fam, read); return err })
+func (k *nlKernel) observe(fam nftables.TableFamily, trusted func(string) bool, read func(string, compile.Digest) bool) (o *compile.Observed, err error) {
+	err = k.nl(func() error { o, err = observeTable(k.conn, k.raw, fam, trusted, read); return err })
 	return o, err
 }
 
+func (k *nlKernel) lookup(fam nftables.TableFamily, set string, keys [][]byte) (m map[string]compile.ElemSpec, err error) {
+	err = k.nl(func() error { m, err = lookupElems(k.raw, fam, set, keys); return err })
+	return m, err
+}
+
+// digest reads one set's digest (a full dump: tests only check with it).
 func (k *nlKernel) digest(fam nftables.TableFamily, set string) (d compile.Digest, err error) {
 	err = k.nl(func() error {
 		d, _, err = dumpElems(k.raw, fam, set, false)

@@ -24,7 +24,10 @@ type ObsChain struct {
 
 type ObsSet struct {
 	Shape SetShape
-	// Digest of the elements (stateful sets: zero, never read).
+	// Trusted: not read, because the kernel's change notifications show
+	// that nobody but brokkr touched its elements since the last batch.
+	Trusted bool
+	// Digest of the elements, when read (stateful sets: zero, never read).
 	Digest Digest
 	// Elems, by string(key): nil unless read (a set whose digest differs
 	// from what brokkr applied, or one of the fixed part's small sets).
@@ -102,6 +105,7 @@ type delta struct {
 	addElems    map[string][]ElemSpec // by set
 	shapes      map[string]*SetSpec   // the desired sets elements are added to
 	diffs       []diff
+	missingSets []string // sets the kernel does not have at all (their elements are not noted one by one)
 }
 
 func newDelta(f nftables.TableFamily) *delta {
@@ -128,10 +132,6 @@ type diff struct {
 	key   string // an element's key
 	what  string // missing | unexpected | differs
 	label string // an element's name in the report: its comment, or its key
-	// quiet: an element of a set that is missing as a whole, noted for
-	// whose it is (a first apply flushes its host side) but not reported
-	// one by one (the set's own difference says it).
-	quiet bool
 }
 
 func (d diff) object(f nftables.TableFamily) string {
@@ -173,6 +173,7 @@ func (p *delta) merge(q *delta) {
 	p.addChains = append(p.addChains, q.addChains...)
 	p.addRules = append(p.addRules, q.addRules...)
 	p.diffs = append(p.diffs, q.diffs...)
+	p.missingSets = append(p.missingSets, q.missingSets...)
 	for k, v := range q.delElems {
 		p.delElems[k] = append(p.delElems[k], v...)
 	}
@@ -253,6 +254,7 @@ func makeDelta(d *TableSpec, o *Observed, skipElems func(set string) bool) *delt
 		switch {
 		case !ok:
 			p.note(diff{kind: objSet, name: n, what: "missing"})
+			p.missingSets = append(p.missingSets, n)
 		case os.Shape != s.Shape():
 			p.note(diff{kind: objSet, name: n, what: "differs"})
 			p.delSets = append(p.delSets, n)
@@ -262,16 +264,15 @@ func makeDelta(d *TableSpec, o *Observed, skipElems func(set string) bool) *delt
 		recreated[n] = true
 		p.addSets = append(p.addSets, s)
 		if len(s.Elems) > 0 {
+			// A set created again holds its elements in a new form (an
+			// upgrade); a missing set's elements are the set's own
+			// difference. Neither is noted element by element.
 			p.shapes[n] = s
-			for _, k := range sortedKeys(s.Elems) {
-				p.addElems[n] = append(p.addElems[n], s.Elems[k])
-				if !ok {
-					// A set of another shape is recreated with the same
-					// elements in another form (an upgrade): those do
-					// not change where flows go. A missing set's do.
-					p.note(diff{kind: objElem, name: n, key: k, what: "missing", label: s.Elems[k].Comment, quiet: true})
-				}
+			es := make([]ElemSpec, 0, len(s.Elems))
+			for _, k := range keysOf(s.Elems) {
+				es = append(es, s.Elems[k])
 			}
+			p.addElems[n] = es
 		}
 	}
 	for _, n := range sortedKeys(o.Sets) {
@@ -339,7 +340,7 @@ func makeDelta(d *TableSpec, o *Observed, skipElems func(set string) bool) *delt
 // or different deleted first.
 func (p *delta) diffElems(s *SetSpec, have map[string]ElemSpec) {
 	n := s.Name
-	for _, k := range sortedKeys(have) {
+	for _, k := range keysOf(have) {
 		if de, ok := s.Elems[k]; !ok || !de.Same(have[k]) {
 			what := "unexpected"
 			if ok {
@@ -349,7 +350,7 @@ func (p *delta) diffElems(s *SetSpec, have map[string]ElemSpec) {
 			p.delElems[n] = append(p.delElems[n], have[k])
 		}
 	}
-	for _, k := range sortedKeys(s.Elems) {
+	for _, k := range keysOf(s.Elems) {
 		oe, ok := have[k]
 		if !ok || !oe.Same(s.Elems[k]) {
 			if !ok {
@@ -359,6 +360,20 @@ func (p *delta) diffElems(s *SetSpec, have map[string]ElemSpec) {
 			p.addElems[n] = append(p.addElems[n], s.Elems[k])
 		}
 	}
+}
+
+// keysOf is m's keys, sorted while that is cheap (a deterministic batch
+// for the fixed part and the tests); a map of a 100,000 exposures' elements
+// is taken in map order: the order of elements in a batch means nothing.
+func keysOf[V any](m map[string]V) []string {
+	if len(m) <= 4096 {
+		return sortedKeys(m)
+	}
+	ks := make([]string, 0, len(m))
+	for k := range m {
+		ks = append(ks, k)
+	}
+	return ks
 }
 
 func elemLabel(o, d ElemSpec) string {

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
-	"slices"
 	"sort"
 	"strconv"
 
@@ -110,8 +109,9 @@ type planned struct {
 	inet, bridge *TableSpec
 	kernelCap    bool
 	changed      map[string]*Exposure // nil: removed
-	rebuilt      bool                 // every unit was rebuilt (the unit digests start again)
-	digests      map[string]Digest    // the units' elements per shared set, when rebuilt
+	units        map[string]*unit     // of the changed exposures
+	marks        map[uint32]string    // the changed exposures by mark
+	sides        map[HostSide]string  // and by host side
 }
 
 // Empty reports whether the plan has nothing to send.
@@ -121,9 +121,6 @@ func (p *Plan) Empty() bool { return len(p.Ops) == 0 }
 // tables and creates them whole, for when the plan's batch failed. The
 // counters that are created again start at what c says the kernel held.
 func (p *Plan) Replacement(c Counts) []Op { return p.repl(c) }
-
-// AddedElems is how many elements the plan adds to each set.
-func (p *Plan) AddedElems() map[string]int { return p.elemsIn }
 
 // State is what brokkr applied to its tables, as the compiler built it: the
 // fixed part of both tables and the exposures (each exposure's unit is
@@ -174,6 +171,9 @@ type want struct {
 	inet, bridge *TableSpec
 	kernelCap    bool
 	changed      map[string]*Exposure
+	units        map[string]*unit    // of the changed exposures, built once
+	marks        map[uint32]string   // the changed exposures by mark (check)
+	sides        map[HostSide]string // and by host side
 	all          func(yield func(Exposure) bool)
 	n            int
 }
@@ -187,22 +187,37 @@ func (s *State) Plan(r Rules, obs *Observation) (*Plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &want{inet: inet, bridge: bridge, kernelCap: r.KernelCap, changed: map[string]*Exposure{}, n: len(r.Exposures)}
-	seen := make(map[string]bool, len(r.Exposures))
+	hint := 0
+	if !s.Applied() {
+		hint = len(r.Exposures) // all of them are new to the state
+	}
+	w := &want{inet: inet, bridge: bridge, kernelCap: r.KernelCap, changed: make(map[string]*Exposure, hint), n: len(r.Exposures)}
 	rebuild := s.Applied() && r.KernelCap != s.kernelCap
-	for i := range r.Exposures {
-		e := &r.Exposures[i]
-		if seen[e.Name] {
-			return nil, fieldErr("exposures["+e.Name+"].name", "%q is there twice", e.Name)
-		}
-		seen[e.Name] = true
-		if old, ok := s.exps[e.Name]; !ok || old != *e || rebuild {
+	if len(s.exps) == 0 {
+		// Every exposure is new: the changed ones are all of them.
+		for i := range r.Exposures {
+			e := &r.Exposures[i]
+			if _, twice := w.changed[e.Name]; twice {
+				return nil, fieldErr("exposures["+e.Name+"].name", "%q is there twice", e.Name)
+			}
 			w.changed[e.Name] = e
 		}
-	}
-	for n := range s.exps {
-		if !seen[n] {
-			w.changed[n] = nil
+	} else {
+		seen := make(map[string]bool, len(r.Exposures))
+		for i := range r.Exposures {
+			e := &r.Exposures[i]
+			if seen[e.Name] {
+				return nil, fieldErr("exposures["+e.Name+"].name", "%q is there twice", e.Name)
+			}
+			seen[e.Name] = true
+			if old, ok := s.exps[e.Name]; !ok || old != *e || rebuild {
+				w.changed[e.Name] = e
+			}
+		}
+		for n := range s.exps {
+			if !seen[n] {
+				w.changed[n] = nil
+			}
 		}
 	}
 	w.all = func(yield func(Exposure) bool) {
@@ -278,9 +293,10 @@ func (s *State) PlanUpdate(fixed *Rules, set []Exposure, remove []string, obs *O
 // buildable, and no two exposures of the target may share a mark id or a
 // host side (the maps would keep one of them).
 func (s *State) check(w *want) error {
-	marks := map[uint32]string{}
-	sides := map[HostSide]string{}
-	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
+	marks := make(map[uint32]string, len(w.changed))
+	sides := make(map[HostSide]string, len(w.changed))
+	w.marks, w.sides = marks, sides
+	for _, n := range keysOf(w.changed) {
 		e := w.changed[n]
 		if e == nil || e.LoopbackOnly() {
 			continue
@@ -324,8 +340,7 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 	if obs == nil && !s.Applied() {
 		return nil, errors.New("nothing applied yet: the kernel must be observed")
 	}
-	p := &Plan{next: planned{inet: w.inet, bridge: w.bridge, kernelCap: w.kernelCap, changed: w.changed}}
-	newU := map[string]*unit{}
+	w.units = make(map[string]*unit, len(w.changed))
 	for n, e := range w.changed {
 		if e == nil {
 			continue
@@ -334,8 +349,10 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 		if err != nil {
 			return nil, err
 		}
-		newU[n] = u
+		w.units[n] = u
 	}
+	p := &Plan{next: planned{inet: w.inet, bridge: w.bridge, kernelCap: w.kernelCap, changed: w.changed, units: w.units,
+		marks: w.marks, sides: w.sides}}
 	oldU := func(n string) *unit {
 		e, ok := s.exps[n]
 		if !ok {
@@ -349,8 +366,17 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 	}
 	var dInet, dBridge *delta
 	var touched map[string]bool // exposures whose objects the batch changes
-	if obs == nil && !sharesRecreated(w.inet, s.inet) {
-		dInet, dBridge, touched = s.fastDeltas(w, newU, oldU)
+	if obs != nil && !obs.Inet.Exists {
+		// No inet table at all (a first apply, a deleted table): create
+		// it, with no whole-table diff (100,000 exposures in one batch).
+		dInet, touched = s.fromNothing(w)
+		dBridge = makeDelta(w.bridge, obs.Bridge, nil)
+		s.classify(p, dBridge, s.bridgeIfApplied(), w.bridge, map[string]bool{})
+		if s.Applied() {
+			p.Repairs = append([]Repair{{Object: "table inet " + TableName, What: "missing"}}, p.Repairs...)
+		}
+	} else if obs == nil && !sharesRecreated(w.inet, s.inet) {
+		dInet, dBridge, touched = s.fastDeltas(w, oldU)
 	} else {
 		if obs == nil {
 			// A shared map is recreated: every unit's elements go in again,
@@ -358,16 +384,12 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 			obs = &Observation{Inet: ObservedFrom(s.whole()), Bridge: ObservedFrom(s.bridge)}
 		}
 		var err error
-		dInet, dBridge, touched, err = s.fullDeltas(w, obs, p)
+		dInet, dBridge, touched, err = s.fullDeltas(w, obs, p, oldU)
 		if err != nil {
 			return nil, err
 		}
 	}
 	p.Ops = append(dInet.ops(nil), dBridge.ops(nil)...)
-	p.elemsIn = map[string]int{}
-	for n, es := range dInet.addElems {
-		p.elemsIn[n] += len(es)
-	}
 	p.Changes = append(s.changes(w, touched), p.Changes...)
 	p.repl = func(c Counts) []Op { return s.replacement(w, c) }
 	return p, nil
@@ -394,12 +416,12 @@ func sharesRecreated(want, applied *TableSpec) bool {
 // fastDeltas plans against the state itself: the fixed parts whole (they
 // are small), and the units of the changed exposures only, each against its
 // previous self.
-func (s *State) fastDeltas(w *want, newU map[string]*unit, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool) {
+func (s *State) fastDeltas(w *want, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool) {
 	dInet = makeDelta(w.inet, ObservedFrom(s.inet), nil)
 	dBridge = makeDelta(w.bridge, ObservedFrom(s.bridge), nil)
 	touched = map[string]bool{}
-	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
-		u := unitDelta(w.inet, oldU(n), newU[n])
+	for _, n := range keysOf(w.changed) {
+		u := unitDelta(w.inet, oldU(n), w.units[n])
 		for _, d := range u.diffs {
 			if d.kind == objElem && routing(d.name) {
 				touched[n] = true
@@ -481,10 +503,13 @@ func wholeOf(w *want) (*TableSpec, error) {
 	var err error
 	t := assemble(w.inet, w.n, func(yield func(*unit) bool) {
 		for e := range w.all {
-			u, uerr := unitOf(e, w.kernelCap)
-			if uerr != nil {
-				err = uerr
-				return
+			u, ok := w.units[e.Name]
+			if !ok {
+				var uerr error
+				if u, uerr = unitOf(e, w.kernelCap); uerr != nil {
+					err = uerr
+					return
+				}
 			}
 			if !yield(u) {
 				return
@@ -499,7 +524,7 @@ func wholeOf(w *want) (*TableSpec, error) {
 // target than in what the state applied, and drift (a repair) otherwise.
 // Shared maps whose observed digest is what the state applied were not
 // read: only the changed exposures' elements are planned there.
-func (s *State) fullDeltas(w *want, obs *Observation, p *Plan) (dInet, dBridge *delta, touched map[string]bool, err error) {
+func (s *State) fullDeltas(w *want, obs *Observation, p *Plan, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool, err error) {
 	wi, err := wholeOf(w)
 	if err != nil {
 		return nil, nil, nil, err
@@ -512,8 +537,13 @@ func (s *State) fullDeltas(w *want, obs *Observation, p *Plan) (dInet, dBridge *
 		os, ok := obs.Inet.Sets[set]
 		return ok && os.Elems == nil && wi.Sets[set] != nil && !wi.Sets[set].Stateful
 	}
+	anyUnread := false
 	for n := range wi.Sets {
-		if unread(n) && (!s.Applied() || obs.Inet.Sets[n].Digest != s.Digest(n)) {
+		if !unread(n) {
+			continue
+		}
+		anyUnread = true
+		if os := obs.Inet.Sets[n]; !os.Trusted && (!s.Applied() || os.Digest != s.Digest(n)) {
 			return nil, nil, nil, fmt.Errorf("set %s: its elements differ from what was applied and were not read", n)
 		}
 	}
@@ -521,16 +551,11 @@ func (s *State) fullDeltas(w *want, obs *Observation, p *Plan) (dInet, dBridge *
 	dBridge = makeDelta(w.bridge, obs.Bridge, nil)
 	// The sets not read hold what the state applied: their elements
 	// follow the changed units.
-	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
-		old := (*unit)(nil)
-		if e, ok := s.exps[n]; ok {
-			old, _ = unitOf(e, s.kernelCap)
+	for _, n := range keysOf(w.changed) {
+		if !anyUnread {
+			break
 		}
-		var cur *unit
-		if e := w.changed[n]; e != nil {
-			cur, _ = unitOf(*e, w.kernelCap)
-		}
-		u := unitDelta(w.inet, old, cur)
+		u := unitDelta(w.inet, oldU(n), w.units[n])
 		keep := newDelta(nftables.TableFamilyINet)
 		for set, es := range u.delElems {
 			if unread(set) {
@@ -551,44 +576,122 @@ func (s *State) fullDeltas(w *want, obs *Observation, p *Plan) (dInet, dBridge *
 		dInet.merge(keep)
 	}
 	touched = map[string]bool{}
-	var orphans []Change
-	classify := func(d *delta, prev, cur *TableSpec) {
-		for _, df := range d.diffs {
-			if prev != nil && sameObject(prev, cur, df) {
-				if !df.quiet {
-					p.Repairs = append(p.Repairs, Repair{df.object(d.fam), df.whatText()})
-				}
-				continue
+	s.classify(p, dInet, prevInet, wi, touched)
+	s.classify(p, dBridge, s.bridgeIfApplied(), w.bridge, touched)
+	return dInet, dBridge, touched, nil
+}
+
+func (s *State) bridgeIfApplied() *TableSpec {
+	if s.Applied() {
+		return s.bridge
+	}
+	return nil
+}
+
+// classify sorts the differences of d into repairs (the object is defined
+// the same in cur, the target, as in prev, what was applied: drift) and
+// changes; the exposures whose routing elements change are touched, and a
+// dispatch element no exposure owns (left by one deleted while no daemon
+// ran) is removed and flushed as an orphan.
+func (s *State) classify(p *Plan, d *delta, prev, cur *TableSpec, touched map[string]bool) {
+	for _, df := range d.diffs {
+		if prev != nil && sameObject(prev, cur, df) {
+			p.Repairs = append(p.Repairs, Repair{df.object(d.fam), df.whatText()})
+			continue
+		}
+		own := owners(prev, cur, df)
+		if df.kind == objElem && routing(df.name) {
+			for _, o := range own {
+				touched[o] = true
 			}
-			own := owners(prev, cur, df)
-			if df.kind == objElem && routing(df.name) && (!df.quiet || df.name != MapExpTarget) {
-				// An element of a dispatch map missing with its whole map is
-				// a first apply; exp-target missing whole, with the
-				// dispatch maps there, is an upgrade: the flows' guests
-				// are the same.
-				for _, o := range own {
-					touched[o] = true
-				}
-			}
-			if len(own) == 0 && df.kind == objElem && df.what != "missing" {
-				// A dispatch element no exposure owns (left by one deleted
-				// while no daemon ran): its host side is flushed too.
-				if hs, ok := dispatchSide(df.name, []byte(df.key)); ok {
-					orphans = append(orphans, Change{Exposure{Name: df.label}, Removed, hs, true})
-				}
+		}
+		if len(own) == 0 && df.kind == objElem && df.what != "missing" {
+			if hs, ok := dispatchSide(df.name, []byte(df.key)); ok {
+				p.Changes = append(p.Changes, Change{Exposure{Name: df.label}, Removed, hs, true})
 			}
 		}
 	}
-	classify(dInet, prevInet, wi)
-	var prevBridge *TableSpec
-	if s.Applied() {
-		prevBridge = s.bridge
+	// A dispatch map missing as a whole (a first apply): every exposure in
+	// it is new where it is published, unless it was applied there before.
+	for _, n := range d.missingSets {
+		if n != MapExpAddr && n != MapExpAny || cur == nil || cur.Sets[n] == nil {
+			continue
+		}
+		for _, e := range cur.Sets[n].Elems {
+			if prev == nil || !sameObject(prev, cur, diff{kind: objElem, name: n, key: string(e.Key)}) {
+				touched[e.Owner] = true
+			}
+		}
 	}
-	classify(dBridge, prevBridge, w.bridge)
 	sort.Slice(p.Repairs, func(i, j int) bool { return p.Repairs[i].String() < p.Repairs[j].String() })
-	sort.Slice(orphans, func(i, j int) bool { return orphans[i].Exposure.Name < orphans[j].Exposure.Name })
-	p.Changes = orphans
-	return dInet, dBridge, touched, nil
+	sort.Slice(p.Changes, func(i, j int) bool { return p.Changes[i].Exposure.Name < p.Changes[j].Exposure.Name })
+}
+
+// fromNothing plans the inet table from nothing: its fixed part, and every
+// unit of the target, the shared maps' elements in one slice per map.
+func (s *State) fromNothing(w *want) (*delta, map[string]bool) {
+	d := makeDelta(w.inet, EmptyObserved(), nil)
+	own := NewTableSpec(nftables.TableFamilyINet)
+	touched := make(map[string]bool, len(w.changed))
+	// The few shared maps, by name: a slice each, made at its size.
+	type bySet struct {
+		name  string
+		elems []ElemSpec
+	}
+	var sets []bySet
+	elemsOf := func(name string) *[]ElemSpec {
+		for i := range sets {
+			if sets[i].name == name {
+				return &sets[i].elems
+			}
+		}
+		sets = append(sets, bySet{name, make([]ElemSpec, 0, w.n)})
+		return &sets[len(sets)-1].elems
+	}
+	addUnit := func(e Exposure, u *unit) {
+		for _, ue := range u.elems {
+			es := elemsOf(ue.set)
+			*es = append(*es, ue.e)
+		}
+		if u.own != nil {
+			maps.Copy(own.Counters, u.own.Counters)
+			maps.Copy(own.Chains, u.own.Chains)
+			maps.Copy(own.Sets, u.own.Sets)
+		}
+		if !e.LoopbackOnly() {
+			touched[e.Name] = true // published where nothing was
+		}
+	}
+	if len(w.units) == w.n {
+		// Every exposure is new to the state (the first apply).
+		for n, u := range w.units {
+			addUnit(*w.changed[n], u)
+		}
+	} else {
+		for e := range w.all {
+			u, ok := w.units[e.Name]
+			if !ok {
+				var err error
+				if u, err = unitOf(e, w.kernelCap); err != nil {
+					continue // built once already: cannot happen
+				}
+			}
+			addUnit(e, u)
+			if _, changed := w.changed[e.Name]; !changed {
+				delete(touched, e.Name) // as applied: a repair
+			}
+		}
+	}
+	for _, bs := range sets {
+		d.addElems[bs.name] = bs.elems
+		d.shapes[bs.name] = w.inet.Sets[bs.name]
+	}
+	if len(own.Chains)+len(own.Sets)+len(own.Counters) > 0 {
+		o := EmptyObserved()
+		o.Exists = true
+		d.merge(makeDelta(own, o, nil))
+	}
+	return d, touched
 }
 
 // owners lists the exposures an object belongs to in a and b.
@@ -624,8 +727,8 @@ func owners(a, b *TableSpec, d diff) []string {
 // against the state; touched are those whose routing elements the batch
 // changes in the kernel (only they flush).
 func (s *State) changes(w *want, touched map[string]bool) []Change {
-	var out []Change
-	for _, n := range slices.Sorted(maps.Keys(w.changed)) {
+	out := make([]Change, 0, len(w.changed))
+	for _, n := range keysOf(w.changed) {
 		cur := w.changed[n]
 		old, had := s.exps[n]
 		published := func(e Exposure) bool { return !e.LoopbackOnly() }
@@ -674,9 +777,36 @@ func (s *State) replacement(w *want, c Counts) []Op {
 func (s *State) Commit(p *Plan) {
 	n := p.next
 	rebuild := s.inet != nil && n.kernelCap != s.kernelCap
+	if len(s.exps) == 0 {
+		// A first apply: every exposure is new, and check indexed them.
+		s.exps = make(map[string]Exposure, len(n.changed))
+		for name, e := range n.changed {
+			if e != nil {
+				s.exps[name] = *e
+			}
+		}
+		s.marks, s.sides = n.marks, n.sides
+		s.inet, s.bridge, s.kernelCap = n.inet, n.bridge, n.kernelCap
+		s.unitDigests = map[string]Digest{}
+		acc := map[string]*Digest{}
+		for _, u := range n.units {
+			for _, ue := range u.elems {
+				d := acc[ue.set]
+				if d == nil {
+					d = &Digest{}
+					acc[ue.set] = d
+				}
+				*d = d.add(ue.e)
+			}
+		}
+		for set, d := range acc {
+			s.unitDigests[set] = *d
+		}
+		return
+	}
 	for name, e := range n.changed {
 		if old, ok := s.exps[name]; ok {
-			s.forget(name, old)
+			s.forget(name, old, !rebuild)
 		}
 		if e != nil {
 			s.exps[name] = *e
@@ -690,25 +820,31 @@ func (s *State) Commit(p *Plan) {
 	if rebuild {
 		s.unitDigests = map[string]Digest{}
 		for _, e := range s.exps {
-			s.addDigests(e)
+			if u, err := unitOf(e, s.kernelCap); err == nil {
+				s.addDigests(u)
+			}
 		}
 		return
 	}
-	for _, e := range n.changed {
+	for name, e := range n.changed {
 		if e != nil {
-			s.addDigests(*e)
+			s.addDigests(n.units[name])
 		}
 	}
 }
 
-// forget takes an applied exposure out of the indexes and digests.
-func (s *State) forget(name string, e Exposure) {
+// forget takes an applied exposure out of the indexes (and, digests, of
+// the digests).
+func (s *State) forget(name string, e Exposure, digests bool) {
 	delete(s.exps, name)
 	if s.marks[e.MarkID] == name {
 		delete(s.marks, e.MarkID)
 	}
 	if s.sides[e.HostSide()] == name {
 		delete(s.sides, e.HostSide())
+	}
+	if !digests {
+		return
 	}
 	if u, err := unitOf(e, s.kernelCap); err == nil {
 		for _, ue := range u.elems {
@@ -717,11 +853,12 @@ func (s *State) forget(name string, e Exposure) {
 	}
 }
 
-func (s *State) addDigests(e Exposure) {
-	if u, err := unitOf(e, s.kernelCap); err == nil {
-		for _, ue := range u.elems {
-			s.unitDigests[ue.set] = s.unitDigests[ue.set].add(ue.e)
-		}
+func (s *State) addDigests(u *unit) {
+	if u == nil {
+		return
+	}
+	for _, ue := range u.elems {
+		s.unitDigests[ue.set] = s.unitDigests[ue.set].add(ue.e)
 	}
 }
 
@@ -761,4 +898,14 @@ func (s *State) Each(fn func(Exposure)) {
 	for _, e := range s.exps {
 		fn(e)
 	}
+}
+
+// Shared reports whether set is one of the inet table's maps that every
+// exposure has elements in.
+func (s *State) Shared(set string) bool {
+	if s.inet == nil {
+		return false
+	}
+	st, ok := s.inet.Sets[set]
+	return ok && st.PerExposure
 }
