@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -55,7 +56,7 @@ func newNatTopo(t *testing.T, cap uint32) *natTopo {
 	require.NoError(t, err)
 	tp.slot.SetCap(cap)
 	t.Cleanup(func() { tp.slot.Release(false) })
-	mark := fmt.Sprintf("0x%x", MarkOf(tp.slot.Index()))
+	mark := fmt.Sprintf("0x%x", ctmark.Of(tp.slot.Index()))
 	script := `table ip brktest {
   chain pre { type nat hook prerouting priority -100; policy accept;
     fib daddr type local meta l4proto { tcp, udp } th dport 8080 ct mark set ` + mark + ` dnat to 10.213.0.11:7000

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/netplane/link"
@@ -42,8 +43,8 @@ func (p *Plane) convergeExposures(d Desired, repaired []string) ([]ExposureStatu
 			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
 		}
 	}
-	p.ensureNatPath(n)
-	rules.KernelCap = p.kernelCap()
+	p.chooseCap(n)
+	rules.Cap = p.caps.tableCap()
 	p.attachSlots(d.Exposures)
 	status := make([]ExposureStatus, len(d.Exposures))
 	rules.Exposures = make([]nft.Exposure, 0, len(d.Exposures))
@@ -55,18 +56,10 @@ func (p *Plane) convergeExposures(d Desired, repaired []string) ([]ExposureStatu
 		}
 	}
 
-	var counters map[string]nft.ExposureCounters
 	tableErr := p.withTable(func(t *nft.Table) (nft.Result, error) { return t.Converge(rules) }, &repaired)
-	// In the event-fed fallback, a counter read asks the kernel for brokkr's
-	// conntrack entries, so it is skipped when nothing is published. The
-	// nat path writes the slots itself: nothing to read.
-	if tableErr == nil && len(rules.Exposures) > 0 && !rules.KernelCap {
-		var err error
-		if counters, err = p.table.Counters(); err != nil {
-			p.log.Warn("netplane: reading nft counters", "err", err)
-		}
+	if tableErr == nil && len(rules.Exposures) > 0 {
+		p.caps.feed(p.feeds)
 	}
-	p.feedSlots(counters)
 	for i, e := range d.Exposures {
 		p.finishRow(&status[i], e.Name, tableErr)
 	}
@@ -132,8 +125,8 @@ func (p *Plane) UpdateExposures(ctx context.Context, set []Exposure, remove []st
 		p.finishRow(&rows[i], e.Name, tableErr)
 	}
 	rep.Exposures = rows
-	if p.natReason != "" && len(set) > 0 {
-		rep.Warnings = append(rep.Warnings, p.natReason)
+	if w := p.caps.warning(); w != "" && len(set) > 0 {
+		rep.Warnings = append(rep.Warnings, w)
 	}
 	return rep
 }
@@ -172,7 +165,7 @@ func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, Exposure
 		st.State, st.Reason = spec.StateFailed, "no counter slot"
 		return nft.Exposure{}, st, false
 	}
-	x.MarkID = bpf.MarkOf(feed.slot.Index()) & bpf.MarkIDMask
+	x.MarkID = ctmark.ID(feed.slot.Index())
 	return x, st, true
 }
 
@@ -188,23 +181,27 @@ func (p *Plane) finishRow(st *ExposureStatus, name string, tableErr error) {
 	}
 }
 
-func (p *Plane) nftOptions() []nft.Option {
-	opts := append([]nft.Option{nft.WithLogger(p.log)}, p.natOptions()...)
-	if p.opts.Overflow != nil {
-		opts = append(opts, nft.WithOverflow(p.opts.Overflow))
+// openTable opens the nft table (the first pass that reaches it does).
+func (p *Plane) openTable() error {
+	if p.table != nil {
+		return nil
 	}
-	return opts
+	t, err := nft.Open(p.opts.NetNS, nft.WithLogger(p.log))
+	if err != nil {
+		return fmt.Errorf("opening nftables table: %w", err)
+	}
+	p.table = t
+	return nil
 }
 
-// withTable runs one Converge or Update of the table (opened by the first
-// pass that reaches it) and reports its repairs.
+// withTable runs one Converge or Update of the table, with the cap
+// backend beside it, and reports its repairs.
 func (p *Plane) withTable(fn func(*nft.Table) (nft.Result, error), repaired *[]string) error {
-	if p.table == nil {
-		t, err := nft.Open(p.opts.NetNS, p.nftOptions()...)
-		if err != nil {
-			return fmt.Errorf("opening nftables table: %w", err)
-		}
-		p.table = t
+	if err := p.openTable(); err != nil {
+		return err
+	}
+	if err := p.caps.beside(p.table); err != nil {
+		return err
 	}
 	res, err := fn(p.table)
 	for _, d := range res.Repaired {
@@ -263,14 +260,5 @@ func (p *Plane) releaseSlot(name string) {
 	if f := p.feeds[name]; f != nil {
 		f.slot.Release(true)
 		delete(p.feeds, name)
-	}
-}
-
-// feedSlots adds the event-fed fallback's kernel counters to the slots.
-func (p *Plane) feedSlots(counters map[string]nft.ExposureCounters) {
-	for name, c := range counters {
-		if f := p.feeds[name]; f != nil {
-			f.feed(c)
-		}
 	}
 }

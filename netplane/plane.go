@@ -69,24 +69,32 @@ type Plane struct {
 	links *link.Manager
 	pool  *ipam.Pool
 
-	mu         sync.Mutex // one Converge/Teardown/Close at a time
-	table      *nft.Table // opened by the first pass that reaches it
-	dhcp       *dhcp.Server
-	dhcpIfIdx  int
-	feeds      map[string]*slotFeed
-	nat        *bpf.NatPath // the kernel nat path; nil: the event-fed fallback
-	natReason  string       // why nat is nil
-	natBridge  int
-	natGuests  netip.Prefix
-	madeBridge bool            // the bridge existed after an earlier pass of this process
-	madeTaps   map[string]bool // likewise per tap
-	facts      *passFacts      // what the last full pass learned (nil before one)
-	forwarding bool
-	closed     bool
-	ownStats   bool // Stats was made here (in memory) and is closed with the Plane
+	mu        sync.Mutex // one Converge/Teardown/Close at a time
+	table     *nft.Table // opened by the first pass that reaches it
+	dhcp      *dhcp.Server
+	dhcpIfIdx int
+	feeds     map[string]*slotFeed
+	caps      capBackend // chosen by the first pass that finds the bridge
+	made      madeLinks  // what earlier passes of this process made: a loss is drift
+	facts     *passFacts // what the last full pass learned (nil before one)
+	closed    bool
+	ownStats  bool // Stats was made here (in memory) and is closed with the Plane
 
-	macMu sync.Mutex
-	macVM map[string]string // guest MAC → VM, for OnLease
+	macs macIndex // guest MAC → VM, for OnLease (its own lock: the DHCP server's goroutine reads it)
+}
+
+// madeLinks is what earlier passes of this process made: one missing now
+// was removed behind brokkr's back, and its re-making is reported as drift.
+type madeLinks struct {
+	bridge     bool
+	taps       map[string]bool
+	forwarding bool
+}
+
+// macIndex maps guest MACs to their VMs.
+type macIndex struct {
+	mu sync.Mutex
+	vm map[string]string
 }
 
 // New opens the managed namespace and the leases file. It changes nothing
@@ -113,7 +121,7 @@ func New(opts Options) (*Plane, error) {
 	}
 	return &Plane{
 		opts: opts, log: log, links: links, pool: pool, ownStats: ownStats,
-		feeds: map[string]*slotFeed{}, madeTaps: map[string]bool{}, macVM: map[string]string{},
+		feeds: map[string]*slotFeed{}, made: madeLinks{taps: map[string]bool{}}, macs: macIndex{vm: map[string]string{}},
 	}, nil
 }
 
@@ -167,21 +175,21 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 
 	created, repaired, err := p.links.EnsureBridge(link.BridgeSpec{Name: n.Bridge, Addr: n.CIDR, MTU: n.MTU})
 	rep.Repaired = append(rep.Repaired, repaired...)
-	if created && p.madeBridge {
+	if created && p.made.bridge {
 		rep.Repaired = append(rep.Repaired, fmt.Sprintf("bridge %s was missing", n.Bridge))
 	}
 	if err != nil {
 		rep.Err = fmt.Errorf("netplane: network.bridge: %w", err)
 		return rep
 	}
-	p.madeBridge = true
+	p.made.bridge = true
 	if changed, err := p.links.EnableForwarding(); err != nil {
 		rep.Err = fmt.Errorf("netplane: %w", err)
 		return rep
-	} else if changed && p.forwarding {
+	} else if changed && p.made.forwarding {
 		rep.Repaired = append(rep.Repaired, "net.ipv4.ip_forward was 0")
 	}
-	p.forwarding = true
+	p.made.forwarding = true
 	if err := ctx.Err(); err != nil {
 		rep.Err = err
 		return rep
@@ -224,14 +232,14 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	for i, r := range p.links.EnsureTaps(specs) {
 		s := specs[i]
 		rep.Repaired = append(rep.Repaired, r.Repaired...)
-		if r.Created && p.madeTaps[s.Name] {
+		if r.Created && p.made.taps[s.Name] {
 			rep.Repaired = append(rep.Repaired, fmt.Sprintf("tap %s was missing", s.Name))
 		}
 		if r.Err != nil {
 			guestErr[s.VM] = r.Err.Error()
 			continue
 		}
-		p.madeTaps[s.Name] = true
+		p.made.taps[s.Name] = true
 	}
 
 	// DHCP, and which guests hold an address.
@@ -254,8 +262,8 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		p.facts.guests[g.Name] = true
 	}
 	rep.Exposures, rep.Repaired = p.convergeExposures(d, rep.Repaired)
-	if p.natReason != "" && len(d.Exposures) > 0 {
-		rep.Warnings = append(rep.Warnings, p.natReason)
+	if w := p.caps.warning(); w != "" && len(d.Exposures) > 0 {
+		rep.Warnings = append(rep.Warnings, w)
 	}
 	return rep
 }
@@ -278,7 +286,7 @@ func (p *Plane) removeStaleLinks(d Desired, links []netlink.Link) error {
 			errs = append(errs, err)
 			continue
 		}
-		delete(p.madeTaps, tap)
+		delete(p.made.taps, tap)
 		p.log.Info("netplane: removed tap of departed guest", "tap", tap, "vm", vm)
 	}
 	for _, l := range links {
@@ -290,18 +298,18 @@ func (p *Plane) removeStaleLinks(d Desired, links []netlink.Link) error {
 }
 
 func (p *Plane) setMACs(leases map[string]ipam.Lease) {
-	p.macMu.Lock()
-	defer p.macMu.Unlock()
-	p.macVM = map[string]string{}
+	p.macs.mu.Lock()
+	defer p.macs.mu.Unlock()
+	p.macs.vm = map[string]string{}
 	for vm, l := range leases {
-		p.macVM[l.MAC.String()] = vm
+		p.macs.vm[l.MAC.String()] = vm
 	}
 }
 
 func (p *Plane) onLease(mac net.HardwareAddr, addr netip.Addr) {
-	p.macMu.Lock()
-	vm, ok := p.macVM[mac.String()]
-	p.macMu.Unlock()
+	p.macs.mu.Lock()
+	vm, ok := p.macs.vm[mac.String()]
+	p.macs.mu.Unlock()
 	p.log.Info("netplane: guest took its lease", "vm", vm, "mac", mac, "addr", addr)
 	if ok && p.opts.OnLease != nil {
 		p.opts.OnLease(vm, addr)
@@ -408,9 +416,9 @@ func (p *Plane) Close() error {
 	if p.table != nil {
 		err = p.table.Close()
 	}
-	if p.nat != nil {
-		err = errors.Join(err, p.nat.Close())
-		p.nat = nil
+	if p.caps != nil {
+		err = errors.Join(err, p.caps.close())
+		p.caps = nil
 	}
 	p.links.Close()
 	if p.ownStats {
@@ -430,21 +438,17 @@ func (p *Plane) Teardown() error {
 	}
 	p.stopDHCP()
 	var errs []error
-	if p.table == nil {
-		if t, err := nft.Open(p.opts.NetNS, p.nftOptions()...); err == nil {
-			p.table = t
-		} else {
-			errs = append(errs, err)
-		}
+	if err := p.openTable(); err != nil {
+		errs = append(errs, err)
 	}
 	if p.table != nil {
 		if err := p.table.Delete(); err != nil {
 			errs = append(errs, fmt.Errorf("deleting nft table: %w", err))
 		}
 	}
-	if p.nat != nil {
-		errs = append(errs, p.nat.Remove())
-		p.nat, p.natReason = nil, ""
+	if p.caps != nil {
+		errs = append(errs, p.caps.remove())
+		p.caps = nil // the next pass chooses again
 	}
 	taps, err := p.links.OwnedTaps()
 	if err != nil {
@@ -467,6 +471,6 @@ func (p *Plane) Teardown() error {
 			errs = append(errs, p.links.DeleteBridge(l.Attrs().Name))
 		}
 	}
-	p.madeBridge, p.madeTaps = false, map[string]bool{}
+	p.made.bridge, p.made.taps = false, map[string]bool{}
 	return errors.Join(errs...)
 }

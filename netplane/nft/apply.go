@@ -3,6 +3,7 @@ package nft
 import (
 	"fmt"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
@@ -125,13 +126,13 @@ func (k *nlKernel) queue(conn *batchConn, o compile.Op) error {
 // seedElems fills a cap set that is (re)created from the connections of its
 // exposure that are still open, so a converge never forgets them.
 func (k *nlKernel) seedElems(s *compile.SetSpec) ([]nftables.SetElement, error) {
-	entries, err := k.ct.ByMark(s.SeedID, compile.MarkIDMask)
+	entries, err := k.ct.ByMark(s.SeedID, ctmark.IDMask)
 	if err != nil {
 		return nil, fmt.Errorf("nft: seeding cap of %s: %w", s.Owner, err)
 	}
 	var out []nftables.SetElement
 	for _, e := range entries {
-		if !e.Open() || e.Mark&compile.MarkClosed == compile.MarkClosed {
+		if !e.Open() || e.Mark&ctmark.Closed == ctmark.Closed {
 			continue
 		}
 		if uint32(len(out)) >= s.Size {

@@ -1,17 +1,15 @@
 package nft
 
 import (
-	"encoding/binary"
 	"errors"
 	"maps"
-	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/netplane/conntrack"
 	"github.com/brokkr/brokkr/netplane/nft/compile"
-	"github.com/google/nftables"
 )
 
 // The set-based cap, the fallback where the BPF nat path cannot load. Each
@@ -58,7 +56,7 @@ import (
 type SetCap struct {
 	k    *nlKernel
 	t    *Table
-	opts options
+	opts setCapOptions
 
 	// idxMu: the applied exposures, as the watcher, the slow path and
 	// Counters look them up.
@@ -66,10 +64,7 @@ type SetCap struct {
 	byID   map[uint32]Exposure // mark id → exposure
 	byHost map[compile.HostSide]string
 
-	// dropped (under the kernel's membersMu): cap members the slow path
-	// deleted (exposure NUL key), so the watcher does not delete them again.
-	dropped       map[string]time.Time
-	droppedPruned time.Time
+	sets capSets // the cap sets' members
 
 	// hwMu: the bytes last reported per exposure (reports never go down).
 	hwMu    sync.Mutex
@@ -81,18 +76,49 @@ type SetCap struct {
 	first  atomic.Bool                // the first batch was applied: the watcher swept once
 }
 
-// startSetCap starts the watcher; the slow path starts with the first
-// capped TCP exposure.
-func startSetCap(t *Table, o options) (*SetCap, error) {
-	c := &SetCap{k: t.nl, t: t, opts: o, byID: map[uint32]Exposure{}, byHost: map[compile.HostSide]string{},
-		dropped: map[string]time.Time{}}
+// SetCapOption configures StartSetCap.
+type SetCapOption func(*setCapOptions)
+
+type setCapOptions struct {
+	carrier      Carrier
+	overflowWait time.Duration
+}
+
+// StartSetCap runs the set-based cap beside t: the watcher now, the slow
+// path with the first capped TCP exposure. t's batches feed its index from
+// then on; Rules with SetBasedCap get its slow path's port.
+func StartSetCap(t *Table, opts ...SetCapOption) (*SetCap, error) {
+	o := setCapOptions{overflowWait: DefaultOverflowWait}
+	for _, f := range opts {
+		f(&o)
+	}
+	if t.nl == nil {
+		return nil, errors.New("nft: the set-based cap needs a table in a namespace")
+	}
+	c := &SetCap{k: t.nl, t: t, opts: o, byID: map[uint32]Exposure{}, byHost: map[compile.HostSide]string{}}
+	c.sets = capSets{k: t.nl, capped: c.capped, dropped: map[string]time.Time{}}
 	w, err := startCapWatcher(c)
 	if err != nil {
 		return nil, err
 	}
 	c.w.Store(w)
-	t.before, t.applied = c.before, c.applied
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.before, t.applied, t.cap = c.before, c.applied, c
+	// What the table holds already (a Converge before the cap started).
+	c.applied(t.appliedAll())
 	return c, nil
+}
+
+// Close stops the watcher and the slow path; the table stays as it is.
+func (c *SetCap) Close() error {
+	c.t.mu.Lock()
+	if c.t.cap == c {
+		c.t.before, c.t.applied, c.t.cap = nil, nil, nil
+	}
+	c.t.mu.Unlock()
+	c.stop()
+	return nil
 }
 
 func (c *SetCap) stop() {
@@ -108,7 +134,8 @@ func (c *SetCap) stop() {
 // on the set-based cap (without one nothing is ever redirected to it, and
 // it would hold a port for nothing), and points r at its port (Table.mu).
 func (c *SetCap) before(r *Rules) error {
-	if r.KernelCap {
+	sc, ok := r.Cap.(compile.SetBasedCap)
+	if !ok {
 		return nil
 	}
 	if c.ov.Load() == nil && hasCappedTCP(r.Exposures) {
@@ -118,7 +145,8 @@ func (c *SetCap) before(r *Rules) error {
 		}
 		c.ov.Store(o)
 	}
-	r.OverflowPort = c.overflowPort()
+	sc.OverflowPort = c.overflowPort()
+	r.Cap = sc
 	return nil
 }
 
@@ -195,7 +223,7 @@ type capWatcher struct {
 const sweepEvery = 5 * time.Second
 
 func startCapWatcher(c *SetCap) (*capWatcher, error) {
-	w, err := conntrack.Watch(c.k.nsPath, compile.MarkOwned, compile.MarkOwned)
+	w, err := conntrack.Watch(c.k.nsPath, ctmark.Owned, ctmark.Owned)
 	if err != nil {
 		return nil, err
 	}
@@ -247,7 +275,7 @@ func (cw *capWatcher) run() {
 }
 
 func (cw *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
-	id := e.Mark & compile.MarkIDMask
+	id := e.Mark & ctmark.IDMask
 	if id == 0 {
 		return
 	}
@@ -263,7 +291,7 @@ func (cw *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
 	if !ok || exp.MaxConns <= 0 {
 		return
 	}
-	closed := e.Destroyed || !e.Open() || e.Mark&compile.MarkClosed == compile.MarkClosed
+	closed := e.Destroyed || !e.Open() || e.Mark&ctmark.Closed == ctmark.Closed
 	if !closed {
 		return
 	}
@@ -294,7 +322,7 @@ func (c *SetCap) release(pending map[string][][]byte) {
 		return
 	}
 	c.k.membersMu.Lock()
-	c.releaseLocked(pending)
+	c.sets.releaseLocked(pending)
 	c.k.membersMu.Unlock()
 	if o := c.ov.Load(); o != nil {
 		o.signalFreed() // callers waiting in the slow path look again
@@ -311,51 +339,6 @@ func (c *SetCap) capped(name string) bool {
 		}
 	}
 	return false
-}
-
-// releaseLocked deletes connections from cap sets (membersMu held).
-func (c *SetCap) releaseLocked(pending map[string][][]byte) {
-	if len(pending) == 0 {
-		return
-	}
-	inet := table(famInet)
-	send := func(set string, keys [][]byte) error {
-		els := make([]nftables.SetElement, len(keys))
-		for i, k := range keys {
-			els[i] = nftables.SetElement{Key: k}
-		}
-		return c.k.sideCommit(func() error {
-			// The lasting socket: SetDeleteElements only fails before
-			// queuing.
-			if err := c.k.conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
-				return err
-			}
-			return c.k.conn.Flush()
-		})
-	}
-	for name, keys := range pending {
-		if !c.capped(name) {
-			continue
-		}
-		// A key the slow path deleted already would fail the batch, and a
-		// failed batch costs the kernel's abort (~10 ms measured).
-		keep := keys[:0:0]
-		for _, k := range keys {
-			if _, ok := c.dropped[name+"\x00"+string(k)]; ok {
-				delete(c.dropped, name+"\x00"+string(k))
-				continue
-			}
-			keep = append(keep, k)
-		}
-		if keys = keep; len(keys) == 0 {
-			continue
-		}
-		if err := send(compile.ConnsSet(name), keys); err != nil && !errors.Is(err, errClosed) && len(keys) > 1 {
-			for _, k := range keys {
-				_ = send(compile.ConnsSet(name), [][]byte{k})
-			}
-		}
-	}
 }
 
 // cappedExposures lists the applied exposures that have a cap.
@@ -396,7 +379,7 @@ func (cw *capWatcher) sweep(all bool) {
 		}
 		cw.refused[e.Name] = r
 		c.k.membersMu.Lock()
-		stale, _, err := c.staleLocked(e)
+		stale, _, err := c.sets.staleLocked(e)
 		c.k.membersMu.Unlock()
 		if err != nil {
 			continue
@@ -406,64 +389,6 @@ func (cw *capWatcher) sweep(all bool) {
 		}
 	}
 	c.release(pending)
-}
-
-// members reads the members of e's cap set.
-func (c *SetCap) members(e Exposure) ([]nftables.SetElement, error) {
-	var els []nftables.SetElement
-	err := c.k.nl(func() (err error) {
-		els, err = c.k.conn.GetSetElements(&nftables.Set{Table: table(famInet), Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType})
-		return err
-	})
-	return els, err
-}
-
-// staleLocked lists the members of e's cap set whose connection has no
-// conntrack entry or has closed: one GET per member, no dump (membersMu
-// held). members is how many the set holds.
-func (c *SetCap) staleLocked(e Exposure) (stale [][]byte, members int, err error) {
-	els, err := c.members(e)
-	if err != nil {
-		return nil, 0, err
-	}
-	var missing [][]byte
-	check := func(k []byte) (gone, closed bool, err error) {
-		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
-		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
-		en, ok, err := c.k.ct.Get(compile.ProtoNum(e.Protocol), src, dst)
-		if err != nil {
-			return false, false, err
-		}
-		return !ok, ok && (!en.Open() || en.Mark&compile.MarkClosed == compile.MarkClosed), nil
-	}
-	for _, el := range els {
-		if len(el.Key) != 12 {
-			continue
-		}
-		members++
-		gone, closed, err := check(el.Key)
-		if err != nil {
-			return nil, 0, err
-		}
-		switch {
-		case closed:
-			stale = append(stale, el.Key)
-		case gone:
-			missing = append(missing, el.Key)
-		}
-	}
-	if len(missing) > 0 {
-		// A connection admitted a moment ago is in the set before its
-		// conntrack entry is confirmed (end of the same packet's path):
-		// look again after a short pause before calling it gone.
-		time.Sleep(2 * time.Millisecond)
-		for _, k := range missing {
-			if gone, closed, err := check(k); err == nil && (gone || closed) {
-				stale = append(stale, k)
-			}
-		}
-	}
-	return stale, members, nil
 }
 
 // endedBytes returns (and keeps) the bytes of ended connections.
@@ -517,19 +442,19 @@ func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 		}
 		out[e.Name] = ec
 	}
-	entries, err := c.k.ct.ByMark(compile.MarkOwned, compile.MarkOwned) // brokkr's entries only, filtered in the kernel
+	entries, err := c.k.ct.ByMark(ctmark.Owned, ctmark.Owned) // brokkr's entries only, filtered in the kernel
 	if err != nil {
 		return nil, err
 	}
 	for _, en := range entries {
-		e, ok := byID[en.Mark&compile.MarkIDMask]
+		e, ok := byID[en.Mark&ctmark.IDMask]
 		if !ok {
 			continue
 		}
 		ec := out[e.Name]
 		ec.BytesIn += en.BytesOrig
 		ec.BytesOut += en.BytesRepl
-		if en.Open() && en.Mark&compile.MarkClosed != compile.MarkClosed {
+		if en.Open() && en.Mark&ctmark.Closed != ctmark.Closed {
 			ec.Active++
 		}
 		out[e.Name] = ec
@@ -549,13 +474,4 @@ func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 	}
 	c.bytesHW = hw
 	return out, nil
-}
-
-// Counters reads every exposure's counters from the set-based cap (none
-// without it: the nat path writes the slots itself).
-func (t *Table) Counters() (map[string]ExposureCounters, error) {
-	if t.cap == nil {
-		return map[string]ExposureCounters{}, nil
-	}
-	return t.cap.Counters()
 }

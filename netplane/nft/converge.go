@@ -63,7 +63,7 @@ func (t *Table) Update(set []Exposure, remove []string) (Result, error) {
 		if err := t.before(&r); err != nil {
 			return Result{}, err
 		}
-		if r.OverflowPort != t.fixed.OverflowPort {
+		if r.Cap != t.fixed.Cap {
 			// The slow path started for these: the fixed part points at it.
 			r.Exposures = nil
 			fixed = &r

@@ -29,7 +29,7 @@ func unitRules(exps ...Exposure) Rules {
 		}
 	}
 	return Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Masquerade: true, DHCP: true,
-		KernelCap: true, Exposures: exps}
+		Cap: MarksOnly{}, Exposures: exps}
 }
 
 func tcpExp(name string, port uint16, mark uint32) Exposure {
@@ -256,7 +256,7 @@ func TestLeftoverOfAnExposureDeletedWhileDownIsFlushed(t *testing.T) {
 func TestFailedBatchReplacesBothTables(t *testing.T) {
 	tb, k := withFake(t)
 	r := unitRules(many(3)...)
-	r.KernelCap = false // the set-based cap: counters in the table
+	r.Cap = SetBasedCap{} // counters in the table
 	r.Exposures[0].MaxConns = 4
 	_, err := tb.Converge(r)
 	require.NoError(t, err)

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 
 	"github.com/brokkr/brokkr/internal/nlsafe"
@@ -68,8 +69,8 @@ import (
 type Carrier func(exposure string, client, guest *net.TCPConn)
 
 // WithOverflow sets the Carrier of the cap's slow path (default: a splice in
-// both directions with half-close, run by the Table).
-func WithOverflow(c Carrier) Option { return func(o *options) { o.carrier = c } }
+// both directions with half-close, run by the SetCap).
+func WithOverflow(c Carrier) SetCapOption { return func(o *setCapOptions) { o.carrier = c } }
 
 // DefaultOverflowWait covers a connection whose last FIN is in flight when
 // the next caller arrives (its peer closes a moment after the caller did).
@@ -227,7 +228,7 @@ func (o *overflow) admit(e Exposure, key []byte, src, dst netip.AddrPort, arrive
 		if added {
 			// A caller that already closed (its close event came before its
 			// member existed) must not keep the slot.
-			if en, ok, err := o.c.k.ct.Get(unix.IPPROTO_TCP, src, dst); err == nil && (!ok || !en.Open() || en.Mark&compile.MarkClosed == compile.MarkClosed) {
+			if en, ok, err := o.c.k.ct.Get(unix.IPPROTO_TCP, src, dst); err == nil && (!ok || !en.Open() || en.Mark&ctmark.Closed == ctmark.Closed) {
 				o.c.dropMember(e.Name, key)
 			}
 			return true
@@ -273,14 +274,14 @@ func (o *overflow) tryAdd(e Exposure, key []byte, since time.Time) (bool, error)
 	set := &nftables.Set{Table: table(famInet), Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType, Concatenation: true}
 	var members int
 	if checked {
-		els, err := c.members(e)
+		els, err := c.sets.members(e)
 		if err != nil {
 			return false, err
 		}
 		members = len(els)
 	} else {
 		start := time.Now()
-		stale, n, err := c.staleLocked(e)
+		stale, n, err := c.sets.staleLocked(e)
 		if err != nil {
 			return false, err
 		}
@@ -288,7 +289,7 @@ func (o *overflow) tryAdd(e Exposure, key []byte, since time.Time) (bool, error)
 		o.sweptAt[e.Name] = start
 		o.mu.Unlock()
 		if len(stale) > 0 {
-			c.dropLocked(e.Name, stale)
+			c.sets.dropLocked(e.Name, stale)
 			defer o.signalFreed() // others waiting on this exposure
 		}
 		members = n - len(stale)
@@ -304,7 +305,7 @@ func (o *overflow) tryAdd(e Exposure, key []byte, since time.Time) (bool, error)
 	})
 	switch {
 	case err == nil:
-		delete(c.dropped, e.Name+"\x00"+string(key))
+		delete(c.sets.dropped, e.Name+"\x00"+string(key))
 		return true, nil
 	case errors.Is(err, unix.ENFILE):
 		return false, nil
@@ -440,7 +441,7 @@ func (c *SetCap) exposureAt(dst netip.AddrPort) (Exposure, bool) {
 // dropMember deletes one member of an exposure's cap set from the slow path.
 func (c *SetCap) dropMember(name string, key []byte) {
 	c.k.membersMu.Lock()
-	c.dropLocked(name, [][]byte{key})
+	c.sets.dropLocked(name, [][]byte{key})
 	c.k.membersMu.Unlock()
 	if o := c.ov.Load(); o != nil {
 		o.signalFreed()
@@ -452,38 +453,8 @@ func (c *SetCap) dropMember(name string, key []byte) {
 // to delete a member that never was.
 func (c *SetCap) notMember(name string, key []byte) {
 	c.k.membersMu.Lock()
-	c.noteDroppedLocked(name, [][]byte{key})
+	c.sets.noteDroppedLocked(name, [][]byte{key})
 	c.k.membersMu.Unlock()
-}
-
-// noteDroppedLocked remembers keys the watcher must not delete. Their close
-// (or destroy) event removes them; those whose event never comes (no entry
-// left, a connection older than the watcher) are forgotten after a minute
-// (membersMu held).
-func (c *SetCap) noteDroppedLocked(name string, keys [][]byte) {
-	now := time.Now()
-	if now.Sub(c.droppedPruned) > 10*time.Second {
-		c.droppedPruned = now
-		for k, at := range c.dropped {
-			if now.Sub(at) > time.Minute {
-				delete(c.dropped, k)
-			}
-		}
-	}
-	for _, k := range keys {
-		c.dropped[name+"\x00"+string(k)] = now
-	}
-}
-
-// dropLocked deletes members the slow path found closed (they are in the
-// set: membersMu is held since they were read) and remembers them, so the
-// watcher does not delete them again when their close event arrives.
-func (c *SetCap) dropLocked(name string, keys [][]byte) {
-	for _, k := range keys {
-		delete(c.dropped, name+"\x00"+string(k)) // deleted before and back since: delete it now
-	}
-	c.releaseLocked(map[string][][]byte{name: keys})
-	c.noteDroppedLocked(name, keys)
 }
 
 // overflowPort is the port the overflow map points at (0: no slow path).

@@ -15,7 +15,6 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
-	"time"
 
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 )
@@ -48,25 +47,15 @@ type Table struct {
 type Option func(*options)
 
 type options struct {
-	log          *slog.Logger
-	capWatcher   bool
-	carrier      Carrier
-	overflowWait time.Duration
+	log *slog.Logger
 }
 
 // WithLogger sets the logger (default: slog.Default()).
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.log = l } }
 
-// WithoutCapWatcher disables the set-based cap's runtime: the goroutine that
-// frees cap places of connections that ended without FIN/RST (timeouts,
-// UDP), and with it the cap's slow path (the kernel then refuses over the
-// cap by itself). For the BPF nat path, which does all of that in the
-// kernel, and for benchmarks of the rule path.
-func WithoutCapWatcher() Option { return func(o *options) { o.capWatcher = false } }
-
 // Open binds to the namespace at netnsPath ("" = the caller's namespace).
 func Open(netnsPath string, opts ...Option) (*Table, error) {
-	o := options{log: slog.Default(), capWatcher: true, overflowWait: DefaultOverflowWait}
+	o := options{log: slog.Default()}
 	for _, f := range opts {
 		f(&o)
 	}
@@ -76,14 +65,6 @@ func Open(netnsPath string, opts ...Option) (*Table, error) {
 	}
 	t := newTable(k, o.log)
 	t.nl = k
-	if o.capWatcher {
-		c, err := startSetCap(t, o)
-		if err != nil {
-			_ = k.close()
-			return nil, err
-		}
-		t.cap = c
-	}
 	return t, nil
 }
 
@@ -91,14 +72,17 @@ func newTable(k kernel, log *slog.Logger) *Table {
 	return &Table{k: k, log: log, state: compile.NewState()}
 }
 
-// Close stops the set-based cap's runtime and closes the sockets; the
-// tables stay.
+// Close stops a set-based cap still running beside the table and closes the
+// sockets; the tables stay.
 func (t *Table) Close() error {
-	t.mu.Lock() // no Converge starts the slow path meanwhile
-	defer t.mu.Unlock()
-	if t.cap != nil {
-		t.cap.stop()
+	t.mu.Lock()
+	c := t.cap
+	t.mu.Unlock()
+	if c != nil {
+		_ = c.Close()
 	}
+	t.mu.Lock() // no batch is under way while the sockets close
+	defer t.mu.Unlock()
 	return t.k.close()
 }
 
@@ -119,6 +103,15 @@ func (t *Table) Delete() error {
 		t.applied(changes)
 	}
 	return nil
+}
+
+// appliedAll is every applied exposure as created (mu held).
+func (t *Table) appliedAll() []compile.Change {
+	var out []compile.Change
+	t.state.Each(func(e compile.Exposure) {
+		out = append(out, compile.Change{Exposure: e, Kind: compile.Created, HostSide: e.HostSide()})
+	})
+	return out
 }
 
 // removedAll is every applied exposure as removed (mu held).

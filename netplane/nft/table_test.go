@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 
 	"github.com/brokkr/brokkr/internal/nstest"
@@ -65,7 +66,7 @@ func TestDNATTCPUDPAndHairpin(t *testing.T) {
 	_, err = dialTag(tp.client, "10.99.0.1:80")
 	assert.Error(t, err)
 
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(3), c["web"].Accepted, "client, hairpin x2")
 	assert.Equal(t, uint64(1), c["dns"].Accepted)
@@ -107,7 +108,7 @@ func TestCapRefusesAndCounts(t *testing.T) {
 	assert.Equal(t, 0, ok)
 	assert.Equal(t, 1, refused, "the 4th is reset")
 	closeB()
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(3), c["web"].Accepted)
 	assert.Equal(t, uint64(1), c["web"].Refused)
@@ -150,11 +151,11 @@ func TestCapSequentialShortConnections(t *testing.T) {
 	}))
 	elapsed := time.Since(t0)
 	assert.Zero(t, failed, "refused %d of 1000 (first: %v)", failed, first)
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1000), c["web"].Accepted)
 	assert.Zero(t, c["web"].Refused)
-	ov := tp.table.cap.ov.Load()
+	ov := tp.cap.ov.Load()
 	n := ov.decisions.Load()
 	var mean time.Duration
 	if n > 0 {
@@ -192,7 +193,7 @@ func TestCapBurstAndSurvivesConverge(t *testing.T) {
 		counts, err := tp.table.k.counts(tp.table.state.CountingSets())
 		require.NoError(t, err)
 		rr := r
-		rr.OverflowPort = tp.table.fixed.OverflowPort
+		rr.Cap = tp.table.fixed.Cap
 		p, err := tp.table.state.Plan(rr, nil)
 		require.NoError(t, err)
 		require.True(t, p.Empty(), "%v", p.Ops)
@@ -213,7 +214,7 @@ func TestCapBurstAndSurvivesConverge(t *testing.T) {
 	cl()
 	assert.Zero(t, ok, "after repairing a flushed table")
 
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(10), c["web"].Active)
 	assert.GreaterOrEqual(t, c["web"].Refused, uint64(40), "counter values survive the replace")
@@ -241,7 +242,7 @@ func TestDriftRepaired(t *testing.T) {
 		{"flush table", []string{"nft", "flush", "table", "inet", "brokkr"}, "rules of chain prerouting differ"},
 		{"delete element", []string{"nft", "delete", "element", "inet", "brokkr", "exp-any", "{", "tcp", ".", "8080", "}"}, "element exp-any[web] missing"},
 		{"delete cap chain", []string{"sh", "-c", fmt.Sprintf("nft delete element inet brokkr exp-cap '{ 0x%08x }' && nft delete chain inet brokkr cap-web",
-			compile.MarkOwned|tp.mark("web"))}, "chain cap-web missing"},
+			ctmark.Owned|tp.mark("web"))}, "chain cap-web missing"},
 		{"delete table", []string{"nft", "delete", "table", "inet", "brokkr"}, "table inet brokkr missing"},
 		{"bridge table", []string{"nft", "delete", "table", "bridge", "brokkr"}, "table bridge brokkr missing"},
 	} {
@@ -497,7 +498,7 @@ func TestFallbackWholeTableReplace(t *testing.T) {
 	cl()
 	require.Equal(t, 1, ok)
 	require.Equal(t, 1, refused)
-	before, err := tp.table.Counters()
+	before, err := tp.cap.Counters()
 	require.NoError(t, err)
 	require.Equal(t, uint64(1), before["keep"].Accepted)
 
@@ -512,7 +513,7 @@ func TestFallbackWholeTableReplace(t *testing.T) {
 		require.NoError(t, err, port)
 		assert.Equal(t, "g1", tag)
 	}
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(2), c["keep"].Accepted, "an element's counter is kept across the replace")
 	assert.Equal(t, before["web"].Refused, c["web"].Refused, "and a named counter")
@@ -549,14 +550,14 @@ func TestCountersActiveAndBytes(t *testing.T) {
 	tp.host.MustRun(t, "conntrack", "-I", "-p", "tcp", "-s", "10.99.0.7", "-d", "10.99.0.1", "--sport", "40000",
 		"--dport", "8080", "-t", "120", "--state", "ESTABLISHED", "--mark", strconv.FormatUint(uint64(id), 10))
 	require.Eventually(t, func() bool {
-		c, err := tp.table.Counters()
+		c, err := tp.cap.Counters()
 		return err == nil && c["web"].Active == 3 && c["web"].BytesIn >= 30000 && c["web"].BytesOut >= 30000
 	}, 3*time.Second, 50*time.Millisecond)
 	for _, c := range conns {
 		c.Close()
 	}
 	require.Eventually(t, func() bool {
-		c, err := tp.table.Counters()
+		c, err := tp.cap.Counters()
 		return err == nil && c["web"].Active == 0 && c["web"].BytesIn >= 30000 && c["web"].Accepted == 3
 	}, 3*time.Second, 50*time.Millisecond)
 }
@@ -582,10 +583,7 @@ func TestCapAfterRestart(t *testing.T) {
 	cl()
 	require.Zero(t, ok, "without a watcher the closed connection still holds its slot")
 
-	tb, err := Open(tp.host.Path)
-	require.NoError(t, err)
-	defer tb.Close()
-	tp.table = tb
+	tp.open(t)
 	res := tp.converge(t, r)
 	for _, c := range res.Changes {
 		assert.False(t, c.Flush, "a restart changes nothing in the tables: %v", c)
@@ -609,7 +607,7 @@ func TestCapAfterRestart(t *testing.T) {
 // membersOf counts the cap set's members.
 func membersOf(t *testing.T, tb *Table, name string) int {
 	t.Helper()
-	els, err := tb.cap.members(Exposure{Name: name})
+	els, err := tb.cap.sets.members(Exposure{Name: name})
 	require.NoError(t, err)
 	return len(els)
 }
@@ -660,7 +658,7 @@ func TestCapSlowPathAlone(t *testing.T) {
 		closeA = cl
 		return true
 	}, 2*time.Second, 10*time.Millisecond)
-	before, err := tp.table.Counters()
+	before, err := tp.cap.Counters()
 	require.NoError(t, err)
 	ok, refused, cl := openConns(t, tp.client, dst, 1)
 	cl()
@@ -673,18 +671,18 @@ func TestCapSlowPathAlone(t *testing.T) {
 		return ok == 1
 	}, 2*time.Second, 10*time.Millisecond, "admitted once the holder closed")
 
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, before["web"].Refused+1, c["web"].Refused, "the slow path's refusal is counted")
 	assert.GreaterOrEqual(t, c["web"].Accepted, uint64(20+2+1+1))
 	assert.LessOrEqual(t, membersOf(t, tp.table, "web"), 1)
 
-	ov := tp.table.cap.ov.Load()
+	ov := tp.cap.ov.Load()
 	t.Logf("%d admitted by the slow path alone: accept to guest dialed mean %v, max %v", ov.decisions.Load(),
 		time.Duration(ov.decideNs.Load()/max(1, ov.decisions.Load())), time.Duration(ov.maxNs.Load()))
-	_, err = dialTag(tp.client, fmt.Sprintf("10.99.0.1:%d", tp.table.cap.overflowPort()))
+	_, err = dialTag(tp.client, fmt.Sprintf("10.99.0.1:%d", tp.cap.overflowPort()))
 	assert.Error(t, err, "a direct connection to the listener is not carried")
-	c2, err := tp.table.Counters()
+	c2, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, c["web"].Refused, c2["web"].Refused)
 }
@@ -706,7 +704,7 @@ func TestCapSlowPathSlotReleasedOnClose(t *testing.T) {
 	closeA()
 	w, err := startCapWatcher(tp.table.cap)
 	require.NoError(t, err)
-	tp.table.cap.w.Store(w)
+	tp.cap.w.Store(w)
 
 	var closeB func()
 	require.Eventually(t, func() bool {
@@ -718,7 +716,7 @@ func TestCapSlowPathSlotReleasedOnClose(t *testing.T) {
 		closeB = cl
 		return true
 	}, 2*time.Second, 10*time.Millisecond)
-	require.Equal(t, uint64(1), tp.table.cap.ov.Load().countsOf("web").accepted, "B came through the slow path")
+	require.Equal(t, uint64(1), tp.cap.ov.Load().countsOf("web").accepted, "B came through the slow path")
 	ok, refused, cl := openConns(t, tp.client, dst, 1)
 	cl()
 	assert.Equal(t, 0, ok, "B holds the only slot")
@@ -739,15 +737,13 @@ func TestCapSlowPathCarrier(t *testing.T) {
 	require.NoError(t, tp.table.Close())
 	var mu sync.Mutex
 	var got []string
-	tb, err := Open(tp.host.Path, WithOverflow(func(exposure string, client, guest *net.TCPConn) {
+	tp.open(t, WithOverflow(func(exposure string, client, guest *net.TCPConn) {
 		mu.Lock()
 		got = append(got, exposure+" -> "+guest.RemoteAddr().String())
 		mu.Unlock()
 		spliceBoth(exposure, client, guest)
 	}))
-	require.NoError(t, err)
-	defer tb.Close()
-	tp.table = tb
+	tb := tp.table
 	tp.converge(t, tp.rules(web(1)))
 	stopWatcher(tb) // nothing frees slots in the kernel: every caller after the first takes the slow path
 	for i := 0; i < 3; i++ {
@@ -775,19 +771,19 @@ func TestOverflowListenerOnlyWithCappedTCP(t *testing.T) {
 	}
 	udpCapped := Exposure{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: guestAddr(0), GuestPort: 53, MaxConns: 4}
 	kernel := tp.rules(web(3))
-	kernel.KernelCap = true
+	kernel.Cap = MarksOnly{}
 	for name, r := range map[string]Rules{"no exposures": tp.rules(), "uncapped": tp.rules(web(0)),
 		"capped udp": tp.rules(udpCapped), "kernel cap": kernel} {
 		tp.converge(t, r)
-		assert.Nil(t, tp.table.cap.ov.Load(), name)
+		assert.Nil(t, tp.cap.ov.Load(), name)
 		assert.Empty(t, strings.TrimSpace(listening()), name+": no TCP listener in the namespace")
-		if !r.KernelCap {
+		if _, set := r.Cap.(SetBasedCap); set {
 			assert.NotContains(t, overflowMap(), "elements", name)
 		}
 	}
 
 	tp.converge(t, tp.rules(web(3)))
-	o := tp.table.cap.ov.Load()
+	o := tp.cap.ov.Load()
 	require.NotNil(t, o, "a capped TCP exposure starts the slow path")
 	port := strconv.Itoa(int(o.port))
 	assert.Contains(t, listening(), ":"+port)
@@ -795,7 +791,7 @@ func TestOverflowListenerOnlyWithCappedTCP(t *testing.T) {
 	// It stays while the table is open: a cap that comes back finds the
 	// same port.
 	tp.converge(t, tp.rules(web(0)))
-	assert.Same(t, o, tp.table.cap.ov.Load())
+	assert.Same(t, o, tp.cap.ov.Load())
 }
 
 // Converge, Counters, the watcher and the slow path run at once without
@@ -816,7 +812,7 @@ func TestConcurrentConvergeCountersAndSlowPath(t *testing.T) {
 				return
 			default:
 			}
-			_, err := tp.table.Counters()
+			_, err := tp.cap.Counters()
 			assert.NoError(t, err)
 		}
 	})

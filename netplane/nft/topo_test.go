@@ -25,6 +25,7 @@ type topo struct {
 	guests       []*nstest.NS
 	macs         []net.HardwareAddr
 	table        *Table
+	cap          *SetCap
 	marks        map[string]uint32 // each exposure's mark id, by name, given on first sight
 }
 
@@ -64,11 +65,20 @@ func newTopo(t *testing.T, nGuests int) *topo {
 		tp.guests = append(tp.guests, g)
 		tp.macs = append(tp.macs, mac)
 	}
+	tp.open(t)
+	return tp
+}
+
+// open opens the host's table with the set-based cap beside it (the cap
+// these tests exercise; the nat path's is bpf's), closed when the test ends.
+func (tp *topo) open(t *testing.T, opts ...SetCapOption) {
+	t.Helper()
 	tb, err := Open(tp.host.Path)
 	require.NoError(t, err)
 	t.Cleanup(func() { tb.Close() })
-	tp.table = tb
-	return tp
+	c, err := StartSetCap(tb, opts...)
+	require.NoError(t, err)
+	tp.table, tp.cap = tb, c
 }
 
 // rules is the topology's rules with exps; each exposure without a mark id
@@ -80,7 +90,7 @@ func (tp *topo) rules(exps ...Exposure) Rules {
 		}
 	}
 	r := Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
-		Masquerade: true, DHCP: true, Exposures: exps}
+		Masquerade: true, DHCP: true, Exposures: exps, Cap: SetBasedCap{}}
 	for i := range tp.guests {
 		r.Guests = append(r.Guests, Guest{Name: fmt.Sprintf("g%d", i+1), Tap: guestPort(i), MAC: tp.macs[i], Addr: guestAddr(i)})
 	}

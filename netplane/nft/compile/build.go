@@ -6,29 +6,22 @@ import (
 	"net/netip"
 	"slices"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 )
 
-// Connection marks. The low 29 bits of ct mark identify the exposure that
-// DNATed the connection, and MarkOwned is set on every connection brokkr
-// marks, so a counter read asks the kernel for brokkr's entries only (a mark
-// filter) instead of every flow the host tracks. The two high bits record
-// that a FIN was seen in the original and in the reply direction (a RST sets
-// both). A connection whose two bits are set is closed as far as the cap is
-// concerned.
-const (
-	MarkIDMask  uint32 = 0x1fffffff
-	MarkOwned   uint32 = 0x20000000
-	MarkFINOrig uint32 = 0x40000000
-	MarkFINRepl uint32 = 0x80000000
-	MarkClosed         = MarkFINOrig | MarkFINRepl
-)
+// Connection marks: package ctmark's layout. The id bits identify the
+// exposure that DNATed the connection, and the owner bit is set on every
+// connection brokkr marks, so a counter read asks the kernel for brokkr's
+// entries only (a mark filter) instead of every flow the host tracks. The
+// two high bits record, for the set-based cap, that a FIN was seen in the
+// original and in the reply direction (a RST sets both).
 
 // connMark is the ct mark a connection of exposure id gets.
-func connMark(id uint32) []byte { return binaryutil.NativeEndian.PutUint32(id | MarkOwned) }
+func connMark(id uint32) []byte { return binaryutil.NativeEndian.PutUint32(id | ctmark.Owned) }
 
 // The table is data: an exposure is elements of a few maps, looked up by
 // rules that never change.
@@ -108,17 +101,18 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		rule(fam, "exposures bound to one address", append(append(loadAddrProtoPort(), markFrom(MapExpAddr)...), toPublish)...),
 		rule(fam, "exposures bound to every local address", append(append(loadProtoPort(), markFrom(MapExpAny)...), toPublish)...),
 	}})
+	setCap, setBased := r.setBased()
 	var publish []RuleSpec
-	if !r.KernelCap {
+	if setBased {
 		publish = append(publish, rule(fam, "capped exposures: the set-based cap",
 			&expr.Ct{Register: 1, Key: expr.CtKeyMARK}, lookupVmap(MapExpCap)))
 	}
 	publish = append(publish, rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnatToTarget()...)...),
 		rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnatToTarget()...)...))
 	inet.addChain(&ChainSpec{Name: chainPublish, Rules: publish})
-	addSharedMaps(inet, r.KernelCap)
-	if !r.KernelCap {
-		desiredSetCap(inet, r.OverflowPort)
+	addSharedMaps(inet, setBased)
+	if setBased {
+		desiredSetCap(inet, setCap.OverflowPort)
 	}
 
 	// Masquerade: hairpin (a guest reaching a published port through the
@@ -143,7 +137,7 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		fg = append(fg, rule(fam, "dns", append(l4Dport(unix.IPPROTO_UDP, 53), accept())...),
 			rule(fam, "dns", append(l4Dport(unix.IPPROTO_TCP, 53), accept())...))
 	}
-	if !r.KernelCap {
+	if setBased {
 		// A guest calling a published port whose cap is full in the kernel is
 		// redirected to the slow-path listener on the host (only brokkr's
 		// redirect makes a connection to the host DNATed).
@@ -176,7 +170,7 @@ func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 	// Only FIN/RST packets get past the first comparison, so established
 	// traffic pays one load and compare.
 	closeRule := rule(fam, "cap: closing connections",
-		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(MarkIDMask)...),
+		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(ctmark.IDMask)...),
 			&expr.Lookup{SourceRegister: 1, SetName: SetCappedTCP}, &expr.Verdict{Kind: expr.VerdictJump, Chain: chainClose})...)
 	inet.addChain(&ChainSpec{Name: chainClosePre, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -150},
 		Rules: []RuleSpec{closeRule}})
@@ -189,9 +183,9 @@ func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 			&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true}}
 	}
 	inet.addChain(&ChainSpec{Name: chainClose, Rules: []RuleSpec{
-		rule(fam, "reset", append(tcpFlagsAny(0x04), setBits(MarkClosed)...)...),
-		rule(fam, "fin from caller", append(ctDirection(0), setBits(MarkFINOrig)...)...),
-		rule(fam, "fin from guest", append(ctDirection(1), setBits(MarkFINRepl)...)...),
+		rule(fam, "reset", append(tcpFlagsAny(0x04), setBits(ctmark.Closed)...)...),
+		rule(fam, "fin from caller", append(ctDirection(0), setBits(ctmark.FINOrig)...)...),
+		rule(fam, "fin from guest", append(ctDirection(1), setBits(ctmark.FINRepl)...)...),
 	}})
 }
 
@@ -205,14 +199,14 @@ var (
 // addSharedMaps adds the maps every exposure has elements in. With the
 // set-based cap the targets count each exposure's admitted connections
 // (their element's counter), and capped exposures are found by mark.
-func addSharedMaps(inet *TableSpec, kernelCap bool) {
+func addSharedMaps(inet *TableSpec, setBased bool) {
 	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
 		Comment: "exposures bound to one address: their mark", Elems: map[string]ElemSpec{}})
 	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
 		Comment: "exposures bound to every local address: their mark", Elems: map[string]ElemSpec{}})
 	inet.addSet(&SetSpec{Name: MapExpTarget, Key: nftables.TypeMark, Data: targetData, IsMap: true, PerExposure: true,
-		Counter: !kernelCap, Comment: "each exposure's guest, by its mark", Elems: map[string]ElemSpec{}})
-	if kernelCap {
+		Counter: setBased, Comment: "each exposure's guest, by its mark", Elems: map[string]ElemSpec{}})
+	if !setBased {
 		return
 	}
 	inet.addSet(&SetSpec{Name: MapExpCap, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,
@@ -240,7 +234,7 @@ type unitElem struct {
 // unitOf builds one exposure's unit. It depends on the exposure alone (and
 // the cap's mode), so a unit is built again whenever it is needed instead
 // of being kept.
-func unitOf(e Exposure, kernelCap bool) (*unit, error) {
+func unitOf(e Exposure, setBased bool) (*unit, error) {
 	if e.LoopbackOnly() {
 		return &unit{}, nil
 	}
@@ -256,7 +250,7 @@ func unitOf(e Exposure, kernelCap bool) (*unit, error) {
 	proto := ProtoNum(e.Protocol)
 	// mark (4) . dispatch key (8 or 12) . guest address . port (8)
 	buf := make([]byte, 0, 32)
-	buf = binary.NativeEndian.AppendUint32(buf, e.MarkID|MarkOwned)
+	buf = binary.NativeEndian.AppendUint32(buf, e.MarkID|ctmark.Owned)
 	mark := buf[0:4:4]
 	at := len(buf)
 	if !e.Wildcard() {
@@ -279,7 +273,7 @@ func unitOf(e Exposure, kernelCap bool) (*unit, error) {
 		add(MapExpAddr, ElemSpec{Key: dispatch, Val: mark})
 	}
 	add(MapExpTarget, ElemSpec{Key: mark, Val: target})
-	if kernelCap || e.MaxConns <= 0 {
+	if !setBased || e.MaxConns <= 0 {
 		return u, nil
 	}
 	// The set-based cap: the exposure's set of open connections, the
@@ -360,7 +354,8 @@ func Whole(r Rules) (inet, bridge *TableSpec, err error) {
 	}
 	units := make([]*unit, 0, len(r.Exposures))
 	for _, e := range r.Exposures {
-		u, err := unitOf(e, r.KernelCap)
+		_, setBased := r.setBased()
+		u, err := unitOf(e, setBased)
 		if err != nil {
 			return nil, nil, err
 		}

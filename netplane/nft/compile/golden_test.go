@@ -22,7 +22,7 @@ type goldenCase struct {
 }
 
 func withOverflow(r Rules, port uint16) Rules {
-	r.OverflowPort = port
+	r.Cap = SetBasedCap{OverflowPort: port}
 	return r
 }
 
@@ -40,7 +40,7 @@ func baseRules(exps ...Exposure) Rules {
 		exps[i].MarkID = uint32(i + 1)
 	}
 	return Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
-		Masquerade: true, DHCP: true, DNS: true, Guests: []Guest{g1, g2}, Exposures: exps}
+		Masquerade: true, DHCP: true, DNS: true, Guests: []Guest{g1, g2}, Exposures: exps, Cap: SetBasedCap{}}
 }
 
 func tcpTo(name string, hostPort uint16, guest Guest, guestPort uint16) Exposure {
@@ -62,7 +62,7 @@ func goldenCases() []goldenCase {
 	loop.HostAddr = netip.MustParseAddr("127.0.0.1")
 
 	kernel := baseRules(capped, bound, udp)
-	kernel.KernelCap = true
+	kernel.Cap = MarksOnly{}
 	noMasq := baseRules(tcpTo("web", 8080, g1, 80))
 	noMasq.Masquerade, noMasq.DHCP, noMasq.DNS = false, false, false
 	isolated := baseRules(tcpTo("web", 8080, g1, 80))
@@ -70,7 +70,7 @@ func goldenCases() []goldenCase {
 	antiSpoof := baseRules()
 	antiSpoof.Guests = []Guest{g1, g3}
 	return []goldenCase{
-		{name: "empty", rules: Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24")}},
+		{name: "empty", rules: Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Cap: SetBasedCap{}}},
 		{name: "wildcard", rules: baseRules(tcpTo("web", 8080, g1, 80))},
 		{name: "specific-address", rules: baseRules(bound)},
 		{name: "wildcard-and-specific-same-port", rules: baseRules(tcpTo("web", 2222, g1, 80), bound)},

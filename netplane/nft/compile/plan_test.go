@@ -16,7 +16,7 @@ import (
 
 func refRules() Rules {
 	return Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
-		Masquerade: true, DHCP: true, Exposures: []Exposure{
+		Masquerade: true, DHCP: true, Cap: SetBasedCap{}, Exposures: []Exposure{
 			{Name: "web", Protocol: "tcp", HostPort: 8080, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 80, MaxConns: 3, MarkID: 1},
 			{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: netip.MustParseAddr("10.213.0.12"), GuestPort: 53, MarkID: 2},
 		}}
@@ -249,11 +249,11 @@ func TestPlanRetargetFlushesAndAMoveFlushesBothSides(t *testing.T) {
 	assert.Equal(t, []string{"dns removed flush udp *:5353", "dns created flush udp *:5354", "web changed flush tcp *:8080"}, changesOf(p))
 }
 
-// With the kernel cap, a new cap is the slot's business: the table does not
+// With the cap outside the table (MarksOnly), a new cap is the slot's business: the table does not
 // change and nothing is flushed.
-func TestPlanKernelCapChangeOfCapAloneSendsNothing(t *testing.T) {
+func TestPlanMarksOnlyChangeOfCapAloneSendsNothing(t *testing.T) {
 	r := refRules()
-	r.KernelCap = true
+	r.Cap = MarksOnly{}
 	s := applied(t, r)
 	r.Exposures[0].MaxConns = 9
 	p, err := s.Plan(r, nil)

@@ -12,6 +12,8 @@ package compile
 
 import (
 	"fmt"
+
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"net"
 	"net/netip"
 	"strconv"
@@ -27,11 +29,33 @@ type Rules struct {
 	DNS           bool         // guests may reach udp+tcp/53 on the host
 	Guests        []Guest      // ports under anti-spoof
 	Exposures     []Exposure
-	// KernelCap: the cap, its release and the counters are the BPF nat
-	// path's (bpf.NatPath); exposures carry only their mark and DNAT.
-	KernelCap bool
-	// OverflowPort is the set-based cap's slow-path listener (0: none).
-	OverflowPort uint16
+	// Cap is the connection cap's part of the table (nil: MarksOnly).
+	Cap Cap
+}
+
+// Cap is the connection cap's part of the inet table: what the backend
+// that runs the cap needs there. The shapes are this package's (it builds
+// and renders every expression); a backend picks one.
+type Cap interface{ capShape() string }
+
+// MarksOnly: the cap runs outside the table (the BPF nat path's programs
+// read the marks): an exposure is its mark and its DNAT, nothing else.
+type MarksOnly struct{}
+
+// SetBasedCap: the set-based cap runs in the table (the fallback where the
+// nat path's programs cannot load): per capped exposure a set of its open
+// connections and the chain that admits into it, the FIN/RST bookkeeping,
+// per-element counters of the targets, and the slow path's port map
+// pointing at OverflowPort (its listener; 0: none).
+type SetBasedCap struct{ OverflowPort uint16 }
+
+func (MarksOnly) capShape() string   { return "marks" }
+func (SetBasedCap) capShape() string { return "set" }
+
+// setBased reports whether r's cap is the set-based one, and its settings.
+func (r Rules) setBased() (SetBasedCap, bool) {
+	c, ok := r.Cap.(SetBasedCap)
+	return c, ok
 }
 
 // Guest is one bridge port that may only send frames from its own MAC and
@@ -130,8 +154,8 @@ func (e Exposure) buildable() error {
 		return fieldErr(f+".hostAddr", "%s is not an IPv4 address", e.HostAddr)
 	case e.MaxConns < 0 || e.MaxConns > MaxConnsLimit:
 		return fieldErr(f+".maxConns", "%d is outside 0..%d", e.MaxConns, MaxConnsLimit)
-	case id == 0 || id > MarkIDMask:
-		return fieldErr(f+".markID", "%d is not a mark id (1..%d)", id, MarkIDMask)
+	case id == 0 || id > ctmark.IDMask:
+		return fieldErr(f+".markID", "%d is not a mark id (1..%d)", id, ctmark.IDMask)
 	}
 	return nil
 }

@@ -107,7 +107,7 @@ type Plan struct {
 // planned is what Commit records.
 type planned struct {
 	inet, bridge *TableSpec
-	kernelCap    bool
+	setBased     bool
 	changed      map[string]*Exposure // nil: removed
 	units        map[string]*unit     // of the changed exposures
 	marks        map[uint32]string    // the changed exposures by mark
@@ -129,7 +129,7 @@ func (p *Plan) Replacement(c Counts) []Op { return p.repl(c) }
 // records a plan the kernel took. A State is not safe for concurrent use.
 type State struct {
 	inet, bridge *TableSpec // nil before the first Commit
-	kernelCap    bool
+	setBased     bool
 	exps         map[string]Exposure
 	marks        map[uint32]string   // mark id → exposure
 	sides        map[HostSide]string // host side → exposure
@@ -150,9 +150,6 @@ func (s *State) Exposure(name string) (Exposure, bool) {
 	return e, ok
 }
 
-// Len is the number of applied exposures.
-func (s *State) Len() int { return len(s.exps) }
-
 // Digest is the digest of what the state applied to a set of the inet
 // table (shared maps: the fixed part's elements and every unit's).
 func (s *State) Digest(set string) Digest {
@@ -169,7 +166,7 @@ func (s *State) Digest(set string) Digest {
 // the state's (nil: removed), and every exposure of the target.
 type want struct {
 	inet, bridge *TableSpec
-	kernelCap    bool
+	setBased     bool
 	changed      map[string]*Exposure
 	units        map[string]*unit    // of the changed exposures, built once
 	marks        map[uint32]string   // the changed exposures by mark (check)
@@ -191,8 +188,9 @@ func (s *State) Plan(r Rules, obs *Observation) (*Plan, error) {
 	if !s.Applied() {
 		hint = len(r.Exposures) // all of them are new to the state
 	}
-	w := &want{inet: inet, bridge: bridge, kernelCap: r.KernelCap, changed: make(map[string]*Exposure, hint), n: len(r.Exposures)}
-	rebuild := s.Applied() && r.KernelCap != s.kernelCap
+	_, setBased := r.setBased()
+	w := &want{inet: inet, bridge: bridge, setBased: setBased, changed: make(map[string]*Exposure, hint), n: len(r.Exposures)}
+	rebuild := s.Applied() && setBased != s.setBased
 	if len(s.exps) == 0 {
 		// Every exposure is new: the changed ones are all of them.
 		for i := range r.Exposures {
@@ -239,13 +237,13 @@ func (s *State) PlanUpdate(fixed *Rules, set []Exposure, remove []string, obs *O
 	if !s.Applied() {
 		return nil, errors.New("no whole desired state applied yet")
 	}
-	w := &want{inet: s.inet, bridge: s.bridge, kernelCap: s.kernelCap, changed: map[string]*Exposure{}}
+	w := &want{inet: s.inet, bridge: s.bridge, setBased: s.setBased, changed: map[string]*Exposure{}}
 	if fixed != nil {
 		var err error
 		if w.inet, w.bridge, err = buildFixed(*fixed); err != nil {
 			return nil, err
 		}
-		if fixed.KernelCap != s.kernelCap {
+		if _, setBased := fixed.setBased(); setBased != s.setBased {
 			return nil, errors.New("the cap's mode changes only with the whole desired state")
 		}
 	}
@@ -292,7 +290,7 @@ func (s *State) PlanUpdate(fixed *Rules, set []Exposure, remove []string, obs *O
 // check refuses exposures the tables cannot hold: each changed one must be
 // buildable, and no two exposures of the target may share a mark id or a
 // host side (the maps would keep one of them).
-func (s *State) check(w *want) error {
+func (w *want) check(s *State) error {
 	marks := make(map[uint32]string, len(w.changed))
 	sides := make(map[HostSide]string, len(w.changed))
 	w.marks, w.sides = marks, sides
@@ -334,7 +332,7 @@ func (s *State) check(w *want) error {
 }
 
 func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
-	if err := s.check(w); err != nil {
+	if err := w.check(s); err != nil {
 		return nil, err
 	}
 	if obs == nil && !s.Applied() {
@@ -345,20 +343,20 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 		if e == nil {
 			continue
 		}
-		u, err := unitOf(*e, w.kernelCap)
+		u, err := unitOf(*e, w.setBased)
 		if err != nil {
 			return nil, err
 		}
 		w.units[n] = u
 	}
-	p := &Plan{next: planned{inet: w.inet, bridge: w.bridge, kernelCap: w.kernelCap, changed: w.changed, units: w.units,
+	p := &Plan{next: planned{inet: w.inet, bridge: w.bridge, setBased: w.setBased, changed: w.changed, units: w.units,
 		marks: w.marks, sides: w.sides}}
 	oldU := func(n string) *unit {
 		e, ok := s.exps[n]
 		if !ok {
 			return nil
 		}
-		u, err := unitOf(e, s.kernelCap)
+		u, err := unitOf(e, s.setBased)
 		if err != nil {
 			return &unit{} // it was built once: cannot happen
 		}
@@ -369,14 +367,14 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 	if obs != nil && !obs.Inet.Exists {
 		// No inet table at all (a first apply, a deleted table): create
 		// it, with no whole-table diff (100,000 exposures in one batch).
-		dInet, touched = s.fromNothing(w)
+		dInet, touched = w.fromNothing(s)
 		dBridge = makeDelta(w.bridge, obs.Bridge, nil)
-		s.classify(p, dBridge, s.bridgeIfApplied(), w.bridge, map[string]bool{})
+		classify(p, dBridge, s.bridgeIfApplied(), w.bridge, map[string]bool{})
 		if s.Applied() {
 			p.Repairs = append([]Repair{{Object: "table inet " + TableName, What: "missing"}}, p.Repairs...)
 		}
 	} else if obs == nil && !sharesRecreated(w.inet, s.inet) {
-		dInet, dBridge, touched = s.fastDeltas(w, oldU)
+		dInet, dBridge, touched = w.fastDeltas(s, oldU)
 	} else {
 		if obs == nil {
 			// A shared map is recreated: every unit's elements go in again,
@@ -384,14 +382,14 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 			obs = &Observation{Inet: ObservedFrom(s.whole()), Bridge: ObservedFrom(s.bridge)}
 		}
 		var err error
-		dInet, dBridge, touched, err = s.fullDeltas(w, obs, p, oldU)
+		dInet, dBridge, touched, err = w.fullDeltas(s, obs, p, oldU)
 		if err != nil {
 			return nil, err
 		}
 	}
 	p.Ops = append(dInet.ops(nil), dBridge.ops(nil)...)
-	p.Changes = append(s.changes(w, touched), p.Changes...)
-	p.repl = func(c Counts) []Op { return s.replacement(w, c) }
+	p.Changes = append(w.changes(s, touched), p.Changes...)
+	p.repl = func(c Counts) []Op { return w.replacement(s, c) }
 	return p, nil
 }
 
@@ -416,7 +414,7 @@ func sharesRecreated(want, applied *TableSpec) bool {
 // fastDeltas plans against the state itself: the fixed parts whole (they
 // are small), and the units of the changed exposures only, each against its
 // previous self.
-func (s *State) fastDeltas(w *want, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool) {
+func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool) {
 	dInet = makeDelta(w.inet, ObservedFrom(s.inet), nil)
 	dBridge = makeDelta(w.bridge, ObservedFrom(s.bridge), nil)
 	touched = map[string]bool{}
@@ -490,7 +488,7 @@ func unitDelta(shared *TableSpec, old, cur *unit) *delta {
 func (s *State) whole() *TableSpec {
 	return assemble(s.inet, len(s.exps), func(yield func(*unit) bool) {
 		for _, e := range s.exps {
-			u, err := unitOf(e, s.kernelCap)
+			u, err := unitOf(e, s.setBased)
 			if err == nil && !yield(u) {
 				return
 			}
@@ -506,7 +504,7 @@ func wholeOf(w *want) (*TableSpec, error) {
 			u, ok := w.units[e.Name]
 			if !ok {
 				var uerr error
-				if u, uerr = unitOf(e, w.kernelCap); uerr != nil {
+				if u, uerr = unitOf(e, w.setBased); uerr != nil {
 					err = uerr
 					return
 				}
@@ -524,7 +522,7 @@ func wholeOf(w *want) (*TableSpec, error) {
 // target than in what the state applied, and drift (a repair) otherwise.
 // Shared maps whose observed digest is what the state applied were not
 // read: only the changed exposures' elements are planned there.
-func (s *State) fullDeltas(w *want, obs *Observation, p *Plan, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool, err error) {
+func (w *want) fullDeltas(s *State, obs *Observation, p *Plan, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool, err error) {
 	wi, err := wholeOf(w)
 	if err != nil {
 		return nil, nil, nil, err
@@ -576,8 +574,8 @@ func (s *State) fullDeltas(w *want, obs *Observation, p *Plan, oldU func(string)
 		dInet.merge(keep)
 	}
 	touched = map[string]bool{}
-	s.classify(p, dInet, prevInet, wi, touched)
-	s.classify(p, dBridge, s.bridgeIfApplied(), w.bridge, touched)
+	classify(p, dInet, prevInet, wi, touched)
+	classify(p, dBridge, s.bridgeIfApplied(), w.bridge, touched)
 	return dInet, dBridge, touched, nil
 }
 
@@ -593,7 +591,7 @@ func (s *State) bridgeIfApplied() *TableSpec {
 // changes; the exposures whose routing elements change are touched, and a
 // dispatch element no exposure owns (left by one deleted while no daemon
 // ran) is removed and flushed as an orphan.
-func (s *State) classify(p *Plan, d *delta, prev, cur *TableSpec, touched map[string]bool) {
+func classify(p *Plan, d *delta, prev, cur *TableSpec, touched map[string]bool) {
 	for _, df := range d.diffs {
 		if prev != nil && sameObject(prev, cur, df) {
 			p.Repairs = append(p.Repairs, Repair{df.object(d.fam), df.whatText()})
@@ -629,7 +627,7 @@ func (s *State) classify(p *Plan, d *delta, prev, cur *TableSpec, touched map[st
 
 // fromNothing plans the inet table from nothing: its fixed part, and every
 // unit of the target, the shared maps' elements in one slice per map.
-func (s *State) fromNothing(w *want) (*delta, map[string]bool) {
+func (w *want) fromNothing(s *State) (*delta, map[string]bool) {
 	d := makeDelta(w.inet, EmptyObserved(), nil)
 	own := NewTableSpec(nftables.TableFamilyINet)
 	touched := make(map[string]bool, len(w.changed))
@@ -672,7 +670,7 @@ func (s *State) fromNothing(w *want) (*delta, map[string]bool) {
 			u, ok := w.units[e.Name]
 			if !ok {
 				var err error
-				if u, err = unitOf(e, w.kernelCap); err != nil {
+				if u, err = unitOf(e, w.setBased); err != nil {
 					continue // built once already: cannot happen
 				}
 			}
@@ -726,7 +724,7 @@ func owners(a, b *TableSpec, d diff) []string {
 // changes lists the exposures the target creates, changes or removes,
 // against the state; touched are those whose routing elements the batch
 // changes in the kernel (only they flush).
-func (s *State) changes(w *want, touched map[string]bool) []Change {
+func (w *want) changes(s *State, touched map[string]bool) []Change {
 	out := make([]Change, 0, len(w.changed))
 	for _, n := range keysOf(w.changed) {
 		cur := w.changed[n]
@@ -751,7 +749,7 @@ func (s *State) changes(w *want, touched map[string]bool) []Change {
 
 // replacement is the target as ops that delete both tables and create them
 // whole (what Plan.Replacement returns).
-func (s *State) replacement(w *want, c Counts) []Op {
+func (w *want) replacement(s *State, c Counts) []Op {
 	wi, err := wholeOf(w)
 	if err != nil {
 		return nil // the target was built once already: cannot happen
@@ -776,7 +774,7 @@ func (s *State) replacement(w *want, c Counts) []Op {
 // Commit records p as applied.
 func (s *State) Commit(p *Plan) {
 	n := p.next
-	rebuild := s.inet != nil && n.kernelCap != s.kernelCap
+	rebuild := s.inet != nil && n.setBased != s.setBased
 	if len(s.exps) == 0 {
 		// A first apply: every exposure is new, and check indexed them.
 		s.exps = make(map[string]Exposure, len(n.changed))
@@ -786,7 +784,7 @@ func (s *State) Commit(p *Plan) {
 			}
 		}
 		s.marks, s.sides = n.marks, n.sides
-		s.inet, s.bridge, s.kernelCap = n.inet, n.bridge, n.kernelCap
+		s.inet, s.bridge, s.setBased = n.inet, n.bridge, n.setBased
 		s.unitDigests = map[string]Digest{}
 		acc := map[string]*Digest{}
 		for _, u := range n.units {
@@ -816,11 +814,11 @@ func (s *State) Commit(p *Plan) {
 			}
 		}
 	}
-	s.inet, s.bridge, s.kernelCap = n.inet, n.bridge, n.kernelCap
+	s.inet, s.bridge, s.setBased = n.inet, n.bridge, n.setBased
 	if rebuild {
 		s.unitDigests = map[string]Digest{}
 		for _, e := range s.exps {
-			if u, err := unitOf(e, s.kernelCap); err == nil {
+			if u, err := unitOf(e, s.setBased); err == nil {
 				s.addDigests(u)
 			}
 		}
@@ -846,7 +844,7 @@ func (s *State) forget(name string, e Exposure, digests bool) {
 	if !digests {
 		return
 	}
-	if u, err := unitOf(e, s.kernelCap); err == nil {
+	if u, err := unitOf(e, s.setBased); err == nil {
 		for _, ue := range u.elems {
 			s.unitDigests[ue.set] = s.unitDigests[ue.set].sub(ue.e)
 		}
