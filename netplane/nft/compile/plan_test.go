@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"regexp"
+	"sort"
 	"strings"
 	"testing"
 
@@ -83,6 +84,7 @@ func changesOf(p *Plan) []string {
 		}
 		out = append(out, s)
 	}
+	sort.Strings(out) // the plan lists them in the desired state's order
 	return out
 }
 
@@ -221,7 +223,7 @@ func TestPlanOrphanElementIsDeletedAndFlushed(t *testing.T) {
 	r.Exposures = r.Exposures[:1] // dns went while the daemon was down
 	p, err := NewState().Plan(r, obs)
 	require.NoError(t, err)
-	assert.Equal(t, []string{"web created", "dns removed flush udp *:5353"}, changesOf(p))
+	assert.Equal(t, []string{"dns removed flush udp *:5353", "web created"}, changesOf(p))
 }
 
 func TestPlanCapChangeRecreatesSetAndRewritesChainButKeepsFlows(t *testing.T) {
@@ -246,7 +248,7 @@ func TestPlanRetargetFlushesAndAMoveFlushesBothSides(t *testing.T) {
 	r.Exposures[1].HostPort = 5354
 	p, err := s.Plan(r, nil)
 	require.NoError(t, err)
-	assert.Equal(t, []string{"dns removed flush udp *:5353", "dns created flush udp *:5354", "web changed flush tcp *:8080"}, changesOf(p))
+	assert.Equal(t, []string{"dns created flush udp *:5354", "dns removed flush udp *:5353", "web changed flush tcp *:8080"}, changesOf(p))
 }
 
 // With the cap outside the table (MarksOnly), a new cap is the slot's business: the table does not

@@ -110,6 +110,7 @@ type planned struct {
 	setBased     bool
 	changed      map[string]*Exposure // nil: removed
 	units        map[string]*unit     // of the changed exposures
+	unitAt       []*unit              // the same, in the target's order
 	marks        map[uint32]string    // the changed exposures by mark
 	sides        map[HostSide]string  // and by host side
 }
@@ -130,7 +131,7 @@ func (p *Plan) Replacement(c Counts) []Op { return p.repl(c) }
 type State struct {
 	inet, bridge *TableSpec // nil before the first Commit
 	setBased     bool
-	exps         map[string]Exposure
+	exps         appliedSet
 	marks        map[uint32]string   // mark id → exposure
 	sides        map[HostSide]string // host side → exposure
 	unitDigests  map[string]Digest   // the units' elements, per shared set
@@ -138,7 +139,7 @@ type State struct {
 
 // NewState is a state that has applied nothing.
 func NewState() *State {
-	return &State{exps: map[string]Exposure{}, marks: map[uint32]string{}, sides: map[HostSide]string{}, unitDigests: map[string]Digest{}}
+	return &State{exps: newAppliedSet(0), marks: map[uint32]string{}, sides: map[HostSide]string{}, unitDigests: map[string]Digest{}}
 }
 
 // Applied reports whether a plan was committed (the state knows the tables).
@@ -146,8 +147,7 @@ func (s *State) Applied() bool { return s.inet != nil }
 
 // Exposure returns the applied exposure named name.
 func (s *State) Exposure(name string) (Exposure, bool) {
-	e, ok := s.exps[name]
-	return e, ok
+	return s.exps.get(name)
 }
 
 // Digest is the digest of what the state applied to a set of the inet
@@ -168,7 +168,10 @@ type want struct {
 	inet, bridge *TableSpec
 	setBased     bool
 	changed      map[string]*Exposure
+	order        []string            // the changed names, in a fixed order (the desired state's)
+	expAt        []*Exposure         // the changed exposures (nil: removed), by position in order
 	units        map[string]*unit    // of the changed exposures, built once
+	unitAt       []*unit             // the same, by position in order
 	marks        map[uint32]string   // the changed exposures by mark (check)
 	sides        map[HostSide]string // and by host side
 	all          func(yield func(Exposure) bool)
@@ -191,32 +194,47 @@ func (s *State) Plan(r Rules, obs *Observation) (*Plan, error) {
 	_, setBased := r.setBased()
 	w := &want{inet: inet, bridge: bridge, setBased: setBased, changed: make(map[string]*Exposure, hint), n: len(r.Exposures)}
 	rebuild := s.Applied() && setBased != s.setBased
-	if len(s.exps) == 0 {
+	if s.exps.len() == 0 {
 		// Every exposure is new: the changed ones are all of them.
+		w.order, w.expAt = make([]string, 0, len(r.Exposures)), make([]*Exposure, 0, len(r.Exposures))
 		for i := range r.Exposures {
 			e := &r.Exposures[i]
-			if _, twice := w.changed[e.Name]; twice {
+			n := len(w.changed)
+			if w.changed[e.Name] = e; len(w.changed) == n {
+				return nil, fieldErr("exposures["+e.Name+"].name", "%q is there twice", e.Name)
+			}
+			w.order, w.expAt = append(w.order, e.Name), append(w.expAt, e)
+		}
+	} else {
+		a := &s.exps
+		a.pass++
+		for i := range r.Exposures {
+			e := &r.Exposures[i]
+			if idx, ok := a.index[e.Name]; ok {
+				if a.seen[idx] == a.pass {
+					return nil, fieldErr("exposures["+e.Name+"].name", "%q is there twice", e.Name)
+				}
+				a.seen[idx] = a.pass
+				if a.list[idx] == *e && !rebuild {
+					continue
+				}
+			} else if _, twice := w.changed[e.Name]; twice {
 				return nil, fieldErr("exposures["+e.Name+"].name", "%q is there twice", e.Name)
 			}
 			w.changed[e.Name] = e
+			w.order, w.expAt = append(w.order, e.Name), append(w.expAt, e)
 		}
-	} else {
-		seen := make(map[string]bool, len(r.Exposures))
-		for i := range r.Exposures {
-			e := &r.Exposures[i]
-			if seen[e.Name] {
-				return nil, fieldErr("exposures["+e.Name+"].name", "%q is there twice", e.Name)
-			}
-			seen[e.Name] = true
-			if old, ok := s.exps[e.Name]; !ok || old != *e || rebuild {
-				w.changed[e.Name] = e
-			}
-		}
-		for n := range s.exps {
-			if !seen[n] {
+		var gone []string
+		for idx, used := range a.used {
+			if used && a.seen[idx] != a.pass {
+				n := a.list[idx].Name
 				w.changed[n] = nil
+				gone = append(gone, n)
 			}
 		}
+		sort.Strings(gone)
+		w.order = append(w.order, gone...)
+		w.expAt = append(w.expAt, make([]*Exposure, len(gone))...)
 	}
 	w.all = func(yield func(Exposure) bool) {
 		for _, e := range r.Exposures {
@@ -248,7 +266,10 @@ func (s *State) PlanUpdate(fixed *Rules, set []Exposure, remove []string, obs *O
 		}
 	}
 	for _, n := range remove {
-		if _, ok := s.exps[n]; ok {
+		if _, ok := s.exps.get(n); ok {
+			if _, twice := w.changed[n]; !twice {
+				w.order, w.expAt = append(w.order, n), append(w.expAt, nil)
+			}
 			w.changed[n] = nil
 		}
 	}
@@ -257,26 +278,30 @@ func (s *State) PlanUpdate(fixed *Rules, set []Exposure, remove []string, obs *O
 		if _, ok := w.changed[e.Name]; ok {
 			return nil, fieldErr("exposures["+e.Name+"].name", "%q is set or removed twice", e.Name)
 		}
-		if old, ok := s.exps[e.Name]; !ok || old != *e {
+		if old, ok := s.exps.get(e.Name); !ok || old != *e {
 			w.changed[e.Name] = e
+			w.order, w.expAt = append(w.order, e.Name), append(w.expAt, e)
 		}
 	}
-	w.n = len(s.exps)
+	w.n = s.exps.len()
 	for n, e := range w.changed {
-		if _, ok := s.exps[n]; !ok && e != nil {
+		if _, ok := s.exps.get(n); !ok && e != nil {
 			w.n++
 		} else if ok && e == nil {
 			w.n--
 		}
 	}
 	w.all = func(yield func(Exposure) bool) {
-		for n, e := range s.exps {
-			if _, ok := w.changed[n]; ok {
-				continue
+		more := true
+		s.exps.each(func(e Exposure) bool {
+			if _, ok := w.changed[e.Name]; ok {
+				return true
 			}
-			if !yield(e) {
-				return
-			}
+			more = yield(e)
+			return more
+		})
+		if !more {
+			return
 		}
 		for _, e := range w.changed {
 			if e != nil && !yield(*e) {
@@ -294,8 +319,8 @@ func (w *want) check(s *State) error {
 	marks := make(map[uint32]string, len(w.changed))
 	sides := make(map[HostSide]string, len(w.changed))
 	w.marks, w.sides = marks, sides
-	for _, n := range keysOf(w.changed) {
-		e := w.changed[n]
+	for i, n := range w.order {
+		e := w.expAt[i]
 		if e == nil || e.LoopbackOnly() {
 			continue
 		}
@@ -339,7 +364,9 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 		return nil, errors.New("nothing applied yet: the kernel must be observed")
 	}
 	w.units = make(map[string]*unit, len(w.changed))
-	for n, e := range w.changed {
+	w.unitAt = make([]*unit, len(w.order))
+	for i, n := range w.order {
+		e := w.expAt[i]
 		if e == nil {
 			continue
 		}
@@ -347,12 +374,12 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 		if err != nil {
 			return nil, err
 		}
-		w.units[n] = u
+		w.units[n], w.unitAt[i] = u, u
 	}
 	p := &Plan{next: planned{inet: w.inet, bridge: w.bridge, setBased: w.setBased, changed: w.changed, units: w.units,
-		marks: w.marks, sides: w.sides}}
+		unitAt: w.unitAt, marks: w.marks, sides: w.sides}}
 	oldU := func(n string) *unit {
-		e, ok := s.exps[n]
+		e, ok := s.exps.get(n)
 		if !ok {
 			return nil
 		}
@@ -363,11 +390,13 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 		return u
 	}
 	var dInet, dBridge *delta
-	var touched map[string]bool // exposures whose objects the batch changes
+	var touched map[string]bool // exposures whose routing elements the batch changes (nil: every changed one)
 	if obs != nil && !obs.Inet.Exists {
 		// No inet table at all (a first apply, a deleted table): create
 		// it, with no whole-table diff (100,000 exposures in one batch).
-		dInet, touched = w.fromNothing(s)
+		// Every changed exposure is published where nothing was; the
+		// others, as applied before the table went, are repairs.
+		dInet, touched = w.fromNothing(s), nil
 		dBridge = makeDelta(w.bridge, obs.Bridge, nil)
 		classify(p, dBridge, s.bridgeIfApplied(), w.bridge, map[string]bool{})
 		if s.Applied() {
@@ -418,8 +447,8 @@ func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *de
 	dInet = makeDelta(w.inet, ObservedFrom(s.inet), nil)
 	dBridge = makeDelta(w.bridge, ObservedFrom(s.bridge), nil)
 	touched = map[string]bool{}
-	for _, n := range keysOf(w.changed) {
-		u := unitDelta(w.inet, oldU(n), w.units[n])
+	for i, n := range w.order {
+		u := unitDelta(w.inet, oldU(n), w.unitAt[i])
 		for _, d := range u.diffs {
 			if d.kind == objElem && routing(d.name) {
 				touched[n] = true
@@ -486,13 +515,11 @@ func unitDelta(shared *TableSpec, old, cur *unit) *delta {
 
 // whole is the applied inet table, every unit in it.
 func (s *State) whole() *TableSpec {
-	return assemble(s.inet, len(s.exps), func(yield func(*unit) bool) {
-		for _, e := range s.exps {
+	return assemble(s.inet, s.exps.len(), func(yield func(*unit) bool) {
+		s.exps.each(func(e Exposure) bool {
 			u, err := unitOf(e, s.setBased)
-			if err == nil && !yield(u) {
-				return
-			}
-		}
+			return err != nil || yield(u)
+		})
 	})
 }
 
@@ -549,11 +576,11 @@ func (w *want) fullDeltas(s *State, obs *Observation, p *Plan, oldU func(string)
 	dBridge = makeDelta(w.bridge, obs.Bridge, nil)
 	// The sets not read hold what the state applied: their elements
 	// follow the changed units.
-	for _, n := range keysOf(w.changed) {
+	for i, n := range w.order {
 		if !anyUnread {
 			break
 		}
-		u := unitDelta(w.inet, oldU(n), w.units[n])
+		u := unitDelta(w.inet, oldU(n), w.unitAt[i])
 		keep := newDelta(nftables.TableFamilyINet)
 		for set, es := range u.delElems {
 			if unread(set) {
@@ -627,10 +654,9 @@ func classify(p *Plan, d *delta, prev, cur *TableSpec, touched map[string]bool) 
 
 // fromNothing plans the inet table from nothing: its fixed part, and every
 // unit of the target, the shared maps' elements in one slice per map.
-func (w *want) fromNothing(s *State) (*delta, map[string]bool) {
+func (w *want) fromNothing(s *State) *delta {
 	d := makeDelta(w.inet, EmptyObserved(), nil)
 	own := NewTableSpec(nftables.TableFamilyINet)
-	touched := make(map[string]bool, len(w.changed))
 	// The few shared maps, by name: a slice each, made at its size.
 	type bySet struct {
 		name  string
@@ -656,14 +682,13 @@ func (w *want) fromNothing(s *State) (*delta, map[string]bool) {
 			maps.Copy(own.Chains, u.own.Chains)
 			maps.Copy(own.Sets, u.own.Sets)
 		}
-		if !e.LoopbackOnly() {
-			touched[e.Name] = true // published where nothing was
-		}
 	}
 	if len(w.units) == w.n {
 		// Every exposure is new to the state (the first apply).
-		for n, u := range w.units {
-			addUnit(*w.changed[n], u)
+		for i := range w.order {
+			if u := w.unitAt[i]; u != nil {
+				addUnit(*w.expAt[i], u)
+			}
 		}
 	} else {
 		for e := range w.all {
@@ -675,9 +700,6 @@ func (w *want) fromNothing(s *State) (*delta, map[string]bool) {
 				}
 			}
 			addUnit(e, u)
-			if _, changed := w.changed[e.Name]; !changed {
-				delete(touched, e.Name) // as applied: a repair
-			}
 		}
 	}
 	for _, bs := range sets {
@@ -689,7 +711,7 @@ func (w *want) fromNothing(s *State) (*delta, map[string]bool) {
 		o.Exists = true
 		d.merge(makeDelta(own, o, nil))
 	}
-	return d, touched
+	return d
 }
 
 // owners lists the exposures an object belongs to in a and b.
@@ -724,24 +746,30 @@ func owners(a, b *TableSpec, d diff) []string {
 // changes lists the exposures the target creates, changes or removes,
 // against the state; touched are those whose routing elements the batch
 // changes in the kernel (only they flush).
-func (w *want) changes(s *State, touched map[string]bool) []Change {
+func (w *want) changes(s *State, touched0 map[string]bool) []Change {
+	touched := func(n string) bool { return touched0 == nil || touched0[n] }
 	out := make([]Change, 0, len(w.changed))
-	for _, n := range keysOf(w.changed) {
-		cur := w.changed[n]
-		old, had := s.exps[n]
+	fresh := s.exps.len() == 0
+	for i, n := range w.order {
+		cur := w.expAt[i]
+		var old Exposure
+		had := false
+		if !fresh {
+			old, had = s.exps.get(n)
+		}
 		published := func(e Exposure) bool { return !e.LoopbackOnly() }
 		switch {
 		case cur == nil:
-			out = append(out, Change{old, Removed, old.HostSide(), touched[n] && published(old)})
+			out = append(out, Change{old, Removed, old.HostSide(), touched(n) && published(old)})
 		case !had:
-			out = append(out, Change{*cur, Created, cur.HostSide(), touched[n] && published(*cur)})
+			out = append(out, Change{*cur, Created, cur.HostSide(), touched(n) && published(*cur)})
 		case old.HostSide() != cur.HostSide() || old.LoopbackOnly() != cur.LoopbackOnly():
-			out = append(out, Change{old, Removed, old.HostSide(), touched[n] && published(old)},
-				Change{*cur, Created, cur.HostSide(), touched[n] && published(*cur)})
+			out = append(out, Change{old, Removed, old.HostSide(), touched(n) && published(old)},
+				Change{*cur, Created, cur.HostSide(), touched(n) && published(*cur)})
 		default:
 			// Only where the flows go decides: a new cap keeps them.
 			retarget := old.GuestAddr != cur.GuestAddr || old.GuestPort != cur.GuestPort || old.MarkID != cur.MarkID
-			out = append(out, Change{*cur, Changed, cur.HostSide(), touched[n] && published(*cur) && retarget})
+			out = append(out, Change{*cur, Changed, cur.HostSide(), touched(n) && published(*cur) && retarget})
 		}
 	}
 	return out
@@ -775,39 +803,49 @@ func (w *want) replacement(s *State, c Counts) []Op {
 func (s *State) Commit(p *Plan) {
 	n := p.next
 	rebuild := s.inet != nil && n.setBased != s.setBased
-	if len(s.exps) == 0 {
+	if s.exps.len() == 0 {
 		// A first apply: every exposure is new, and check indexed them.
-		s.exps = make(map[string]Exposure, len(n.changed))
-		for name, e := range n.changed {
+		s.exps = newAppliedSet(len(n.changed))
+		for _, e := range n.changed {
 			if e != nil {
-				s.exps[name] = *e
+				s.exps.put(*e)
 			}
 		}
 		s.marks, s.sides = n.marks, n.sides
 		s.inet, s.bridge, s.setBased = n.inet, n.bridge, n.setBased
 		s.unitDigests = map[string]Digest{}
-		acc := map[string]*Digest{}
-		for _, u := range n.units {
+		// A few shared maps: summed in a slice, stored once each.
+		type acc struct {
+			set string
+			d   Digest
+		}
+		var sums []acc
+		for _, u := range n.unitAt {
+			if u == nil {
+				continue
+			}
+		elems:
 			for _, ue := range u.elems {
-				d := acc[ue.set]
-				if d == nil {
-					d = &Digest{}
-					acc[ue.set] = d
+				for i := range sums {
+					if sums[i].set == ue.set {
+						sums[i].d = sums[i].d.add(ue.e)
+						continue elems
+					}
 				}
-				*d = d.add(ue.e)
+				sums = append(sums, acc{ue.set, Digest{}.add(ue.e)})
 			}
 		}
-		for set, d := range acc {
-			s.unitDigests[set] = *d
+		for _, a := range sums {
+			s.unitDigests[a.set] = a.d
 		}
 		return
 	}
 	for name, e := range n.changed {
-		if old, ok := s.exps[name]; ok {
+		if old, ok := s.exps.get(name); ok {
 			s.forget(name, old, !rebuild)
 		}
 		if e != nil {
-			s.exps[name] = *e
+			s.exps.put(*e)
 			if !e.LoopbackOnly() {
 				s.marks[e.MarkID] = name
 				s.sides[e.HostSide()] = name
@@ -817,11 +855,12 @@ func (s *State) Commit(p *Plan) {
 	s.inet, s.bridge, s.setBased = n.inet, n.bridge, n.setBased
 	if rebuild {
 		s.unitDigests = map[string]Digest{}
-		for _, e := range s.exps {
+		s.exps.each(func(e Exposure) bool {
 			if u, err := unitOf(e, s.setBased); err == nil {
 				s.addDigests(u)
 			}
-		}
+			return true
+		})
 		return
 	}
 	for name, e := range n.changed {
@@ -834,7 +873,7 @@ func (s *State) Commit(p *Plan) {
 // forget takes an applied exposure out of the indexes (and, digests, of
 // the digests).
 func (s *State) forget(name string, e Exposure, digests bool) {
-	delete(s.exps, name)
+	s.exps.del(name)
 	if s.marks[e.MarkID] == name {
 		delete(s.marks, e.MarkID)
 	}
@@ -893,9 +932,7 @@ func (s *State) Trusts(set string, d Digest) bool {
 
 // Each calls fn for every applied exposure.
 func (s *State) Each(fn func(Exposure)) {
-	for _, e := range s.exps {
-		fn(e)
-	}
+	s.exps.each(func(e Exposure) bool { fn(e); return true })
 }
 
 // Shared reports whether set is one of the inet table's maps that every

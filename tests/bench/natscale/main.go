@@ -4,6 +4,7 @@
 //	natscale connrate -ns CLIENTNS -addr IP:PORT -n N
 //	natscale serve  -ns GUESTNS -addr :7000   (accepts and closes, until killed)
 //	natscale scale  -ns HOSTNS -client CLIENTNS -guest IP -guestport P -hostaddrs IP,IP [-csv FILE]
+//	natscale changes -ns HOSTNS -guest IP -guestport P -hostaddrs IP,IP [-rounds R] [-csv FILE]
 //
 // It only ever touches namespaces named on its command line.
 package main
@@ -40,6 +41,8 @@ func main() {
 		err = connrate(os.Args[2:])
 	case "scale":
 		err = scale(os.Args[2:])
+	case "changes":
+		err = changes(os.Args[2:])
 	case "serve":
 		err = serve(os.Args[2:])
 	default:
