@@ -159,8 +159,6 @@ func (d diff) whatText() string {
 
 func (p *delta) note(d diff) { p.diffs = append(p.diffs, d) }
 
-func (p *delta) empty() bool { return len(p.diffs) == 0 }
-
 // merge appends q's changes to p (deltas of disjoint objects: one per unit).
 func (p *delta) merge(q *delta) {
 	p.addTable = p.addTable || q.addTable

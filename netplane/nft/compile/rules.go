@@ -54,8 +54,10 @@ func (SetBasedCap) capShape() string { return "set" }
 
 // setBased reports whether r's cap is the set-based one, and its settings.
 func (r Rules) setBased() (SetBasedCap, bool) {
-	c, ok := r.Cap.(SetBasedCap)
-	return c, ok
+	if r.Cap == nil || r.Cap.capShape() != (SetBasedCap{}).capShape() {
+		return SetBasedCap{}, false
+	}
+	return r.Cap.(SetBasedCap), true
 }
 
 // Guest is one bridge port that may only send frames from its own MAC and

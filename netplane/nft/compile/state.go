@@ -99,9 +99,8 @@ type Plan struct {
 	Changes []Change
 	Repairs []Repair
 
-	next    planned
-	repl    func(Counts) []Op // the same target state, as a whole-table replace
-	elemsIn map[string]int    // elements the batch adds, per set (what verify checks)
+	next planned
+	repl func(Counts) []Op // the same target state, as a whole-table replace
 }
 
 // planned is what Commit records.
