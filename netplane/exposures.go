@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/netip"
 
-	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane/ipam"
@@ -45,7 +44,7 @@ func (p *Plane) convergeExposures(d Desired, repaired []string) ([]ExposureStatu
 	}
 	p.chooseCap(n)
 	rules.Cap = p.caps.tableCap()
-	p.attachSlots(d.Exposures)
+	p.slots.attachAll(d.Exposures)
 	status := make([]ExposureStatus, len(d.Exposures))
 	rules.Exposures = make([]nft.Exposure, 0, len(d.Exposures))
 	for i, e := range d.Exposures {
@@ -58,7 +57,7 @@ func (p *Plane) convergeExposures(d Desired, repaired []string) ([]ExposureStatu
 
 	tableErr := p.withTable(func(t *nft.Table) (nft.Result, error) { return t.Converge(rules) }, &repaired)
 	if tableErr == nil && len(rules.Exposures) > 0 {
-		p.caps.feed(p.feeds)
+		p.caps.feed(p.slots.feeds)
 	}
 	for i, e := range d.Exposures {
 		p.finishRow(&status[i], e.Name, tableErr)
@@ -104,7 +103,7 @@ func (p *Plane) UpdateExposures(ctx context.Context, set []Exposure, remove []st
 		if gone[e.Name] {
 			return Report{Err: fmt.Errorf("netplane: exposure %s is both set and removed, nothing applied", e.Name)}
 		}
-		p.attachSlot(e)
+		p.slots.attach(e)
 		x, st, ok := p.kernelExposure(e, f)
 		rows[i] = st
 		if ok {
@@ -118,7 +117,7 @@ func (p *Plane) UpdateExposures(ctx context.Context, set []Exposure, remove []st
 	tableErr := p.withTable(func(t *nft.Table) (nft.Result, error) { return t.Update(publish, unpublish) }, &rep.Repaired)
 	if tableErr == nil {
 		for _, n := range remove {
-			p.releaseSlot(n)
+			p.slots.release(n)
 		}
 	}
 	for i, e := range set {
@@ -160,7 +159,7 @@ func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, Exposure
 	}
 	// The mark is the counter slot: the nat path's programs write it, the
 	// set-based cap's watcher reads it.
-	feed := p.feeds[e.Name]
+	feed := p.slots.feeds[e.Name]
 	if feed == nil {
 		st.State, st.Reason = spec.StateFailed, "no counter slot"
 		return nft.Exposure{}, st, false
@@ -174,7 +173,7 @@ func (p *Plane) finishRow(st *ExposureStatus, name string, tableErr error) {
 	if tableErr != nil && st.State != spec.StateFailed {
 		st.State, st.Reason = spec.StateFailed, tableErr.Error()
 	}
-	if f := p.feeds[name]; f != nil {
+	if f := p.slots.feeds[name]; f != nil {
 		st.Counters = f.slot.Read()
 	} else if c, ok := p.opts.Stats.Lookup(name); ok {
 		st.Counters = c
@@ -214,51 +213,4 @@ func (p *Plane) withTable(fn func(*nft.Table) (nft.Result, error), repaired *[]s
 		return fmt.Errorf("nftables: %w", err)
 	}
 	return nil
-}
-
-// attachSlots attaches a slot per desired exposure and releases the slots
-// of exposures that left the desired state as deleted (zeroed once the
-// proxy lets go too).
-func (p *Plane) attachSlots(exps []Exposure) {
-	want := make(map[string]bool, len(exps))
-	for _, e := range exps {
-		want[e.Name] = true
-		p.attachSlot(e)
-	}
-	for name := range p.feeds {
-		if !want[name] {
-			p.releaseSlot(name)
-		}
-	}
-}
-
-// attachSlot attaches e's slot (again when its protocol or host port
-// changed, so bpftool shows the current shape) and sets its cap for every
-// path.
-func (p *Plane) attachSlot(e Exposure) {
-	proto := bpf.ProtoNumber(string(e.Proto))
-	f := p.feeds[e.Name]
-	if f == nil || f.proto != proto || f.hostPort != e.HostPort {
-		slot, err := p.opts.Stats.Attach(e.Name, proto, e.HostPort)
-		if err != nil {
-			p.log.Warn("netplane: counter slot", "exposure", e.Name, "err", err)
-			return
-		}
-		if f != nil {
-			f.slot.Release(false)
-			f.slot, f.proto, f.hostPort = slot, proto, e.HostPort
-		} else {
-			f = &slotFeed{slot: slot, proto: proto, hostPort: e.HostPort}
-			p.feeds[e.Name] = f
-		}
-	}
-	f.slot.SetCap(uint32(e.MaxConns))
-}
-
-// releaseSlot releases a deleted exposure's slot.
-func (p *Plane) releaseSlot(name string) {
-	if f := p.feeds[name]; f != nil {
-		f.slot.Release(true)
-		delete(p.feeds, name)
-	}
 }

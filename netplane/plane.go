@@ -73,7 +73,7 @@ type Plane struct {
 	table     *nft.Table // opened by the first pass that reaches it
 	dhcp      *dhcp.Server
 	dhcpIfIdx int
-	feeds     map[string]*slotFeed
+	slots     slotFeeds  // the published exposures' counter slots
 	caps      capBackend // chosen by the first pass that finds the bridge
 	made      madeLinks  // what earlier passes of this process made: a loss is drift
 	facts     *passFacts // what the last full pass learned (nil before one)
@@ -121,7 +121,8 @@ func New(opts Options) (*Plane, error) {
 	}
 	return &Plane{
 		opts: opts, log: log, links: links, pool: pool, ownStats: ownStats,
-		feeds: map[string]*slotFeed{}, made: madeLinks{taps: map[string]bool{}}, macs: macIndex{vm: map[string]string{}},
+		slots: slotFeeds{store: opts.Stats, log: log, feeds: map[string]*slotFeed{}},
+		made:  madeLinks{taps: map[string]bool{}}, macs: macIndex{vm: map[string]string{}},
 	}, nil
 }
 
@@ -408,10 +409,7 @@ func (p *Plane) Close() error {
 	}
 	p.closed = true
 	p.stopDHCP()
-	for name, f := range p.feeds {
-		f.slot.Release(false)
-		delete(p.feeds, name)
-	}
+	p.slots.close()
 	var err error
 	if p.table != nil {
 		err = p.table.Close()
