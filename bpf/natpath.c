@@ -36,6 +36,7 @@
 #include <bpf/bpf_endian.h>
 #include "exposure.h"
 #include "wake.h"
+#include "ctmark.h" // the ct mark's layout, generated from bpf/ctmark
 
 #define NF_DROP 0
 #define NF_ACCEPT 1
@@ -57,9 +58,6 @@
 #define TH_RST 0x04
 #define TH_ACK 0x10
 
-// ct mark layout, shared with netplane/nft.
-#define MARK_ID_MASK 0x1fffffff
-#define MARK_OWNED 0x20000000
 
 // nat_flow.flags
 #define F_OPEN 0x01      // holds a place of the cap
@@ -352,9 +350,9 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 		return NF_ACCEPT;
 	struct nf_conn *ct = conn(ctp);
 	__u32 mark = ct->mark;
-	if (!(mark & MARK_OWNED))
+	if (!(mark & BRK_MARK_OWNED))
 		return NF_ACCEPT;
-	__u32 id = mark & MARK_ID_MASK;
+	__u32 id = mark & BRK_MARK_ID_MASK;
 	if (id == 0 || id > EXPOSURE_SLOTS)
 		return NF_ACCEPT;
 	__u32 slot = id - 1;

@@ -14,15 +14,8 @@ import (
 	"github.com/cilium/ebpf/link"
 )
 
-// Mark layout of the nat path, shared with the nft rules that set it: the
-// owner bit, and the exposure's slot plus one in the low bits.
-const (
-	MarkIDMask uint32 = 0x1fffffff
-	MarkOwned  uint32 = 0x20000000
-)
-
-// MarkOf is the ct mark nft gives the connections of the exposure in slot.
-func MarkOf(slot int) uint32 { return uint32(slot+1) | MarkOwned }
+// The programs find an exposure's slot from its connections' ct mark:
+// the layout is package ctmark's (bpf/ctmark.h on the C side).
 
 // NetfilterPriority is where the nat-path programs sit: right after the DNAT
 // (nft nat chains at -100), so a connection's first packet already carries

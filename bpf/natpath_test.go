@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/brokkr/brokkr/internal/kernelfeat"
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -56,7 +57,7 @@ func newNatTopo(t *testing.T, cap uint32) *natTopo {
 	require.NoError(t, err)
 	tp.slot.SetCap(cap)
 	t.Cleanup(func() { tp.slot.Release(false) })
-	mark := fmt.Sprintf("0x%x", MarkOf(tp.slot.Index()))
+	mark := fmt.Sprintf("0x%x", ctmark.Of(tp.slot.Index()))
 	script := `table ip brktest {
   chain pre { type nat hook prerouting priority -100; policy accept;
     fib daddr type local meta l4proto { tcp, udp } th dport 8080 ct mark set ` + mark + ` dnat to 10.213.0.11:7000
@@ -345,7 +346,7 @@ func TestAResetEstablishedConnectionGivesItsPlaceBackAtOnce(t *testing.T) {
 	tp.host.MustRun(t, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_timeout_close=60")
 	// A second published port to a guest server that resets what it
 	// accepts once it has echoed a line: the guest's RST.
-	mark := "0x" + strconv.FormatUint(uint64(MarkOf(tp.slot.Index())), 16)
+	mark := "0x" + strconv.FormatUint(uint64(ctmark.Of(tp.slot.Index())), 16)
 	script := `table ip brkrst {
   chain pre { type nat hook prerouting priority -100; policy accept;
     fib daddr type local tcp dport 8081 ct mark set ` + mark + ` dnat to 10.213.0.11:7002

@@ -16,7 +16,6 @@ import (
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/internal/nlsafe"
-	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane/dhcp"
 	"github.com/brokkr/brokkr/netplane/ipam"
 	"github.com/brokkr/brokkr/netplane/link"
@@ -78,25 +77,34 @@ type Plane struct {
 	links *link.Manager
 	pool  *ipam.Pool
 
-	mu         sync.Mutex // one Converge/Teardown/Close at a time
-	table      *nft.Table // opened by the first pass that reaches it
-	dhcp       *dhcp.Server
-	dhcpIfIdx  int
-	radv       *radv.Server // nil: IPv6 off, or the bridge not ready for it yet
-	radvIfIdx  int
-	feeds      map[string]*slotFeed
-	nat        *bpf.NatPath // the kernel nat path; nil: the event-fed fallback
-	natReason  string       // why nat is nil, or runs an earlier binary's programs
-	natBridge  int
-	natGuests  netip.Prefix
-	madeBridge bool            // the bridge existed after an earlier pass of this process
-	madeTaps   map[string]bool // likewise per tap
-	forwarding bool
-	closed     bool
-	ownStats   bool // Stats was made here (in memory) and is closed with the Plane
+	mu        sync.Mutex // one Converge/Teardown/Close at a time
+	table     *nft.Table // opened by the first pass that reaches it
+	dhcp      *dhcp.Server
+	dhcpIfIdx int
+	radv      *radv.Server // nil: IPv6 off, or the bridge not ready for it yet
+	radvIfIdx int
+	slots     slotFeeds  // the published exposures' counter slots
+	caps      capBackend // chosen by the first pass that finds the bridge
+	made      madeLinks  // what earlier passes of this process made: a loss is drift
+	facts     *passFacts // what the last full pass learned (nil before one)
+	closed    bool
+	ownStats  bool // Stats was made here (in memory) and is closed with the Plane
 
-	macMu sync.Mutex
-	macVM map[string]string // guest MAC → VM, for OnLease
+	macs macIndex // guest MAC → VM, for OnLease (its own lock: the DHCP server's goroutine reads it)
+}
+
+// madeLinks is what earlier passes of this process made: one missing now
+// was removed behind brokkr's back, and its re-making is reported as drift.
+type madeLinks struct {
+	bridge     bool
+	taps       map[string]bool
+	forwarding bool
+}
+
+// macIndex maps guest MACs to their VMs.
+type macIndex struct {
+	mu sync.Mutex
+	vm map[string]string
 }
 
 // New opens the managed namespace and the leases file. It changes nothing
@@ -123,7 +131,8 @@ func New(opts Options) (*Plane, error) {
 	}
 	return &Plane{
 		opts: opts, log: log, links: links, pool: pool, ownStats: ownStats,
-		feeds: map[string]*slotFeed{}, madeTaps: map[string]bool{}, macVM: map[string]string{},
+		slots: slotFeeds{store: opts.Stats, log: log, feeds: map[string]*slotFeed{}},
+		made:  madeLinks{taps: map[string]bool{}}, macs: macIndex{vm: map[string]string{}},
 	}, nil
 }
 
@@ -177,14 +186,14 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 
 	created, repaired, err := p.links.EnsureBridge(link.BridgeSpec{Name: n.Bridge, Addr: n.CIDR, Addr6: n.CIDR6, MTU: n.MTU})
 	rep.Repaired = append(rep.Repaired, repaired...)
-	if created && p.madeBridge {
+	if created && p.made.bridge {
 		rep.Repaired = append(rep.Repaired, fmt.Sprintf("bridge %s was missing", n.Bridge))
 	}
 	if err != nil {
 		rep.Err = fmt.Errorf("netplane: network.bridge: %w", err)
 		return rep
 	}
-	p.madeBridge = true
+	p.made.bridge = true
 	// The guests' /64, where the bridge can carry IPv6.
 	prefix6 := n.CIDR6
 	if prefix6.IsValid() {
@@ -199,10 +208,10 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	if changed, err := p.links.EnableForwarding(); err != nil {
 		rep.Err = fmt.Errorf("netplane: %w", err)
 		return rep
-	} else if changed && p.forwarding {
+	} else if changed && p.made.forwarding {
 		rep.Repaired = append(rep.Repaired, "net.ipv4.ip_forward was 0")
 	}
-	p.forwarding = true
+	p.made.forwarding = true
 	if err := ctx.Err(); err != nil {
 		rep.Err = err
 		return rep
@@ -245,14 +254,14 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	for i, r := range p.links.EnsureTaps(specs) {
 		s := specs[i]
 		rep.Repaired = append(rep.Repaired, r.Repaired...)
-		if r.Created && p.madeTaps[s.Name] {
+		if r.Created && p.made.taps[s.Name] {
 			rep.Repaired = append(rep.Repaired, fmt.Sprintf("tap %s was missing", s.Name))
 		}
 		if r.Err != nil {
 			guestErr[s.VM] = r.Err.Error()
 			continue
 		}
-		p.madeTaps[s.Name] = true
+		p.made.taps[s.Name] = true
 	}
 
 	// DHCP, and which guests hold an address.
@@ -280,9 +289,13 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		rep.Guests = append(rep.Guests, st)
 	}
 
-	rep.Exposures, rep.Repaired = p.convergeExposures(d, leases, hasAddr, guestErr, rep.Repaired)
-	if p.natReason != "" && len(d.Exposures) > 0 {
-		rep.Warnings = append(rep.Warnings, p.natReason)
+	p.facts = &passFacts{network: n, leases: leases, hasAddr: hasAddr, guestErr: guestErr, guests: map[string]bool{}}
+	for _, g := range d.Guests {
+		p.facts.guests[g.Name] = true
+	}
+	rep.Exposures, rep.Repaired = p.convergeExposures(d, rep.Repaired)
+	if w := p.caps.warning(); w != "" && len(d.Exposures) > 0 {
+		rep.Warnings = append(rep.Warnings, w)
 	}
 	return rep
 }
@@ -305,7 +318,7 @@ func (p *Plane) removeStaleLinks(d Desired, links []netlink.Link) error {
 			errs = append(errs, err)
 			continue
 		}
-		delete(p.madeTaps, tap)
+		delete(p.made.taps, tap)
 		p.log.Info("netplane: removed tap of departed guest", "tap", tap, "vm", vm)
 	}
 	for _, l := range links {
@@ -317,18 +330,18 @@ func (p *Plane) removeStaleLinks(d Desired, links []netlink.Link) error {
 }
 
 func (p *Plane) setMACs(leases map[string]ipam.Lease) {
-	p.macMu.Lock()
-	defer p.macMu.Unlock()
-	p.macVM = map[string]string{}
+	p.macs.mu.Lock()
+	defer p.macs.mu.Unlock()
+	p.macs.vm = map[string]string{}
 	for vm, l := range leases {
-		p.macVM[l.MAC.String()] = vm
+		p.macs.vm[l.MAC.String()] = vm
 	}
 }
 
 func (p *Plane) onLease(mac net.HardwareAddr, addr netip.Addr) {
-	p.macMu.Lock()
-	vm, ok := p.macVM[mac.String()]
-	p.macMu.Unlock()
+	p.macs.mu.Lock()
+	vm, ok := p.macs.vm[mac.String()]
+	p.macs.mu.Unlock()
 	p.log.Info("netplane: guest took its lease", "vm", vm, "mac", mac.String(), "addr", addr)
 	if ok && p.opts.OnLease != nil {
 		p.opts.OnLease(vm, addr)
@@ -336,9 +349,9 @@ func (p *Plane) onLease(mac net.HardwareAddr, addr netip.Addr) {
 }
 
 func (p *Plane) onSeen6(mac net.HardwareAddr, addr netip.Addr) {
-	p.macMu.Lock()
-	vm, ok := p.macVM[mac.String()]
-	p.macMu.Unlock()
+	p.macs.mu.Lock()
+	vm, ok := p.macs.vm[mac.String()]
+	p.macs.mu.Unlock()
 	p.log.Info("netplane: guest answers at its IPv6 address", "vm", vm, "mac", mac.String(), "addr", addr)
 	if ok && p.opts.OnLease != nil {
 		p.opts.OnLease(vm, addr)
@@ -479,160 +492,6 @@ func (p *Plane) guestsWithAddress(bridge string, leases map[string]ipam.Lease) m
 	return out
 }
 
-// convergeExposures builds the table's rules, applies them, feeds the
-// counters into the slots and reports one row per exposure.
-func (p *Plane) convergeExposures(d Desired, leases map[string]ipam.Lease, hasAddr map[string]bool,
-	guestErr map[string]string, repaired []string) ([]ExposureStatus, []string) {
-	n := d.Network
-	rules := nft.Rules{
-		Bridge: n.Bridge, Subnet: n.CIDR.Masked(),
-		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP,
-	}
-	// Anti-spoof admits each tap's assigned address from the start, not
-	// only after the DHCP ACK: a guest configured with ip= must be able to
-	// ARP and talk before anyone has seen it, and the assigned address is
-	// the only one it could ever lease.
-	for _, g := range d.Guests {
-		if l, ok := leases[g.Name]; ok && guestErr[g.Name] == "" {
-			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
-		}
-	}
-	p.ensureNatPath(n)
-	rules.KernelCap = p.kernelCap()
-	p.attachSlots(d.Exposures)
-	status := make([]ExposureStatus, len(d.Exposures))
-	for i, e := range d.Exposures {
-		status[i] = ExposureStatus{Name: e.Name, State: spec.StateActive}
-		target := e.Target.Addr
-		if vm := e.Target.VM; vm != "" {
-			l, ok := leases[vm]
-			switch {
-			case !ok:
-				status[i].State, status[i].Reason = spec.StateFailed, fmt.Sprintf("guest %s has no address: %s", vm, guestErr[vm])
-				continue
-			case guestErr[vm] != "":
-				status[i].State, status[i].Reason = spec.StateFailed, fmt.Sprintf("guest %s: %s", vm, guestErr[vm])
-				continue
-			case !hasAddr[vm]:
-				// The rule is installed anyway: the address is fixed, and
-				// after a daemon restart a guest may hold its lease long
-				// before we hear from it again.
-				status[i].State, status[i].Reason = spec.StatePending, fmt.Sprintf("guest %s has not taken its address %s yet", vm, l.Addr)
-			}
-			target = l.Addr
-		}
-		x := nft.Exposure{
-			Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort,
-			GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
-		}
-		if rules.KernelCap {
-			f := p.feeds[e.Name]
-			if f == nil {
-				status[i].State, status[i].Reason = spec.StateFailed, "no counter slot"
-				continue
-			}
-			x.MarkID = bpf.MarkOf(f.slot.Index()) & bpf.MarkIDMask
-		}
-		rules.Exposures = append(rules.Exposures, x)
-	}
-
-	var counters map[string]nft.ExposureCounters
-	tableErr := p.applyTable(rules, &repaired)
-	// In the event-fed fallback, a counter read asks the kernel for brokkr's
-	// conntrack entries, so it is skipped when nothing is published. The
-	// nat path writes the slots itself: nothing to read.
-	if tableErr == nil && len(rules.Exposures) > 0 && !rules.KernelCap {
-		var err error
-		if counters, err = p.table.Counters(); err != nil {
-			p.log.Warn("netplane: reading nft counters", "err", err)
-		}
-	}
-	p.feedSlots(counters)
-	for i, e := range d.Exposures {
-		if tableErr != nil && status[i].State != spec.StateFailed {
-			status[i].State, status[i].Reason = spec.StateFailed, tableErr.Error()
-		}
-		if f := p.feeds[e.Name]; f != nil {
-			status[i].Counters = f.slot.Read()
-		} else if c, ok := p.opts.Stats.Lookup(e.Name); ok {
-			status[i].Counters = c
-		}
-	}
-	return status, repaired
-}
-
-func (p *Plane) nftOptions() []nft.Option {
-	opts := append([]nft.Option{nft.WithLogger(p.log)}, p.natOptions()...)
-	if p.opts.Overflow != nil {
-		opts = append(opts, nft.WithOverflow(p.opts.Overflow))
-	}
-	return opts
-}
-
-func (p *Plane) applyTable(r nft.Rules, repaired *[]string) error {
-	if p.table == nil {
-		t, err := nft.Open(p.opts.NetNS, p.nftOptions()...)
-		if err != nil {
-			return fmt.Errorf("opening nftables table: %w", err)
-		}
-		p.table = t
-	}
-	res, err := p.table.Converge(r)
-	for _, d := range res.Repaired {
-		*repaired = append(*repaired, "nft "+d)
-	}
-	if res.Replaced != nil {
-		p.log.Warn("netplane: nft incremental update failed; tables replaced whole", "err", res.Replaced)
-	}
-	if err != nil {
-		return fmt.Errorf("nftables: %w", err)
-	}
-	return nil
-}
-
-// attachSlots attaches a slot per desired exposure (re-attaching when its
-// protocol or host port changed, so bpftool shows the current shape), sets
-// its cap for every path, and releases the slots of exposures that left the
-// desired state as deleted (zeroed once the proxy lets go too).
-func (p *Plane) attachSlots(exps []Exposure) {
-	want := map[string]bool{}
-	for _, e := range exps {
-		want[e.Name] = true
-		proto := bpf.ProtoNumber(string(e.Proto))
-		f := p.feeds[e.Name]
-		if f == nil || f.proto != proto || f.hostPort != e.HostPort {
-			slot, err := p.opts.Stats.Attach(e.Name, proto, e.HostPort)
-			if err != nil {
-				p.log.Warn("netplane: counter slot", "exposure", e.Name, "err", err)
-				continue
-			}
-			if f != nil {
-				f.slot.Release(false)
-				f.slot, f.proto, f.hostPort = slot, proto, e.HostPort
-			} else {
-				f = &slotFeed{slot: slot, proto: proto, hostPort: e.HostPort}
-				p.feeds[e.Name] = f
-			}
-		}
-		f.slot.SetCap(uint32(e.MaxConns))
-	}
-	for name, f := range p.feeds {
-		if !want[name] {
-			f.slot.Release(true)
-			delete(p.feeds, name)
-		}
-	}
-}
-
-// feedSlots adds the event-fed fallback's kernel counters to the slots.
-func (p *Plane) feedSlots(counters map[string]nft.ExposureCounters) {
-	for name, c := range counters {
-		if f := p.feeds[name]; f != nil {
-			f.feed(c)
-		}
-	}
-}
-
 // Close stops the DHCP server and the advertiser and releases the counter slots (their values
 // stay). Links, addresses and the nft table stay in the kernel.
 func (p *Plane) Close() error {
@@ -644,17 +503,14 @@ func (p *Plane) Close() error {
 	p.closed = true
 	p.stopDHCP()
 	p.stopRadv(false) // VMs outlive the daemon, and keep their addresses
-	for name, f := range p.feeds {
-		f.slot.Release(false)
-		delete(p.feeds, name)
-	}
+	p.slots.close()
 	var err error
 	if p.table != nil {
 		err = p.table.Close()
 	}
-	if p.nat != nil {
-		err = errors.Join(err, p.nat.Close())
-		p.nat = nil
+	if p.caps != nil {
+		err = errors.Join(err, p.caps.close())
+		p.caps = nil
 	}
 	p.links.Close()
 	if p.ownStats {
@@ -675,21 +531,17 @@ func (p *Plane) Teardown() error {
 	p.stopDHCP()
 	p.stopRadv(true)
 	var errs []error
-	if p.table == nil {
-		if t, err := nft.Open(p.opts.NetNS, p.nftOptions()...); err == nil {
-			p.table = t
-		} else {
-			errs = append(errs, err)
-		}
+	if err := p.openTable(); err != nil {
+		errs = append(errs, err)
 	}
 	if p.table != nil {
 		if err := p.table.Delete(); err != nil {
 			errs = append(errs, fmt.Errorf("deleting nft table: %w", err))
 		}
 	}
-	if p.nat != nil {
-		errs = append(errs, p.nat.Remove())
-		p.nat, p.natReason = nil, ""
+	if p.caps != nil {
+		errs = append(errs, p.caps.remove())
+		p.caps = nil // the next pass chooses again
 	}
 	taps, err := p.links.OwnedTaps()
 	if err != nil {
@@ -712,6 +564,6 @@ func (p *Plane) Teardown() error {
 			errs = append(errs, p.links.DeleteBridge(l.Attrs().Name))
 		}
 	}
-	p.madeBridge, p.madeTaps = false, map[string]bool{}
+	p.made.bridge, p.made.taps = false, map[string]bool{}
 	return errors.Join(errs...)
 }

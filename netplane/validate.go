@@ -31,7 +31,14 @@ func validateDerived(d Desired, assigned map[string]netip.Addr) []error {
 		}
 		taps[tap] = fmt.Sprintf("the tap of guest %q", g.Name)
 	}
-	for i, e := range d.Exposures {
+	return append(errs, validateTargets(d.Exposures, assigned, guests)...)
+}
+
+// validateTargets checks explicit targets against the addresses IPAM has
+// assigned to desired guests.
+func validateTargets(exps []Exposure, assigned map[string]netip.Addr, guests map[string]bool) []error {
+	var errs []error
+	for i, e := range exps {
 		if e.Target.IsVM() {
 			continue
 		}

@@ -1,6 +1,7 @@
 package nft
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +10,8 @@ import (
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"github.com/google/nftables/userdata"
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 )
@@ -137,4 +140,146 @@ func (b *batchConn) commit(raw *netlink.Conn) error {
 			}
 		}
 	}
+}
+
+// attrWriter appends netlink attributes to a buffer: a batch of 100,000
+// exposures is 200,000 elements, and google/nftables marshals each element
+// into several fresh allocations (and cannot give an element a counter
+// value, which a replace must carry).
+type attrWriter struct{ b []byte }
+
+func (w *attrWriter) attr(typ uint16, data []byte) {
+	l := 4 + len(data)
+	w.b = binary.NativeEndian.AppendUint16(w.b, uint16(l))
+	w.b = binary.NativeEndian.AppendUint16(w.b, typ)
+	w.b = append(w.b, data...)
+	for l%4 != 0 {
+		w.b = append(w.b, 0)
+		l++
+	}
+}
+
+// nest writes a nested attribute whose payload fn writes.
+func (w *attrWriter) nest(typ uint16, fn func()) {
+	at := len(w.b)
+	w.b = append(w.b, 0, 0, 0, 0)
+	fn()
+	binary.NativeEndian.PutUint16(w.b[at:], uint16(len(w.b)-at))
+	binary.NativeEndian.PutUint16(w.b[at+2:], typ|unix.NLA_F_NESTED)
+}
+
+func (w *attrWriter) cstr(typ uint16, s string) {
+	l := 4 + len(s) + 1
+	w.b = binary.NativeEndian.AppendUint16(w.b, uint16(l))
+	w.b = binary.NativeEndian.AppendUint16(w.b, typ)
+	w.b = append(w.b, s...)
+	w.b = append(w.b, 0)
+	for l%4 != 0 {
+		w.b = append(w.b, 0)
+		l++
+	}
+}
+
+// elem writes one set element (counting: the set's elements have counters,
+// and this one starts at e.Counter).
+func (w *attrWriter) elem(e *compile.ElemSpec, counting bool) {
+	w.nest(unix.NFTA_LIST_ELEM, func() {
+		w.nest(unix.NFTA_SET_ELEM_KEY, func() { w.attr(unix.NFTA_DATA_VALUE, e.Key) })
+		switch {
+		case e.Verdict != "":
+			w.nest(unix.NFTA_SET_ELEM_DATA, func() {
+				w.nest(unix.NFTA_DATA_VERDICT, func() {
+					code := int32(expr.VerdictGoto)
+					w.attr(unix.NFTA_VERDICT_CODE, binary.BigEndian.AppendUint32(nil, uint32(code)))
+					w.cstr(unix.NFTA_VERDICT_CHAIN, e.Verdict)
+				})
+			})
+		case len(e.Val) > 0:
+			w.nest(unix.NFTA_SET_ELEM_DATA, func() { w.attr(unix.NFTA_DATA_VALUE, e.Val) })
+		}
+		if e.Comment != "" {
+			w.attr(unix.NFTA_SET_ELEM_USERDATA, userdata.AppendString(nil, userdata.NFTNL_UDATA_SET_ELEM_COMMENT, e.Comment))
+		}
+		if counting && e.Counter != (compile.CounterValue{}) {
+			w.nest(nftaSetElemExpressions, func() {
+				w.nest(unix.NFTA_LIST_ELEM, func() {
+					w.cstr(unix.NFTA_EXPR_NAME, "counter")
+					w.nest(unix.NFTA_EXPR_DATA, func() {
+						w.attr(unix.NFTA_COUNTER_BYTES, binary.BigEndian.AppendUint64(nil, e.Counter.Bytes))
+						w.attr(unix.NFTA_COUNTER_PACKETS, binary.BigEndian.AppendUint64(nil, e.Counter.Packets))
+					})
+				})
+			})
+		}
+	})
+}
+
+// addElems queues elements of set in NEWSETELEM messages, each element list
+// under maxElemBytes (its attribute length is 16 bits).
+func (b *batchConn) addElems(fam nftables.TableFamily, set string, counting bool, elems []compile.ElemSpec) error {
+	if err := b.Conn.Flush(); err != nil { // what was queued before goes first
+		return err
+	}
+	for len(elems) > 0 {
+		var w attrWriter
+		w.cstr(unix.NFTA_SET_ELEM_LIST_TABLE, compile.TableName)
+		w.cstr(unix.NFTA_SET_ELEM_LIST_SET, set)
+		n := 0
+		w.nest(unix.NFTA_SET_ELEM_LIST_ELEMENTS, func() {
+			start := len(w.b)
+			for n < len(elems) && n < maxElemCount && len(w.b)-start < maxElemBytes {
+				w.elem(&elems[n], counting)
+				n++
+			}
+		})
+		elems = elems[n:]
+		b.sent = append(b.sent, netlink.Message{
+			Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_NEWSETELEM), Flags: netlink.Request | netlink.Create},
+			Data:   append([]byte{byte(fam), unix.NFNETLINK_V0, 0, 0}, w.b...),
+		})
+	}
+	return nil
+}
+
+// nftnlUdataSetDataByteorder is libnftnl's NFTNL_UDATA_SET_DATABYTEORDER:
+// how nft reads a map's data. google/nftables v0.3.0 writes only the key's;
+// without it nft prints host-endian data (a mark) byte-reversed.
+const nftnlUdataSetDataByteorder = 1
+
+// hostEndianData adds to the NEWSET message just queued that the set's data
+// is host-endian, as nft itself records it.
+func (b *batchConn) hostEndianData() error {
+	if err := b.Conn.Flush(); err != nil {
+		return err
+	}
+	if len(b.sent) == 0 {
+		return errors.New("nft: no set queued")
+	}
+	m := &b.sent[len(b.sent)-1]
+	if len(m.Data) < 4 || m.Header.Type&0xff != unix.NFT_MSG_NEWSET {
+		return errors.New("nft: the last message is not a new set")
+	}
+	tlv := userdata.AppendUint32(nil, nftnlUdataSetDataByteorder, 1) // BYTEORDER_HOST_ENDIAN
+	var w attrWriter
+	found := false
+	b0 := m.Data[4:]
+	for len(b0) >= 4 {
+		l := int(binary.NativeEndian.Uint16(b0))
+		if l < 4 || l > len(b0) {
+			return errors.New("nft: a malformed new set")
+		}
+		typ, d := binary.NativeEndian.Uint16(b0[2:]), b0[4:l]
+		if typ&^(unix.NLA_F_NESTED|unix.NLA_F_NET_BYTEORDER) == unix.NFTA_SET_USERDATA {
+			found = true
+			d = append(append([]byte(nil), tlv...), d...)
+		}
+		w.attr(typ, d)
+		b0 = b0[min((l+3)&^3, len(b0)):]
+	}
+	if !found {
+		w.attr(unix.NFTA_SET_USERDATA, tlv)
+	}
+	m.Data = append(m.Data[:4:4], w.b...)
+	m.Header.Length = 0 // sending computes it again from Data
+	return nil
 }

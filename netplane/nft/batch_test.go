@@ -25,7 +25,7 @@ func TestBatchCommitReportsErrorsWithoutAcks(t *testing.T) {
 	bad.AddChain(&nftables.Chain{Table: tab, Name: "a"})
 	bad.DelChain(&nftables.Chain{Table: tab, Name: "missing"})
 	bad.AddChain(&nftables.Chain{Table: tab, Name: "b"})
-	err = bad.commit(tp.table.raw)
+	err = bad.commit(tp.table.nl.raw)
 	require.Error(t, err)
 	assert.ErrorIs(t, err, unix.ENOENT)
 	assert.NotContains(t, tp.host.MustRun(t, "nft", "list", "tables"), "brk-batch-test", "an aborted batch applies nothing")
@@ -36,38 +36,41 @@ func TestBatchCommitReportsErrorsWithoutAcks(t *testing.T) {
 	for _, n := range []string{"a", "b", "c"} {
 		good.AddChain(&nftables.Chain{Table: tab, Name: n})
 	}
-	require.NoError(t, good.commit(tp.table.raw))
+	require.NoError(t, good.commit(tp.table.nl.raw))
 	out := tp.host.MustRun(t, "nft", "list", "table", "inet", "brk-batch-test")
 	for _, n := range []string{"chain a", "chain b", "chain c"} {
 		assert.Contains(t, out, n)
 	}
 	// The socket holds no stale reply: a plain request right after works.
-	_, err = genID(tp.table.raw)
+	_, err = genID(tp.table.nl.raw)
 	require.NoError(t, err)
 	tp.host.MustRun(t, "nft", "delete", "table", "inet", "brk-batch-test")
 }
 
-// verify's element count matches what google/nftables decodes, for a set
-// larger than one batch chunk, and sees an element deleted behind our back.
-func TestCountSetElemsMatchesKernel(t *testing.T) {
+// verify's digest counts what google/nftables decodes, for a set larger
+// than one batch chunk, matches the state's, and sees an element deleted
+// behind our back.
+func TestDigestMatchesKernel(t *testing.T) {
 	tp := newTopo(t, 1)
 	var exps []Exposure
 	for i := 0; i < 1500; i++ {
 		exps = append(exps, Exposure{Name: fmt.Sprintf("c%04d", i), Protocol: "tcp", HostPort: uint16(30000 + i), GuestAddr: guestAddr(0), GuestPort: 80})
 	}
 	tp.converge(t, tp.rules(exps...))
-	n, err := countSetElems(tp.table.raw, nftables.TableFamilyINet, compile.MapExpAny)
+	d, err := tp.table.nl.digest(famInet, compile.MapExpAny)
 	require.NoError(t, err)
-	assert.Equal(t, 1500, n)
+	assert.Equal(t, 1500, d.Count)
+	assert.Equal(t, tp.table.state.Digest(compile.MapExpAny), d)
 	var got []nftables.SetElement
-	err = tp.table.nl(func() (err error) {
-		got, err = tp.table.conn.GetSetElements(&nftables.Set{Table: &nftables.Table{Name: compile.TableName, Family: nftables.TableFamilyINet}, Name: compile.MapExpAny})
+	err = tp.table.nl.nl(func() (err error) {
+		got, err = tp.table.nl.conn.GetSetElements(&nftables.Set{Table: &nftables.Table{Name: compile.TableName, Family: nftables.TableFamilyINet}, Name: compile.MapExpAny})
 		return err
 	})
 	require.NoError(t, err)
-	assert.Len(t, got, n)
+	assert.Len(t, got, d.Count)
 	tp.host.MustRun(t, "nft", "delete", "element", "inet", "brokkr", compile.MapExpAny, "{ tcp . 30007 }")
-	n, err = countSetElems(tp.table.raw, nftables.TableFamilyINet, compile.MapExpAny)
+	d, err = tp.table.nl.digest(famInet, compile.MapExpAny)
 	require.NoError(t, err)
-	assert.Equal(t, 1499, n)
+	assert.Equal(t, 1499, d.Count)
+	assert.NotEqual(t, tp.table.state.Digest(compile.MapExpAny), d)
 }

@@ -1,24 +1,21 @@
 package nft
 
 import (
-	"encoding/binary"
 	"errors"
 	"maps"
-	"net/netip"
-	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
-	"github.com/brokkr/brokkr/netplane/nft/compile"
-
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/netplane/conntrack"
-	"github.com/google/nftables"
+	"github.com/brokkr/brokkr/netplane/nft/compile"
 )
 
-// The cap. Each capped exposure has a set `conns-NAME` of size MaxConns
-// holding its open connections, each as its original tuple (source address
-// . destination address . source port; protocol and host port are the
-// exposure's):
+// The set-based cap, the fallback where the BPF nat path cannot load. Each
+// capped exposure has a set `conns-NAME` of size MaxConns holding its open
+// connections, each as its original tuple (source address . destination
+// address . source port; protocol and host port are the exposure's):
 //   - admission (nat prerouting/output, first packet only):
 //     `add @conns-NAME { ip saddr . ip daddr . tcp sport }` fails once the
 //     set is full. The kernel's size check is an atomic compare-and-
@@ -53,8 +50,164 @@ import (
 //     drift, a new size) is seeded in the same batch from conntrack's open
 //     entries carrying the exposure's mark.
 
-type capWatcher struct {
+// SetCap runs the set-based cap beside a Table: its index of the applied
+// exposures (fed by the Table after every batch), the watcher, the slow
+// path and the counters.
+type SetCap struct {
+	k    *nlKernel
 	t    *Table
+	opts setCapOptions
+
+	// idxMu: the applied exposures, as the watcher, the slow path and
+	// Counters look them up.
+	idxMu  sync.RWMutex
+	byID   map[uint32]Exposure // mark id → exposure
+	byHost map[compile.HostSide]string
+
+	sets capSets // the cap sets' members
+
+	// hwMu: the bytes last reported per exposure (reports never go down).
+	hwMu    sync.Mutex
+	bytesHW map[string][2]uint64
+
+	w      atomic.Pointer[capWatcher] // nil once stopped
+	ov     atomic.Pointer[overflow]   // the slow path (TCP): started by the first capped TCP exposure
+	acctOn bool                       // nf_conntrack_acct is on (Table.mu)
+	first  atomic.Bool                // the first batch was applied: the watcher swept once
+}
+
+// SetCapOption configures StartSetCap.
+type SetCapOption func(*setCapOptions)
+
+type setCapOptions struct {
+	carrier      Carrier
+	overflowWait time.Duration
+}
+
+// StartSetCap runs the set-based cap beside t: the watcher now, the slow
+// path with the first capped TCP exposure. t's batches feed its index from
+// then on; Rules with SetBasedCap get its slow path's port.
+func StartSetCap(t *Table, opts ...SetCapOption) (*SetCap, error) {
+	o := setCapOptions{overflowWait: DefaultOverflowWait}
+	for _, f := range opts {
+		f(&o)
+	}
+	if t.nl == nil {
+		return nil, errors.New("nft: the set-based cap needs a table in a namespace")
+	}
+	c := &SetCap{k: t.nl, t: t, opts: o, byID: map[uint32]Exposure{}, byHost: map[compile.HostSide]string{}}
+	c.sets = capSets{k: t.nl, capped: c.capped, dropped: map[string]time.Time{}}
+	w, err := startCapWatcher(c)
+	if err != nil {
+		return nil, err
+	}
+	c.w.Store(w)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.before, t.applied, t.cap = c.before, c.applied, c
+	// What the table holds already (a Converge before the cap started).
+	c.applied(t.appliedAll())
+	return c, nil
+}
+
+// Close stops the watcher and the slow path; the table stays as it is.
+func (c *SetCap) Close() error {
+	c.t.mu.Lock()
+	if c.t.cap == c {
+		c.t.before, c.t.applied, c.t.cap = nil, nil, nil
+	}
+	c.t.mu.Unlock()
+	c.stop()
+	return nil
+}
+
+func (c *SetCap) stop() {
+	if o := c.ov.Swap(nil); o != nil {
+		o.stop()
+	}
+	if w := c.w.Swap(nil); w != nil {
+		w.stop()
+	}
+}
+
+// before starts the slow path the first time r has a capped TCP exposure
+// on the set-based cap (without one nothing is ever redirected to it, and
+// it would hold a port for nothing), and points r at its port (Table.mu).
+func (c *SetCap) before(r *Rules) error {
+	sc, ok := r.Cap.(compile.SetBasedCap)
+	if !ok {
+		return nil
+	}
+	if c.ov.Load() == nil && hasCappedTCP(r.Exposures) {
+		o, err := startOverflow(c, c.readOverflowPort(), c.opts.carrier, c.opts.overflowWait)
+		if err != nil {
+			return err
+		}
+		c.ov.Store(o)
+	}
+	sc.OverflowPort = c.overflowPort()
+	r.Cap = sc
+	return nil
+}
+
+// applied updates the index from a batch's changes (Table.mu).
+func (c *SetCap) applied(changes []compile.Change) {
+	c.idxMu.Lock()
+	for _, ch := range changes {
+		e := ch.Exposure
+		switch ch.Kind {
+		case compile.Removed:
+			if c.byID[e.MarkID].Name == e.Name {
+				delete(c.byID, e.MarkID)
+			}
+			if c.byHost[ch.HostSide] == e.Name {
+				delete(c.byHost, ch.HostSide)
+			}
+		default:
+			for id, old := range c.byID {
+				if old.Name == e.Name && id != e.MarkID {
+					delete(c.byID, id) // its mark changed
+				}
+			}
+			c.byID[e.MarkID] = e
+			c.byHost[ch.HostSide] = e.Name
+		}
+	}
+	c.idxMu.Unlock()
+	if o := c.ov.Load(); o != nil {
+		for _, ch := range changes {
+			if ch.Kind == compile.Removed {
+				o.forget(ch.Exposure.Name)
+			}
+		}
+	}
+	if w := c.w.Load(); !c.first.Swap(true) && w != nil {
+		select {
+		case w.kick <- struct{}{}:
+		default:
+		}
+	}
+	if !c.acctOn {
+		// Bytes per direction come from conntrack accounting, which is per
+		// namespace and exists once nf_conntrack is loaded (by the nat
+		// chains).
+		if err := c.setSysctl("/proc/sys/net/netfilter/nf_conntrack_acct", "1"); err == nil {
+			c.acctOn = true
+		}
+	}
+}
+
+func hasCappedTCP(exps []Exposure) bool {
+	for _, e := range exps {
+		if e.MaxConns > 0 && e.Protocol == "tcp" && !e.LoopbackOnly() {
+			return true
+		}
+	}
+	return false
+}
+
+type capWatcher struct {
+	c    *SetCap
 	w    *conntrack.Watcher
 	done chan struct{}
 	wg   sync.WaitGroup
@@ -69,205 +222,165 @@ type capWatcher struct {
 
 const sweepEvery = 5 * time.Second
 
-func startCapWatcher(t *Table) (*capWatcher, error) {
-	w, err := conntrack.Watch(t.nsPath, compile.MarkOwned, compile.MarkOwned)
+func startCapWatcher(c *SetCap) (*capWatcher, error) {
+	w, err := conntrack.Watch(c.k.nsPath, ctmark.Owned, ctmark.Owned)
 	if err != nil {
 		return nil, err
 	}
-	c := &capWatcher{t: t, w: w, done: make(chan struct{}), kick: make(chan struct{}, 1), ended: map[string][2]uint64{},
+	cw := &capWatcher{c: c, w: w, done: make(chan struct{}), kick: make(chan struct{}, 1), ended: map[string][2]uint64{},
 		released: map[string]bool{}, refused: map[string]uint64{}}
-	c.wg.Add(1)
-	go c.run()
-	return c, nil
+	cw.wg.Add(1)
+	go cw.run()
+	return cw, nil
 }
 
-func (c *capWatcher) stop() {
-	close(c.done)
-	c.wg.Wait()
-	_ = c.w.Close()
+func (cw *capWatcher) stop() {
+	close(cw.done)
+	cw.wg.Wait()
+	_ = cw.w.Close()
 }
 
-func (c *capWatcher) run() {
-	defer c.wg.Done()
+func (cw *capWatcher) run() {
+	defer cw.wg.Done()
 	tick := time.NewTicker(sweepEvery)
 	defer tick.Stop()
 	for {
 		select {
-		case e := <-c.w.C():
+		case e := <-cw.w.C():
 			pending := map[string][][]byte{}
-			c.ended1(e, pending)
+			cw.ended1(e, pending)
 			// Take what else is queued, then commit once.
 		more:
 			for i := 0; i < 4096; i++ {
 				select {
-				case e := <-c.w.C():
-					c.ended1(e, pending)
+				case e := <-cw.w.C():
+					cw.ended1(e, pending)
 				default:
 					break more
 				}
 			}
-			c.release(pending)
-		case <-c.w.Lost():
-			c.sweep(true)
-		case <-c.kick:
+			cw.c.release(pending)
+		case <-cw.w.Lost():
+			cw.sweep(true)
+		case <-cw.kick:
 			// After a (re)start: connections that closed while no watcher
 			// was listening may still hold slots.
-			c.sweep(true)
+			cw.sweep(true)
 		case <-tick.C:
-			c.sweep(false)
-		case <-c.done:
+			cw.sweep(false)
+		case <-cw.done:
 			return
 		}
 	}
 }
 
-func (c *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
-	id := e.Mark & compile.MarkIDMask
+func (cw *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
+	id := e.Mark & ctmark.IDMask
 	if id == 0 {
 		return
 	}
-	t := c.t
-	t.idxMu.RLock()
-	exp, ok := t.byID[id]
-	t.idxMu.RUnlock()
+	exp, ok := cw.c.byMark(id)
 	if ok && e.Destroyed {
-		c.mu.Lock()
-		b := c.ended[exp.Name]
+		cw.mu.Lock()
+		b := cw.ended[exp.Name]
 		b[0] += e.BytesOrig
 		b[1] += e.BytesRepl
-		c.ended[exp.Name] = b
-		c.mu.Unlock()
+		cw.ended[exp.Name] = b
+		cw.mu.Unlock()
 	}
 	if !ok || exp.MaxConns <= 0 {
 		return
 	}
-	closed := e.Destroyed || !e.Open() || e.Mark&compile.MarkClosed == compile.MarkClosed
+	closed := e.Destroyed || !e.Open() || e.Mark&ctmark.Closed == ctmark.Closed
 	if !closed {
 		return
 	}
 	k := compile.ConnKey(e.Orig, e.OrigDst)
-	if c.released[string(k)] {
+	if cw.released[string(k)] {
 		if e.Destroyed {
-			delete(c.released, string(k))
+			delete(cw.released, string(k))
 		}
 		return
 	}
 	if !e.Destroyed {
-		c.released[string(k)] = true
+		cw.released[string(k)] = true
 	}
 	pending[exp.Name] = append(pending[exp.Name], k)
 }
 
-// release deletes ids from cap sets. A batch fails as a whole when one id
-// is already gone, so it is retried id by id.
-func (c *capWatcher) release(pending map[string][][]byte) {
+func (c *SetCap) byMark(id uint32) (Exposure, bool) {
+	c.idxMu.RLock()
+	defer c.idxMu.RUnlock()
+	e, ok := c.byID[id]
+	return e, ok
+}
+
+// release deletes members from cap sets. A batch fails as a whole when one
+// is already gone, so it is retried member by member.
+func (c *SetCap) release(pending map[string][][]byte) {
 	if len(pending) == 0 {
 		return
 	}
-	c.t.capMu.Lock()
-	c.t.releaseLocked(pending)
-	c.t.capMu.Unlock()
-	if o := c.t.ov.Load(); o != nil {
+	c.k.membersMu.Lock()
+	c.sets.releaseLocked(pending)
+	c.k.membersMu.Unlock()
+	if o := c.ov.Load(); o != nil {
 		o.signalFreed() // callers waiting in the slow path look again
 	}
 }
 
 // capped reports whether name is an applied exposure with a cap.
-func (t *Table) capped(name string) bool {
-	t.idxMu.RLock()
-	defer t.idxMu.RUnlock()
-	id, ok := t.ids[name]
-	return ok && t.applied && t.byID[id].MaxConns > 0
+func (c *SetCap) capped(name string) bool {
+	c.idxMu.RLock()
+	defer c.idxMu.RUnlock()
+	for _, e := range c.byID {
+		if e.Name == name {
+			return e.MaxConns > 0
+		}
+	}
+	return false
 }
 
-// releaseLocked deletes connections from cap sets (capMu held).
-func (t *Table) releaseLocked(pending map[string][][]byte) {
-	if len(pending) == 0 {
-		return
-	}
-	inet, _ := t.tables()
-	send := func(set string, keys [][]byte) error {
-		els := make([]nftables.SetElement, len(keys))
-		for i, k := range keys {
-			els[i] = nftables.SetElement{Key: k}
-		}
-		return t.nl(func() error {
-			// The lasting socket: SetDeleteElements only fails before
-			// queuing.
-			if err := t.conn.SetDeleteElements(&nftables.Set{Table: inet, Name: set}, els); err != nil {
-				return err
-			}
-			err := t.conn.Flush()
-			if err == nil {
-				// Each successful batch moves the ruleset generation by
-				// one; Converge discounts these so its fast path stays
-				// valid.
-				t.ownCommits++
-			}
-			return err
-		})
-	}
-	for name, keys := range pending {
-		if !t.capped(name) {
-			continue
-		}
-		// A key the slow path deleted already would fail the batch, and a
-		// failed batch costs the kernel's abort (~10 ms measured).
-		keep := keys[:0:0]
-		for _, k := range keys {
-			if _, ok := t.dropped[name+"\x00"+string(k)]; ok {
-				delete(t.dropped, name+"\x00"+string(k))
-				continue
-			}
-			keep = append(keep, k)
-		}
-		if keys = keep; len(keys) == 0 {
-			continue
-		}
-		if err := send(compile.ConnsSet(name), keys); err != nil && !errors.Is(err, errClosed) && len(keys) > 1 {
-			for _, k := range keys {
-				_ = send(compile.ConnsSet(name), [][]byte{k})
-			}
+// cappedExposures lists the applied exposures that have a cap.
+func (c *SetCap) cappedExposures() []Exposure {
+	c.idxMu.RLock()
+	defer c.idxMu.RUnlock()
+	var out []Exposure
+	for _, e := range c.byID {
+		if e.MaxConns > 0 {
+			out = append(out, e)
 		}
 	}
+	return out
 }
 
 // sweep removes members of cap sets whose connection is gone. all:
 // every capped exposure (after lost events); otherwise only those that
 // refused someone since the last sweep (a leaked slot only matters then).
-func (c *capWatcher) sweep(all bool) {
-	t := c.t
-	var capped []Exposure
-	t.idxMu.RLock()
-	if t.applied {
-		for _, e := range t.byID {
-			if e.MaxConns > 0 {
-				capped = append(capped, e)
-			}
-		}
-	}
-	t.idxMu.RUnlock()
+func (cw *capWatcher) sweep(all bool) {
+	c := cw.c
+	capped := c.cappedExposures()
 	if len(capped) == 0 {
 		return
 	}
-	var counters map[string]counterValue
-	if err := t.nl(func() (err error) { counters, err = t.readCounters(); return err }); err != nil {
+	counters, err := c.k.counters()
+	if err != nil {
 		return
 	}
 	pending := map[string][][]byte{}
-	ov := t.ov.Load()
+	ov := c.ov.Load()
 	for _, e := range capped {
-		r := counters[compile.RefusedCounter(e.Name)].packets
+		r := counters[compile.RefusedCounter(e.Name)].Packets
 		if ov != nil {
 			r += ov.countsOf(e.Name).refused
 		}
-		if !all && r == c.refused[e.Name] {
+		if !all && r == cw.refused[e.Name] {
 			continue
 		}
-		c.refused[e.Name] = r
-		t.capMu.Lock()
-		stale, _, err := t.staleLocked(e)
-		t.capMu.Unlock()
+		cw.refused[e.Name] = r
+		c.k.membersMu.Lock()
+		stale, _, err := c.sets.staleLocked(e)
+		c.k.membersMu.Unlock()
 		if err != nil {
 			continue
 		}
@@ -278,70 +391,17 @@ func (c *capWatcher) sweep(all bool) {
 	c.release(pending)
 }
 
-// staleLocked lists the members of e's cap set whose connection has no
-// conntrack entry or has closed: one GET per member, no dump (capMu held).
-// members is how many the set holds.
-func (t *Table) staleLocked(e Exposure) (stale [][]byte, members int, err error) {
-	inet, _ := t.tables()
-	var els []nftables.SetElement
-	err = t.nl(func() (err error) {
-		els, err = t.conn.GetSetElements(&nftables.Set{Table: inet, Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType})
-		return err
-	})
-	if err != nil {
-		return nil, 0, err
-	}
-	var missing [][]byte
-	check := func(k []byte) (gone, closed bool, err error) {
-		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
-		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
-		en, ok, err := t.ct.Get(compile.ProtoNum(e.Protocol), src, dst)
-		if err != nil {
-			return false, false, err
-		}
-		return !ok, ok && (!en.Open() || en.Mark&compile.MarkClosed == compile.MarkClosed), nil
-	}
-	for _, el := range els {
-		if len(el.Key) != 12 {
-			continue
-		}
-		members++
-		gone, closed, err := check(el.Key)
-		if err != nil {
-			return nil, 0, err
-		}
-		switch {
-		case closed:
-			stale = append(stale, el.Key)
-		case gone:
-			missing = append(missing, el.Key)
-		}
-	}
-	if len(missing) > 0 {
-		// A connection admitted a moment ago is in the set before its
-		// conntrack entry is confirmed (end of the same packet's path):
-		// look again after a short pause before calling it gone.
-		time.Sleep(2 * time.Millisecond)
-		for _, k := range missing {
-			if gone, closed, err := check(k); err == nil && (gone || closed) {
-				stale = append(stale, k)
-			}
-		}
-	}
-	return stale, members, nil
-}
-
 // endedBytes returns (and keeps) the bytes of ended connections.
-func (c *capWatcher) endedBytes(name string) (uint64, uint64) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	b := c.ended[name]
+func (cw *capWatcher) endedBytes(name string) (uint64, uint64) {
+	cw.mu.Lock()
+	defer cw.mu.Unlock()
+	b := cw.ended[name]
 	return b[0], b[1]
 }
 
 // ExposureCounters are one exposure's kernel-path numbers.
 type ExposureCounters struct {
-	Accepted uint64 // connections admitted (named counter NAME-accepted + the cap slow path's)
+	Accepted uint64 // connections admitted (the counter of the exposure's exp-target element + the cap slow path's)
 	Refused  uint64 // connections refused by the cap (named counter NAME-refused + the slow path's)
 	// The named counters' part of Accepted and Refused: absolute in the
 	// kernel, where it outlives the daemon (the slow path's part is this
@@ -353,22 +413,27 @@ type ExposureCounters struct {
 }
 
 // Counters reads every exposure's counters.
-func (t *Table) Counters() (map[string]ExposureCounters, error) {
-	t.idxMu.RLock()
-	applied := t.applied
-	byID := maps.Clone(t.byID) // a snapshot: the reads below take other locks
-	t.idxMu.RUnlock()
+func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
+	c.idxMu.RLock()
+	byID := maps.Clone(c.byID) // a snapshot: the reads below take other locks
+	c.idxMu.RUnlock()
 	out := make(map[string]ExposureCounters, len(byID))
-	if !applied {
+	if len(byID) == 0 {
 		return out, nil
 	}
-	var cv map[string]counterValue
-	if err := t.nl(func() (err error) { cv, err = t.readCounters(); return err }); err != nil {
+	cv, err := c.k.counters()
+	if err != nil {
 		return nil, err
 	}
-	ov, w := t.ov.Load(), t.caps.Load()
+	admitted, err := c.k.elemCounters(compile.MapExpTarget)
+	if err != nil {
+		return nil, err
+	}
+	ov := c.ov.Load()
 	for _, e := range byID {
-		ka, kr := cv[compile.AcceptedCounter(e.Name)].packets, cv[compile.RefusedCounter(e.Name)].packets
+		// Admitted in the kernel: the connections DNATed to the guest, which
+		// is a lookup of the exposure's target element.
+		ka, kr := admitted[string(compile.MarkKey(e.MarkID))].Packets, cv[compile.RefusedCounter(e.Name)].Packets
 		ec := ExposureCounters{Accepted: ka, Refused: kr, KernelAccepted: ka, KernelRefused: kr}
 		if ov != nil {
 			// The slow path decides in userspace: a named counter cannot
@@ -377,24 +442,24 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 			ec.Accepted += oc.accepted
 			ec.Refused += oc.refused
 		}
-		if w != nil {
+		if w := c.w.Load(); w != nil {
 			ec.BytesIn, ec.BytesOut = w.endedBytes(e.Name)
 		}
 		out[e.Name] = ec
 	}
-	entries, err := t.ct.ByMark(compile.MarkOwned, compile.MarkOwned) // brokkr's entries only, filtered in the kernel
+	entries, err := c.k.ct.ByMark(ctmark.Owned, ctmark.Owned) // brokkr's entries only, filtered in the kernel
 	if err != nil {
 		return nil, err
 	}
 	for _, en := range entries {
-		e, ok := byID[en.Mark&compile.MarkIDMask]
+		e, ok := byID[en.Mark&ctmark.IDMask]
 		if !ok {
 			continue
 		}
 		ec := out[e.Name]
 		ec.BytesIn += en.BytesOrig
 		ec.BytesOut += en.BytesRepl
-		if en.Open() && en.Mark&compile.MarkClosed != compile.MarkClosed {
+		if en.Open() && en.Mark&ctmark.Closed != ctmark.Closed {
 			ec.Active++
 		}
 		out[e.Name] = ec
@@ -403,106 +468,15 @@ func (t *Table) Counters() (map[string]ExposureCounters, error) {
 	// briefly in neither (its destroy event not yet counted). Never report
 	// less than before: a reader taking the difference would read a drop as
 	// a reset.
-	t.hwMu.Lock()
-	defer t.hwMu.Unlock()
+	c.hwMu.Lock()
+	defer c.hwMu.Unlock()
 	hw := make(map[string][2]uint64, len(out))
 	for n, ec := range out {
-		prev := t.bytesHW[n]
+		prev := c.bytesHW[n]
 		ec.BytesIn, ec.BytesOut = max(ec.BytesIn, prev[0]), max(ec.BytesOut, prev[1])
 		hw[n] = [2]uint64{ec.BytesIn, ec.BytesOut}
 		out[n] = ec
 	}
-	t.bytesHW = hw
+	c.bytesHW = hw
 	return out, nil
-}
-
-// flushChanged deletes the conntrack entries of every exposure host side
-// that a change (not a repair) created, changed or removed.
-func (t *Table) flushChanged(p *compile.Plan, changed []string, keys map[string]compile.UnitKey) map[string]int {
-	isChange := map[string]bool{}
-	for _, c := range changed {
-		isChange[c] = true
-	}
-	type side = hostSide
-	sides := map[side]string{}
-	for _, set := range []string{compile.MapExpAny, compile.MapExpAddr} {
-		for _, es := range [][]compile.ElemSpec{p.DelElems[set], p.AddElems[set]} {
-			for _, e := range es {
-				if sd, ok := decodeHostSide(set, e.Key); ok {
-					sides[sd] = e.Comment
-				}
-			}
-		}
-	}
-	// An exposure whose chain is new or rewritten: found from the changes
-	// themselves, so a Converge with one change does not walk every
-	// exposure.
-	for _, c := range changed {
-		rest, ok := strings.CutPrefix(c, "chain "+compile.ExpChain(""))
-		if !ok {
-			rest, ok = strings.CutPrefix(c, "rules of chain "+compile.ExpChain(""))
-		}
-		if !ok {
-			continue
-		}
-		for _, what := range []string{" missing", " differs", " differ"} {
-			name, ok := strings.CutSuffix(rest, what)
-			if !ok {
-				continue
-			}
-			if k, ok := keys[name]; ok {
-				sides[hostSideOf(k.Exp)] = k.Exp.Name
-			}
-		}
-	}
-	// Elements repaired (not changed) are dropped from the list: a repair
-	// restores what was there, the flows are still right.
-	for _, d := range p.Diffs {
-		if strings.HasPrefix(d.Object, "element ") && !isChange[d.String()] {
-			for _, set := range []string{compile.MapExpAny, compile.MapExpAddr} {
-				if strings.HasPrefix(d.Object, "element "+set+"[") {
-					name := strings.TrimSuffix(strings.TrimPrefix(d.Object, "element "+set+"["), "]")
-					for k, v := range sides {
-						if v == name {
-							delete(sides, k)
-						}
-					}
-				}
-			}
-		}
-	}
-	if len(sides) == 0 {
-		return nil
-	}
-	list := make([]conntrack.HostSide, 0, len(sides))
-	names := make([]string, 0, len(sides))
-	for s, name := range sides {
-		list = append(list, conntrack.HostSide{Proto: s.proto, Addr: s.addr, Port: s.port})
-		names = append(names, name)
-	}
-	counts, err := t.ct.DeleteHostSides(list)
-	if err != nil {
-		t.log.Warn("nft: conntrack flush failed", "err", err)
-	}
-	out := map[string]int{}
-	for i, n := range counts {
-		out[names[i]] += n
-	}
-	return out
-}
-
-type hostSide struct {
-	proto uint8
-	addr  netip.Addr
-	port  uint16
-}
-
-func decodeHostSide(set string, k []byte) (hostSide, bool) {
-	switch {
-	case set == compile.MapExpAny && len(k) == 8:
-		return hostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
-	case set == compile.MapExpAddr && len(k) == 12:
-		return hostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
-	}
-	return hostSide{}, false
 }

@@ -8,10 +8,12 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 
 	"github.com/brokkr/brokkr/internal/nlsafe"
@@ -67,8 +69,8 @@ import (
 type Carrier func(exposure string, client, guest *net.TCPConn)
 
 // WithOverflow sets the Carrier of the cap's slow path (default: a splice in
-// both directions with half-close, run by the Table).
-func WithOverflow(c Carrier) Option { return func(o *options) { o.carrier = c } }
+// both directions with half-close, run by the SetCap).
+func WithOverflow(c Carrier) SetCapOption { return func(o *setCapOptions) { o.carrier = c } }
 
 // DefaultOverflowWait covers a connection whose last FIN is in flight when
 // the next caller arrives (its peer closes a moment after the caller did).
@@ -81,7 +83,7 @@ const guestDialTimeout = 2 * time.Second
 const recheckEvery = 5 * time.Millisecond
 
 type overflow struct {
-	t     *Table
+	c     *SetCap
 	ln    *net.TCPListener
 	port  uint16
 	carry Carrier
@@ -109,14 +111,14 @@ type ovCount struct{ accepted, refused uint64 }
 // startOverflow listens in the table's namespace, on prevPort when it is
 // still free (the overflow map keeps pointing there across a restart), else
 // on an ephemeral port.
-func startOverflow(t *Table, prevPort uint16, carry Carrier, wait time.Duration) (*overflow, error) {
+func startOverflow(c *SetCap, prevPort uint16, carry Carrier, wait time.Duration) (*overflow, error) {
 	var ln *net.TCPListener
 	if prevPort != 0 {
-		ln, _ = t.listenTCP(prevPort) // taken meanwhile: any port will do
+		ln, _ = c.listenTCP(prevPort) // taken meanwhile: any port will do
 	}
 	if ln == nil {
 		var err error
-		if ln, err = t.listenTCP(0); err != nil {
+		if ln, err = c.listenTCP(0); err != nil {
 			return nil, fmt.Errorf("nft: cap slow-path listener: %w", err)
 		}
 	}
@@ -124,7 +126,7 @@ func startOverflow(t *Table, prevPort uint16, carry Carrier, wait time.Duration)
 		carry = spliceBoth
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	o := &overflow{t: t, ln: ln, port: uint16(ln.Addr().(*net.TCPAddr).Port), carry: carry, wait: wait,
+	o := &overflow{c: c, ln: ln, port: uint16(ln.Addr().(*net.TCPAddr).Port), carry: carry, wait: wait,
 		ctx: ctx, cancel: cancel, held: map[*net.TCPConn]struct{}{}, counts: map[string]*ovCount{},
 		freed: make(chan struct{}), sweptAt: map[string]time.Time{}}
 	o.wg.Add(1)
@@ -155,7 +157,7 @@ func (o *overflow) serve() {
 			}
 			// Out of descriptors or similar: the backlog keeps callers
 			// waiting meanwhile.
-			o.t.log.Warn("nft: cap slow path: accept", "err", err)
+			o.c.t.log.Warn("nft: cap slow path: accept", "err", err)
 			select {
 			case <-time.After(5 * time.Millisecond):
 			case <-o.ctx.Done():
@@ -178,7 +180,7 @@ func (o *overflow) handle(c *net.TCPConn) {
 	local, _ := c.LocalAddr().(*net.TCPAddr)
 	ok := err == nil && local != nil && local.AddrPort() != dst
 	if ok {
-		e, ok = o.t.exposureAt(dst)
+		e, ok = o.c.exposureAt(dst)
 	}
 	if !ok || e.MaxConns <= 0 {
 		// Not redirected by a capped exposure (a direct connection to the
@@ -188,19 +190,19 @@ func (o *overflow) handle(c *net.TCPConn) {
 	}
 	key := compile.ConnKey(src, dst)
 	if !o.admit(e, key, src, dst, t0) {
-		o.t.notMember(e.Name, key)
+		o.c.notMember(e.Name, key)
 		o.count(e.Name, false)
 		reset(c)
 		return
 	}
 	o.count(e.Name, true)
-	guest, err := o.t.dialGuest(o.ctx, netip.AddrPortFrom(e.GuestAddr, e.GuestPort))
+	guest, err := o.c.dialGuest(o.ctx, netip.AddrPortFrom(e.GuestAddr, e.GuestPort))
 	o.record(t0)
 	if err != nil {
 		// Admitted but the guest cannot be reached: the caller learns at
 		// once, and its slot goes back now rather than at the RST's event.
 		reset(c)
-		o.t.dropMember(e.Name, key)
+		o.c.dropMember(e.Name, key)
 		return
 	}
 	if !o.hold(c, guest) {
@@ -220,14 +222,14 @@ func (o *overflow) admit(e Exposure, key []byte, src, dst netip.AddrPort, arrive
 		freed := o.freedChan() // before looking: a release after it wakes us
 		added, err := o.tryAdd(e, key, since)
 		if err != nil {
-			o.t.log.Warn("nft: cap slow path: adding to the cap set", "exposure", e.Name, "err", err)
+			o.c.t.log.Warn("nft: cap slow path: adding to the cap set", "exposure", e.Name, "err", err)
 			return false
 		}
 		if added {
 			// A caller that already closed (its close event came before its
 			// member existed) must not keep the slot.
-			if en, ok, err := o.t.ct.Get(unix.IPPROTO_TCP, src, dst); err == nil && (!ok || !en.Open() || en.Mark&compile.MarkClosed == compile.MarkClosed) {
-				o.t.dropMember(e.Name, key)
+			if en, ok, err := o.c.k.ct.Get(unix.IPPROTO_TCP, src, dst); err == nil && (!ok || !en.Open() || en.Mark&ctmark.Closed == ctmark.Closed) {
+				o.c.dropMember(e.Name, key)
 			}
 			return true
 		}
@@ -260,31 +262,26 @@ func (o *overflow) admit(e Exposure, key []byte, src, dst netip.AddrPort, arrive
 // itself is still the exact, atomic size check (a datapath add may take the
 // last slot between the read and the add: then it fails with ENFILE).
 func (o *overflow) tryAdd(e Exposure, key []byte, since time.Time) (bool, error) {
-	t := o.t
-	t.capMu.Lock()
-	defer t.capMu.Unlock()
-	t.idxMu.RLock()
-	applied := t.applied
-	t.idxMu.RUnlock()
-	if !applied {
-		return false, errors.New("table not applied")
+	c := o.c
+	c.k.membersMu.Lock()
+	defer c.k.membersMu.Unlock()
+	if _, ok := c.byMark(e.MarkID); !ok {
+		return false, errors.New("exposure not applied")
 	}
 	o.mu.Lock()
 	checked := o.sweptAt[e.Name].After(since)
 	o.mu.Unlock()
-	inet, _ := t.tables()
-	set := &nftables.Set{Table: inet, Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType, Concatenation: true}
+	set := &nftables.Set{Table: table(famInet), Name: compile.ConnsSet(e.Name), KeyType: compile.ConnKeyType, Concatenation: true}
 	var members int
 	if checked {
-		var els []nftables.SetElement
-		err := t.nl(func() (err error) { els, err = t.conn.GetSetElements(set); return err })
+		els, err := c.sets.members(e)
 		if err != nil {
 			return false, err
 		}
 		members = len(els)
 	} else {
 		start := time.Now()
-		stale, n, err := t.staleLocked(e)
+		stale, n, err := c.sets.staleLocked(e)
 		if err != nil {
 			return false, err
 		}
@@ -292,7 +289,7 @@ func (o *overflow) tryAdd(e Exposure, key []byte, since time.Time) (bool, error)
 		o.sweptAt[e.Name] = start
 		o.mu.Unlock()
 		if len(stale) > 0 {
-			t.dropLocked(e.Name, stale)
+			c.sets.dropLocked(e.Name, stale)
 			defer o.signalFreed() // others waiting on this exposure
 		}
 		members = n - len(stale)
@@ -300,19 +297,15 @@ func (o *overflow) tryAdd(e Exposure, key []byte, since time.Time) (bool, error)
 	if members >= e.MaxConns {
 		return false, nil
 	}
-	err := t.nl(func() error {
-		if err := t.conn.SetAddElements(set, []nftables.SetElement{{Key: key}}); err != nil {
+	err := c.k.sideCommit(func() error {
+		if err := c.k.conn.SetAddElements(set, []nftables.SetElement{{Key: key}}); err != nil {
 			return err
 		}
-		err := t.conn.Flush()
-		if err == nil {
-			t.ownCommits++
-		}
-		return err
+		return c.k.conn.Flush()
 	})
 	switch {
 	case err == nil:
-		delete(t.dropped, e.Name+"\x00"+string(key))
+		delete(c.sets.dropped, e.Name+"\x00"+string(key))
 		return true, nil
 	case errors.Is(err, unix.ENFILE):
 		return false, nil
@@ -358,17 +351,13 @@ func (o *overflow) countsOf(name string) ovCount {
 	return ovCount{}
 }
 
-// forget drops the counts of exposures that are gone (a new exposure of the
-// same name starts from zero, like its kernel counters).
-func (o *overflow) forget(keep map[string]compile.UnitKey) {
+// forget drops the counts of an exposure that is gone (a new exposure of
+// the same name starts from zero, like its kernel counters).
+func (o *overflow) forget(name string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	for n := range o.counts {
-		if _, ok := keep[n]; !ok {
-			delete(o.counts, n)
-			delete(o.sweptAt, n)
-		}
-	}
+	delete(o.counts, name)
+	delete(o.sweptAt, name)
 }
 
 func (o *overflow) record(t0 time.Time) {
@@ -434,24 +423,27 @@ func origTuple(c *net.TCPConn) (src, dst netip.AddrPort, err error) {
 
 // exposureAt finds the TCP exposure published at dst: one bound to that
 // address first, then one bound to every address.
-func (t *Table) exposureAt(dst netip.AddrPort) (Exposure, bool) {
-	t.idxMu.RLock()
-	defer t.idxMu.RUnlock()
-	if name, ok := t.byHost[hostSide{unix.IPPROTO_TCP, dst.Addr(), dst.Port()}]; ok {
-		return t.byID[t.ids[name]], true
-	}
-	if name, ok := t.byHost[hostSide{unix.IPPROTO_TCP, netip.Addr{}, dst.Port()}]; ok {
-		return t.byID[t.ids[name]], true
+func (c *SetCap) exposureAt(dst netip.AddrPort) (Exposure, bool) {
+	c.idxMu.RLock()
+	defer c.idxMu.RUnlock()
+	for _, a := range []netip.Addr{dst.Addr(), {}} {
+		if name, ok := c.byHost[compile.HostSide{Proto: unix.IPPROTO_TCP, Addr: a, Port: dst.Port()}]; ok {
+			for _, e := range c.byID {
+				if e.Name == name {
+					return e, true
+				}
+			}
+		}
 	}
 	return Exposure{}, false
 }
 
 // dropMember deletes one member of an exposure's cap set from the slow path.
-func (t *Table) dropMember(name string, key []byte) {
-	t.capMu.Lock()
-	t.dropLocked(name, [][]byte{key})
-	t.capMu.Unlock()
-	if o := t.ov.Load(); o != nil {
+func (c *SetCap) dropMember(name string, key []byte) {
+	c.k.membersMu.Lock()
+	c.sets.dropLocked(name, [][]byte{key})
+	c.k.membersMu.Unlock()
+	if o := c.ov.Load(); o != nil {
 		o.signalFreed()
 	}
 }
@@ -459,81 +451,26 @@ func (t *Table) dropMember(name string, key []byte) {
 // notMember records a refused caller: its connection carries the
 // exposure's mark, so its close event reaches the watcher, which must not try
 // to delete a member that never was.
-func (t *Table) notMember(name string, key []byte) {
-	t.capMu.Lock()
-	t.noteDroppedLocked(name, [][]byte{key})
-	t.capMu.Unlock()
-}
-
-// noteDroppedLocked remembers keys the watcher must not delete. Their close
-// (or destroy) event removes them; those whose event never comes (no entry
-// left, a connection older than the watcher) are forgotten after a minute
-// (capMu held).
-func (t *Table) noteDroppedLocked(name string, keys [][]byte) {
-	now := time.Now()
-	if now.Sub(t.droppedPruned) > 10*time.Second {
-		t.droppedPruned = now
-		for k, at := range t.dropped {
-			if now.Sub(at) > time.Minute {
-				delete(t.dropped, k)
-			}
-		}
-	}
-	for _, k := range keys {
-		t.dropped[name+"\x00"+string(k)] = now
-	}
-}
-
-// dropLocked deletes members the slow path found closed (they are in the
-// set: capMu is held since they were read) and remembers them, so the
-// watcher does not delete them again when their close event arrives.
-func (t *Table) dropLocked(name string, keys [][]byte) {
-	for _, k := range keys {
-		delete(t.dropped, name+"\x00"+string(k)) // deleted before and back since: delete it now
-	}
-	t.releaseLocked(map[string][][]byte{name: keys})
-	t.noteDroppedLocked(name, keys)
+func (c *SetCap) notMember(name string, key []byte) {
+	c.k.membersMu.Lock()
+	c.sets.noteDroppedLocked(name, [][]byte{key})
+	c.k.membersMu.Unlock()
 }
 
 // overflowPort is the port the overflow map points at (0: no slow path).
-func (t *Table) overflowPort() uint16 {
-	if o := t.ov.Load(); o != nil {
+func (c *SetCap) overflowPort() uint16 {
+	if o := c.ov.Load(); o != nil {
 		return o.port
 	}
 	return 0
 }
 
-// startOverflowFor starts the slow path the first time r has a capped TCP
-// exposure on the set-based cap: without one nothing is ever redirected to
-// it, and it would hold a port for nothing (applyMu held).
-func (t *Table) startOverflowFor(r Rules) error {
-	if t.ov.Load() != nil || !t.opts.capWatcher || r.KernelCap || !hasCappedTCP(r.Exposures) {
-		return nil
-	}
-	o, err := startOverflow(t, t.readOverflowPort(), t.opts.carrier, t.opts.overflowWait)
-	if err != nil {
-		return err
-	}
-	t.ov.Store(o)
-	return nil
-}
-
-func hasCappedTCP(exps []Exposure) bool {
-	for _, e := range exps {
-		if e.MaxConns > 0 && e.Protocol == "tcp" && !e.LoopbackOnly() {
-			return true
-		}
-	}
-	return false
-}
-
 // readOverflowPort reads the port the overflow map of an existing table
 // points at (a previous process's listener), 0 if none.
-func (t *Table) readOverflowPort() uint16 {
-	inet, _ := t.tables()
+func (c *SetCap) readOverflowPort() uint16 {
 	var els []nftables.SetElement
-	err := t.nl(func() (err error) {
-		els, err = t.conn.GetSetElements(&nftables.Set{Table: inet, Name: compile.MapOverflow, IsMap: true,
+	err := c.k.nl(func() (err error) {
+		els, err = c.k.conn.GetSetElements(&nftables.Set{Table: table(famInet), Name: compile.MapOverflow, IsMap: true,
 			KeyType: nftables.TypeInetProto, DataType: nftables.TypeInetService})
 		return err
 	})
@@ -548,9 +485,9 @@ func (t *Table) readOverflowPort() uint16 {
 	return 0
 }
 
-func (t *Table) listenTCP(port uint16) (*net.TCPListener, error) {
+func (c *SetCap) listenTCP(port uint16) (*net.TCPListener, error) {
 	var ln net.Listener
-	err := t.inNS(func() (err error) {
+	err := c.inNS(func() (err error) {
 		ln, err = net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", port))
 		return err
 	})
@@ -561,22 +498,28 @@ func (t *Table) listenTCP(port uint16) (*net.TCPListener, error) {
 }
 
 // dialGuest connects to a guest from the managed namespace.
-func (t *Table) dialGuest(ctx context.Context, a netip.AddrPort) (*net.TCPConn, error) {
-	var c net.Conn
+func (c *SetCap) dialGuest(ctx context.Context, a netip.AddrPort) (*net.TCPConn, error) {
+	var conn net.Conn
 	d := net.Dialer{Timeout: guestDialTimeout}
-	err := t.inNS(func() (err error) {
-		c, err = d.DialContext(ctx, "tcp4", a.String())
+	err := c.inNS(func() (err error) {
+		conn, err = d.DialContext(ctx, "tcp4", a.String())
 		return err
 	})
 	if err != nil {
 		return nil, err
 	}
-	return c.(*net.TCPConn), nil
+	return conn.(*net.TCPConn), nil
 }
 
-// inNS runs fn on a thread in the table's namespace (sockets keep the
+// inNS runs fn on a thread in the managed namespace (sockets keep the
 // namespace they were made in).
-func (t *Table) inNS(fn func() error) error { return nlsafe.Do(t.nsPath, fn) }
+func (c *SetCap) inNS(fn func() error) error { return nlsafe.Do(c.k.nsPath, fn) }
+
+// setSysctl writes a per-namespace sysctl in the managed namespace
+// (/proc/sys/net follows the thread's network namespace).
+func (c *SetCap) setSysctl(path, value string) error {
+	return c.inNS(func() error { return os.WriteFile(path, []byte(value), 0o644) })
+}
 
 // spliceBoth is the default Carrier: both directions, each half-closed at
 // its EOF; any error ends the whole connection.

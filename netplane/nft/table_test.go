@@ -3,6 +3,7 @@ package nft
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -15,10 +16,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 
 	"github.com/brokkr/brokkr/internal/nstest"
-	"github.com/google/nftables"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -44,7 +45,7 @@ func TestDNATTCPUDPAndHairpin(t *testing.T) {
 		Exposure{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: guestAddr(0), GuestPort: 53},
 		Exposure{Name: "web2", Protocol: "tcp", HostPort: 8082, GuestAddr: guestAddr(1), GuestPort: 80}))
 	assert.Empty(t, res.Repaired)
-	assert.NotEmpty(t, res.Changed)
+	assert.Len(t, res.Changes, 3)
 
 	tag, err := dialTag(tp.client, "10.99.0.1:8080")
 	require.NoError(t, err)
@@ -65,7 +66,7 @@ func TestDNATTCPUDPAndHairpin(t *testing.T) {
 	_, err = dialTag(tp.client, "10.99.0.1:80")
 	assert.Error(t, err)
 
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(3), c["web"].Accepted, "client, hairpin x2")
 	assert.Equal(t, uint64(1), c["dns"].Accepted)
@@ -75,7 +76,7 @@ func TestDNATTCPUDPAndHairpin(t *testing.T) {
 	res = tp.converge(t, tp.rules(web(0),
 		Exposure{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: guestAddr(0), GuestPort: 53},
 		Exposure{Name: "web2", Protocol: "tcp", HostPort: 8082, GuestAddr: guestAddr(1), GuestPort: 80}))
-	assert.Empty(t, res.Changed)
+	assert.Empty(t, res.Changes)
 	assert.Empty(t, res.Repaired)
 }
 
@@ -107,7 +108,7 @@ func TestCapRefusesAndCounts(t *testing.T) {
 	assert.Equal(t, 0, ok)
 	assert.Equal(t, 1, refused, "the 4th is reset")
 	closeB()
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(3), c["web"].Accepted)
 	assert.Equal(t, uint64(1), c["web"].Refused)
@@ -150,11 +151,11 @@ func TestCapSequentialShortConnections(t *testing.T) {
 	}))
 	elapsed := time.Since(t0)
 	assert.Zero(t, failed, "refused %d of 1000 (first: %v)", failed, first)
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1000), c["web"].Accepted)
 	assert.Zero(t, c["web"].Refused)
-	ov := tp.table.ov.Load()
+	ov := tp.cap.ov.Load()
 	n := ov.decisions.Load()
 	var mean time.Duration
 	if n > 0 {
@@ -179,22 +180,26 @@ func TestCapBurstAndSurvivesConverge(t *testing.T) {
 	assert.Equal(t, 40, refused)
 
 	// Another exposure added: an incremental change.
-	r.Exposures = append(r.Exposures, Exposure{Name: "other", Protocol: "tcp", HostPort: 9000, GuestAddr: guestAddr(0), GuestPort: 80})
+	r.Exposures = append(r.Exposures, Exposure{Name: "other", Protocol: "tcp", HostPort: 9000, GuestAddr: guestAddr(0), GuestPort: 80, MarkID: tp.mark("other")})
 	tp.converge(t, r)
 	ok, _, cl := openConns(t, tp.client, dst, 3)
 	cl()
 	assert.Zero(t, ok, "after an incremental change")
 
 	// Whole-table replace (the fallback path) re-seeds the set from conntrack.
-	tp.table.applyMu.Lock()
-	var counters map[string]counterValue
-	require.NoError(t, tp.table.nl(func() (err error) { counters, err = tp.table.readCounters(); return err }))
-	ids := compile.AssignIDs(r.Exposures, tp.table.ids)
-	dI, dB, err := compile.Desired(r, ids, tp.table.overflowPort())
-	require.NoError(t, err)
-	require.NoError(t, tp.table.applyPlans(compile.MakePlan(dI, compile.EmptyObserved()), compile.MakePlan(dB, compile.EmptyObserved()), ids, counters))
-	tp.table.genValid = false
-	tp.table.applyMu.Unlock()
+	func() {
+		tp.table.mu.Lock()
+		defer tp.table.mu.Unlock()
+		counts, err := tp.table.k.counts(tp.table.state.CountingSets())
+		require.NoError(t, err)
+		rr := r
+		rr.Cap = tp.table.fixed.Cap
+		p, err := tp.table.state.Plan(rr, nil)
+		require.NoError(t, err)
+		require.True(t, p.Empty(), "%v", p.Ops)
+		require.NoError(t, tp.table.k.apply(p.Replacement(counts)))
+		tp.table.genValid = false
+	}()
 	ok, _, cl = openConns(t, tp.client, dst, 3)
 	cl()
 	assert.Zero(t, ok, "after a whole-table replace")
@@ -204,11 +209,12 @@ func TestCapBurstAndSurvivesConverge(t *testing.T) {
 	tp.host.MustRun(t, "nft", "flush", "table", "inet", "brokkr")
 	res := tp.converge(t, r)
 	assert.NotEmpty(t, res.Repaired)
+	assert.Empty(t, res.Changes)
 	ok, _, cl = openConns(t, tp.client, dst, 3)
 	cl()
 	assert.Zero(t, ok, "after repairing a flushed table")
 
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(10), c["web"].Active)
 	assert.GreaterOrEqual(t, c["web"].Refused, uint64(40), "counter values survive the replace")
@@ -235,25 +241,26 @@ func TestDriftRepaired(t *testing.T) {
 	}{
 		{"flush table", []string{"nft", "flush", "table", "inet", "brokkr"}, "rules of chain prerouting differ"},
 		{"delete element", []string{"nft", "delete", "element", "inet", "brokkr", "exp-any", "{", "tcp", ".", "8080", "}"}, "element exp-any[web] missing"},
-		{"delete rule chain", []string{"sh", "-c", "nft delete element inet brokkr exp-any '{ tcp . 8080 }' && nft delete chain inet brokkr exp-web"}, "chain exp-web missing"},
+		{"delete cap chain", []string{"sh", "-c", fmt.Sprintf("nft delete element inet brokkr exp-cap '{ 0x%08x }' && nft delete chain inet brokkr cap-web",
+			ctmark.Owned|tp.mark("web"))}, "chain cap-web missing"},
 		{"delete table", []string{"nft", "delete", "table", "inet", "brokkr"}, "table inet brokkr missing"},
 		{"bridge table", []string{"nft", "delete", "table", "bridge", "brokkr"}, "table bridge brokkr missing"},
 	} {
 		tp.host.MustRun(t, tc.cmd[0], tc.cmd[1:]...)
 		res := tp.converge(t, r)
-		assert.Contains(t, res.Repaired, tc.want, tc.name)
-		assert.Empty(t, res.Changed, tc.name)
+		assert.Contains(t, repaired(res), tc.want, tc.name)
+		assert.Empty(t, res.Changes, tc.name)
 		works()
 		res = tp.converge(t, r)
 		assert.Empty(t, res.Repaired, tc.name+": second converge")
 		// The same, read back from the kernel instead of trusted: the
 		// repaired tables compare equal object by object.
-		tp.table.applyMu.Lock()
+		tp.table.mu.Lock()
 		tp.table.genValid = false
-		tp.table.applyMu.Unlock()
+		tp.table.mu.Unlock()
 		res = tp.converge(t, r)
 		assert.Empty(t, res.Repaired, tc.name+": full re-read")
-		assert.Empty(t, res.Changed, tc.name+": full re-read")
+		assert.Empty(t, res.Changes, tc.name+": full re-read")
 	}
 }
 
@@ -434,34 +441,84 @@ func TestAntiSpoofAndIsolation(t *testing.T) {
 	assert.Error(t, err, "guest reached another guest while isolated")
 }
 
-// When the incremental batch fails, both tables are replaced in one batch:
-// here a foreign chain inside brokkr's table jumps to an exposure chain that
-// is being removed, so deleting that chain fails (EBUSY) in the incremental
-// batch; the replace removes both. Counter values survive the replace.
+// A foreign chain inside brokkr's table that jumps to the cap chain of an
+// exposure being removed does not fail the batch: every chain that goes is
+// flushed before anything it references goes, so the foreign chain is
+// deleted as drift and the cap chain after it.
+func TestForeignChainReferencingARemovedChainIsDrift(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	keep := Exposure{Name: "keep", Protocol: "tcp", HostPort: 9000, GuestAddr: guestAddr(0), GuestPort: 80}
+	tp.converge(t, tp.rules(web(5), keep))
+	tp.host.MustRun(t, "nft", "add", "chain", "inet", "brokkr", "zz-foreign")
+	tp.host.MustRun(t, "nft", "add", "rule", "inet", "brokkr", "zz-foreign", "jump", "cap-web")
+	res := tp.converge(t, tp.rules(keep))
+	require.NoError(t, res.Replaced)
+	require.Len(t, res.Changes, 1)
+	assert.Equal(t, "web", res.Changes[0].Exposure.Name)
+	assert.Equal(t, compile.Removed, res.Changes[0].Kind)
+	assert.Contains(t, repaired(res), "chain zz-foreign unexpected")
+	out := tp.host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
+	assert.NotContains(t, out, "zz-foreign")
+	assert.NotContains(t, out, "cap-web")
+	tag, err := dialTag(tp.client, "10.99.0.1:9000")
+	require.NoError(t, err)
+	assert.Equal(t, "g1", tag)
+}
+
+// failFirst fails the first batch it is given, then is the kernel.
+type failFirst struct {
+	kernel
+	failed bool
+}
+
+var errInjected = errors.New("injected: the incremental batch failed")
+
+func (f *failFirst) apply(ops []compile.Op) error {
+	if !f.failed {
+		f.failed = true
+		return errInjected
+	}
+	return f.kernel.apply(ops)
+}
+
+// When the incremental batch fails, both tables are replaced in one batch
+// (made by the real kernel here: the failure is injected), and the
+// counters' values survive the replace, the named ones and those of the
+// elements alike.
 func TestFallbackWholeTableReplace(t *testing.T) {
 	tp := newTopo(t, 1)
 	serveTCP(t, tp.guests[0], ":80", "g1")
 	keep := Exposure{Name: "keep", Protocol: "tcp", HostPort: 9000, GuestAddr: guestAddr(0), GuestPort: 80}
-	tp.converge(t, tp.rules(web(0), keep))
+	capped := web(1)
+	tp.converge(t, tp.rules(capped, keep))
 	_, err := dialTag(tp.client, "10.99.0.1:9000")
 	require.NoError(t, err)
-	tp.host.MustRun(t, "nft", "add", "chain", "inet", "brokkr", "zz-foreign")
-	tp.host.MustRun(t, "nft", "add", "rule", "inet", "brokkr", "zz-foreign", "jump", "exp-web")
-	res := tp.converge(t, tp.rules(keep))
-	require.Error(t, res.Replaced, "the incremental batch must have failed")
-	assert.Contains(t, res.Changed, "chain exp-web unexpected")
-	assert.Contains(t, res.Repaired, "chain zz-foreign unexpected")
-	out := tp.host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
-	assert.NotContains(t, out, "zz-foreign")
-	assert.NotContains(t, out, "exp-web")
-	tag, err := dialTag(tp.client, "10.99.0.1:9000")
+	ok, refused, cl := openConns(t, tp.client, netip.MustParseAddrPort("10.99.0.1:8080"), 2)
+	cl()
+	require.Equal(t, 1, ok)
+	require.Equal(t, 1, refused)
+	before, err := tp.cap.Counters()
 	require.NoError(t, err)
-	assert.Equal(t, "g1", tag)
-	c, err := tp.table.Counters()
+	require.Equal(t, uint64(1), before["keep"].Accepted)
+
+	tp.table.mu.Lock()
+	tp.table.k = &failFirst{kernel: tp.table.k}
+	tp.table.mu.Unlock()
+	more := Exposure{Name: "more", Protocol: "tcp", HostPort: 9001, GuestAddr: guestAddr(0), GuestPort: 80}
+	res := tp.converge(t, tp.rules(capped, keep, more))
+	require.ErrorIs(t, res.Replaced, errInjected)
+	for _, port := range []string{"9000", "9001"} {
+		tag, err := dialTag(tp.client, "10.99.0.1:"+port)
+		require.NoError(t, err, port)
+		assert.Equal(t, "g1", tag)
+	}
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
-	assert.Equal(t, uint64(2), c["keep"].Accepted, "kept across the replace")
-	res = tp.converge(t, tp.rules(keep))
-	assert.Empty(t, res.Changed)
+	assert.Equal(t, uint64(2), c["keep"].Accepted, "an element's counter is kept across the replace")
+	assert.Equal(t, before["web"].Refused, c["web"].Refused, "and a named counter")
+	res = tp.converge(t, tp.rules(capped, keep, more))
+	assert.Empty(t, res.Changes)
 	assert.Empty(t, res.Repaired)
 	assert.NoError(t, res.Replaced)
 }
@@ -489,20 +546,18 @@ func TestCountersActiveAndBytes(t *testing.T) {
 	// A flow brokkr did not mark, whose mark another tool set to the same
 	// low bits as web's id, is not web's: counters ask the kernel for
 	// brokkr's entries only (MarkOwned), not for every flow of the host.
-	tp.table.idxMu.RLock()
-	id := tp.table.ids["web"]
-	tp.table.idxMu.RUnlock()
+	id := tp.mark("web")
 	tp.host.MustRun(t, "conntrack", "-I", "-p", "tcp", "-s", "10.99.0.7", "-d", "10.99.0.1", "--sport", "40000",
 		"--dport", "8080", "-t", "120", "--state", "ESTABLISHED", "--mark", strconv.FormatUint(uint64(id), 10))
 	require.Eventually(t, func() bool {
-		c, err := tp.table.Counters()
+		c, err := tp.cap.Counters()
 		return err == nil && c["web"].Active == 3 && c["web"].BytesIn >= 30000 && c["web"].BytesOut >= 30000
 	}, 3*time.Second, 50*time.Millisecond)
 	for _, c := range conns {
 		c.Close()
 	}
 	require.Eventually(t, func() bool {
-		c, err := tp.table.Counters()
+		c, err := tp.cap.Counters()
 		return err == nil && c["web"].Active == 0 && c["web"].BytesIn >= 30000 && c["web"].Accepted == 3
 	}, 3*time.Second, 50*time.Millisecond)
 }
@@ -528,12 +583,11 @@ func TestCapAfterRestart(t *testing.T) {
 	cl()
 	require.Zero(t, ok, "without a watcher the closed connection still holds its slot")
 
-	tb, err := Open(tp.host.Path)
-	require.NoError(t, err)
-	defer tb.Close()
-	tp.table = tb
+	tp.open(t)
 	res := tp.converge(t, r)
-	assert.Empty(t, res.Changed, "a restart changes nothing in the tables")
+	for _, c := range res.Changes {
+		assert.False(t, c.Flush, "a restart changes nothing in the tables: %v", c)
+	}
 	var closeC func()
 	require.Eventually(t, func() bool {
 		ok, _, cl := openConns(t, tp.client, dst, 1)
@@ -553,14 +607,14 @@ func TestCapAfterRestart(t *testing.T) {
 // membersOf counts the cap set's members.
 func membersOf(t *testing.T, tb *Table, name string) int {
 	t.Helper()
-	inet, _ := tb.tables()
-	var els []nftables.SetElement
-	require.NoError(t, tb.nl(func() (err error) {
-		els, err = tb.conn.GetSetElements(&nftables.Set{Table: inet, Name: compile.ConnsSet(name), KeyType: compile.ConnKeyType})
-		return err
-	}))
+	els, err := tb.cap.sets.members(Exposure{Name: name})
+	require.NoError(t, err)
 	return len(els)
 }
+
+// stopWatcher stops the set-based cap's watcher: nothing frees the places
+// of closed connections in the kernel any more.
+func stopWatcher(tb *Table) { tb.cap.w.Swap(nil).stop() }
 
 // With the watcher stopped, nothing frees a closed connection's slot in the
 // kernel: every caller after the first reaches the slow path, which must
@@ -574,7 +628,7 @@ func TestCapSlowPathAlone(t *testing.T) {
 	tp := newTopo(t, 2)
 	serveTCP(t, tp.guests[0], ":80", "g1")
 	tp.converge(t, tp.rules(web(1)))
-	tp.table.caps.Swap(nil).stop()
+	stopWatcher(tp.table)
 
 	require.NoError(t, tp.client.Do(func() error {
 		for i := 0; i < 20; i++ {
@@ -604,7 +658,7 @@ func TestCapSlowPathAlone(t *testing.T) {
 		closeA = cl
 		return true
 	}, 2*time.Second, 10*time.Millisecond)
-	before, err := tp.table.Counters()
+	before, err := tp.cap.Counters()
 	require.NoError(t, err)
 	ok, refused, cl := openConns(t, tp.client, dst, 1)
 	cl()
@@ -617,18 +671,18 @@ func TestCapSlowPathAlone(t *testing.T) {
 		return ok == 1
 	}, 2*time.Second, 10*time.Millisecond, "admitted once the holder closed")
 
-	c, err := tp.table.Counters()
+	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, before["web"].Refused+1, c["web"].Refused, "the slow path's refusal is counted")
 	assert.GreaterOrEqual(t, c["web"].Accepted, uint64(20+2+1+1))
 	assert.LessOrEqual(t, membersOf(t, tp.table, "web"), 1)
 
-	ov := tp.table.ov.Load()
+	ov := tp.cap.ov.Load()
 	t.Logf("%d admitted by the slow path alone: accept to guest dialed mean %v, max %v", ov.decisions.Load(),
 		time.Duration(ov.decideNs.Load()/max(1, ov.decisions.Load())), time.Duration(ov.maxNs.Load()))
-	_, err = dialTag(tp.client, fmt.Sprintf("10.99.0.1:%d", tp.table.overflowPort()))
+	_, err = dialTag(tp.client, fmt.Sprintf("10.99.0.1:%d", tp.cap.overflowPort()))
 	assert.Error(t, err, "a direct connection to the listener is not carried")
-	c2, err := tp.table.Counters()
+	c2, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, c["web"].Refused, c2["web"].Refused)
 }
@@ -644,13 +698,13 @@ func TestCapSlowPathSlotReleasedOnClose(t *testing.T) {
 	// A lives and closes while no watcher listens: its slot stays taken in
 	// the kernel. (The kernel only gives a connection conntrack events if a
 	// listener existed when it was created.)
-	tp.table.caps.Swap(nil).stop()
+	stopWatcher(tp.table)
 	ok, _, closeA := openConns(t, tp.client, dst, 1)
 	require.Equal(t, 1, ok)
 	closeA()
-	w, err := startCapWatcher(tp.table)
+	w, err := startCapWatcher(tp.table.cap)
 	require.NoError(t, err)
-	tp.table.caps.Store(w)
+	tp.cap.w.Store(w)
 
 	var closeB func()
 	require.Eventually(t, func() bool {
@@ -662,7 +716,7 @@ func TestCapSlowPathSlotReleasedOnClose(t *testing.T) {
 		closeB = cl
 		return true
 	}, 2*time.Second, 10*time.Millisecond)
-	require.Equal(t, uint64(1), tp.table.ov.Load().countsOf("web").accepted, "B came through the slow path")
+	require.Equal(t, uint64(1), tp.cap.ov.Load().countsOf("web").accepted, "B came through the slow path")
 	ok, refused, cl := openConns(t, tp.client, dst, 1)
 	cl()
 	assert.Equal(t, 0, ok, "B holds the only slot")
@@ -683,17 +737,15 @@ func TestCapSlowPathCarrier(t *testing.T) {
 	require.NoError(t, tp.table.Close())
 	var mu sync.Mutex
 	var got []string
-	tb, err := Open(tp.host.Path, WithOverflow(func(exposure string, client, guest *net.TCPConn) {
+	tp.open(t, WithOverflow(func(exposure string, client, guest *net.TCPConn) {
 		mu.Lock()
 		got = append(got, exposure+" -> "+guest.RemoteAddr().String())
 		mu.Unlock()
 		spliceBoth(exposure, client, guest)
 	}))
-	require.NoError(t, err)
-	defer tb.Close()
-	tp.table = tb
+	tb := tp.table
 	tp.converge(t, tp.rules(web(1)))
-	tb.caps.Swap(nil).stop() // nothing frees slots in the kernel: every caller after the first takes the slow path
+	stopWatcher(tb) // nothing frees slots in the kernel: every caller after the first takes the slow path
 	for i := 0; i < 3; i++ {
 		var tag string
 		require.Eventually(t, func() bool {
@@ -719,20 +771,19 @@ func TestOverflowListenerOnlyWithCappedTCP(t *testing.T) {
 	}
 	udpCapped := Exposure{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: guestAddr(0), GuestPort: 53, MaxConns: 4}
 	kernel := tp.rules(web(3))
-	kernel.KernelCap = true
-	kernel.Exposures[0].MarkID = 1
+	kernel.Cap = MarksOnly{}
 	for name, r := range map[string]Rules{"no exposures": tp.rules(), "uncapped": tp.rules(web(0)),
 		"capped udp": tp.rules(udpCapped), "kernel cap": kernel} {
 		tp.converge(t, r)
-		assert.Nil(t, tp.table.ov.Load(), name)
+		assert.Nil(t, tp.cap.ov.Load(), name)
 		assert.Empty(t, strings.TrimSpace(listening()), name+": no TCP listener in the namespace")
-		if !r.KernelCap {
+		if _, set := r.Cap.(SetBasedCap); set {
 			assert.NotContains(t, overflowMap(), "elements", name)
 		}
 	}
 
 	tp.converge(t, tp.rules(web(3)))
-	o := tp.table.ov.Load()
+	o := tp.cap.ov.Load()
 	require.NotNil(t, o, "a capped TCP exposure starts the slow path")
 	port := strconv.Itoa(int(o.port))
 	assert.Contains(t, listening(), ":"+port)
@@ -740,7 +791,7 @@ func TestOverflowListenerOnlyWithCappedTCP(t *testing.T) {
 	// It stays while the table is open: a cap that comes back finds the
 	// same port.
 	tp.converge(t, tp.rules(web(0)))
-	assert.Same(t, o, tp.table.ov.Load())
+	assert.Same(t, o, tp.cap.ov.Load())
 }
 
 // Converge, Counters, the watcher and the slow path run at once without
@@ -761,7 +812,7 @@ func TestConcurrentConvergeCountersAndSlowPath(t *testing.T) {
 				return
 			default:
 			}
-			_, err := tp.table.Counters()
+			_, err := tp.cap.Counters()
 			assert.NoError(t, err)
 		}
 	})
@@ -774,7 +825,8 @@ func TestConcurrentConvergeCountersAndSlowPath(t *testing.T) {
 			}
 			rr := r
 			rr.Exposures = append([]Exposure{}, r.Exposures...)
-			rr.Exposures = append(rr.Exposures, Exposure{Name: "x" + strconv.Itoa(i%3), Protocol: "tcp", HostPort: uint16(9000 + i%3), GuestAddr: guestAddr(0), GuestPort: 80})
+			rr.Exposures = append(rr.Exposures, Exposure{Name: "x" + strconv.Itoa(i%3), Protocol: "tcp", HostPort: uint16(9000 + i%3),
+				GuestAddr: guestAddr(0), GuestPort: 80, MarkID: uint32(100 + i%3)})
 			_, err := tp.table.Converge(rr)
 			assert.NoError(t, err)
 		}

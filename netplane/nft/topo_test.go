@@ -25,6 +25,8 @@ type topo struct {
 	guests       []*nstest.NS
 	macs         []net.HardwareAddr
 	table        *Table
+	cap          *SetCap
+	marks        map[string]uint32 // each exposure's mark id, by name, given on first sight
 }
 
 func guestAddr(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 213, 0, byte(11 + i)}) }
@@ -33,7 +35,7 @@ func guestPort(i int) string     { return fmt.Sprintf("g%dp", i+1) }
 func newTopo(t *testing.T, nGuests int) *topo {
 	t.Helper()
 	nstest.RequireRoot(t)
-	tp := &topo{client: nstest.New(t, "cli"), host: nstest.New(t, "host")}
+	tp := &topo{client: nstest.New(t, "cli"), host: nstest.New(t, "host"), marks: map[string]uint32{}}
 	nstest.Link(t, tp.client, "eth0", "10.99.0.2/24", tp.host, "vh-cli", "10.99.0.1/24")
 	tp.client.MustRun(t, "ip", "route", "add", "default", "via", "10.99.0.1")
 	tp.host.MustRun(t, "ip", "link", "add", "br0", "type", "bridge")
@@ -63,20 +65,54 @@ func newTopo(t *testing.T, nGuests int) *topo {
 		tp.guests = append(tp.guests, g)
 		tp.macs = append(tp.macs, mac)
 	}
-	tb, err := Open(tp.host.Path)
-	require.NoError(t, err)
-	t.Cleanup(func() { tb.Close() })
-	tp.table = tb
+	tp.open(t)
 	return tp
 }
 
+// open opens the host's table with the set-based cap beside it (the cap
+// these tests exercise; the nat path's is bpf's), closed when the test ends.
+func (tp *topo) open(t *testing.T, opts ...SetCapOption) {
+	t.Helper()
+	tb, err := Open(tp.host.Path)
+	require.NoError(t, err)
+	t.Cleanup(func() { tb.Close() })
+	c, err := StartSetCap(tb, opts...)
+	require.NoError(t, err)
+	tp.table, tp.cap = tb, c
+}
+
+// rules is the topology's rules with exps; each exposure without a mark id
+// gets its name's (as the plane hands over each exposure's counter slot).
 func (tp *topo) rules(exps ...Exposure) Rules {
+	for i := range exps {
+		if exps[i].MarkID == 0 {
+			exps[i].MarkID = tp.mark(exps[i].Name)
+		}
+	}
 	r := Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
-		Masquerade: true, DHCP: true, Exposures: exps}
+		Masquerade: true, DHCP: true, Exposures: exps, Cap: SetBasedCap{}}
 	for i := range tp.guests {
 		r.Guests = append(r.Guests, Guest{Name: fmt.Sprintf("g%d", i+1), Tap: guestPort(i), MAC: tp.macs[i], Addr: guestAddr(i)})
 	}
 	return r
+}
+
+func (tp *topo) mark(name string) uint32 {
+	id, ok := tp.marks[name]
+	if !ok {
+		id = uint32(len(tp.marks) + 1)
+		tp.marks[name] = id
+	}
+	return id
+}
+
+// repaired is a result's repairs as the report prints them.
+func repaired(res Result) []string {
+	var out []string
+	for _, r := range res.Repaired {
+		out = append(out, r.String())
+	}
+	return out
 }
 
 func (tp *topo) converge(t *testing.T, r Rules) Result {

@@ -13,6 +13,11 @@
 #    at each size; then a linear-chain anchor at 10,000 (SCALE_LINEAR, 0 =
 #    off). The rows go to $OUT/nat-scale.csv and tests/bench/plot draws
 #    $OUT/nat-apply.png and $OUT/nat-latency.png from them.
+# 3. changes: at 10..100,000 exposures (CHANGES_SIZES), interleaved rounds
+#    (CHANGES_ROUNDS): a whole table into an empty one, one exposure more
+#    and less through Update, one more through a whole-state Converge, a
+#    no-change pass, the same after another program's commit; medians and
+#    spread to $OUT/nat-changes.csv, drawn as $OUT/nat-changes.png.
 #
 # OUT: tests/bench/out/<UTC time>/ unless run.sh passes BENCH_OUT.
 set -euo pipefail
@@ -65,6 +70,10 @@ echo "# scale"
 $NS scale -ns /run/netns/$HOST -client /run/netns/$CLI -guest 10.213.0.11 -guestport 7000 -hostaddrs 10.99.0.1,10.99.1.1 \
   -sizes "${SCALE_SIZES:-10,100,1000,10000,100000}" -n "${SCALE_CONNS:-1000}" -linear "${SCALE_LINEAR:-10000}" -csv "$OUT/nat-scale.csv"
 /tmp/brk-nf-plot -csv "$OUT/nat-scale.csv" -out "$OUT"
+echo "# changes"
+$NS changes -ns /run/netns/$HOST -guest 10.213.0.11 -guestport 7000 -hostaddrs 10.99.0.1,10.99.1.1 \
+  -sizes "${CHANGES_SIZES:-10,1000,10000,100000}" -rounds "${CHANGES_ROUNDS:-5}" -csv "$OUT/nat-changes.csv"
+/tmp/brk-nf-plot -csv "$OUT/nat-changes.csv" -out "$OUT"
 $NS apply -ns /run/netns/$HOST -guest 10.213.0.11 -map 20001:5201,20002:7000
 echo "# throughput"
 # One iperf3 run (Gbit/s received); the single-client server may still be

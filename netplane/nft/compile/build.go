@@ -2,51 +2,61 @@ package compile
 
 import (
 	"encoding/binary"
-	"errors"
-	"hash/fnv"
+	"maps"
 	"net/netip"
-	"runtime"
-	"sort"
-	"sync"
+	"slices"
 
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 )
 
-// Connection marks. The low 29 bits of ct mark identify the exposure that
-// DNATed the connection, and MarkOwned is set on every connection brokkr
-// marks, so a counter read asks the kernel for brokkr's entries only (a mark
-// filter) instead of every flow the host tracks. The two high bits record
-// that a FIN was seen in the original and in the reply direction (a RST sets
-// both). A connection whose two bits are set is closed as far as the cap is
-// concerned.
-const (
-	MarkIDMask  uint32 = 0x1fffffff
-	MarkOwned   uint32 = 0x20000000
-	MarkFINOrig uint32 = 0x40000000
-	MarkFINRepl uint32 = 0x80000000
-	MarkClosed         = MarkFINOrig | MarkFINRepl
-)
+// Connection marks: package ctmark's layout. The id bits identify the
+// exposure that DNATed the connection, and the owner bit is set on every
+// connection brokkr marks, so a counter read asks the kernel for brokkr's
+// entries only (a mark filter) instead of every flow the host tracks. The
+// two high bits record, for the set-based cap, that a FIN was seen in the
+// original and in the reply direction (a RST sets both).
 
 // connMark is the ct mark a connection of exposure id gets.
-func connMark(id uint32) []byte { return binaryutil.NativeEndian.PutUint32(id | MarkOwned) }
+func connMark(id uint32) []byte { return binaryutil.NativeEndian.PutUint32(id | ctmark.Owned) }
+
+// The table is data: an exposure is elements of a few maps, looked up by
+// rules that never change.
+//
+//	dispatch: ct mark set <addr . proto . port> map @exp-addr goto publish
+//	          ct mark set <proto . port> map @exp-any goto publish
+//	publish:  [set-based cap: ct mark vmap @exp-cap]
+//	          meta l4proto tcp|udp dnat ip to ct mark map @exp-target
+//
+// The connection's mark (its exposure's counter slot + 1, with the owner
+// bit) is looked up by where it was dialled, and the guest by the mark, so
+// adding, changing or removing an exposure is element updates only: no
+// chain is made or deleted, and the kernel does not validate a jump graph
+// that grows with the exposures. Only the set-based cap (the fallback where
+// the BPF nat path cannot load) keeps a chain per capped exposure, because
+// its admission adds to a set of the exposure's own.
 
 // Names of the fixed objects of table inet brokkr.
 const (
 	chainPrerouting  = "prerouting"  // nat prerouting: DNAT dispatch
 	chainOutput      = "output"      // nat output: DNAT dispatch for host-local callers
 	chainPostrouting = "postrouting" // nat postrouting: hairpin + egress masquerade
-	chainDispatch    = "dispatch"    // the two verdict-map lookups
+	chainDispatch    = "dispatch"    // the mark, by where the caller dialled
+	chainPublish     = "publish"     // the guest, by the mark
 	chainGuard       = "guard"       // raw prerouting: drop remote packets to 127/8
 	chainInput       = "input"       // filter input: host isolation
 	chainFromGuests  = "from-guests" // what a guest may send to the host itself
-	chainClosePre    = "close-pre"   // FIN/RST bookkeeping for the cap (prerouting)
+	chainClosePre    = "close-pre"   // FIN/RST bookkeeping for the set-based cap (prerouting)
 	chainCloseOut    = "close-out"   // the same for host-local callers (output)
-	MapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : goto exp-NAME
-	MapExpAny        = "exp-any"     // l4proto . dport : goto exp-NAME
-	MapClosers       = "closers"     // mark id : goto close-NAME
+	chainClose       = "close"       // the bookkeeping itself
+	MapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : mark
+	MapExpAny        = "exp-any"     // l4proto . dport : mark
+	MapExpTarget     = "exp-target"  // mark : guest address . guest port
+	MapExpCap        = "exp-cap"     // set-based cap: mark : goto cap-NAME
+	SetCappedTCP     = "capped-tcp"  // set-based cap: mark ids of capped TCP exposures
 	MapOverflow      = "overflow"    // l4proto : port of the cap's slow-path listener
 	setGuestPorts    = "guest-ports" // bridge table: ports under anti-spoof
 	setGuestAddrs    = "guest-addrs" // bridge table: port . mac . ipv4
@@ -56,51 +66,15 @@ const (
 	chainBrForward   = "forward"     // bridge table: guest isolation
 )
 
-// Per-exposure object names.
-func ExpChain(name string) string   { return "exp-" + name }
-func closeChain(name string) string { return "close-" + name }
-func ConnsSet(name string) string   { return "conns-" + name }
-func AcceptedCounter(name string) string {
-	return name + "-accepted"
-}
+// Per-exposure object names (the set-based cap's, for capped exposures).
+func CapChain(name string) string       { return "cap-" + name }
+func ConnsSet(name string) string       { return "conns-" + name }
 func RefusedCounter(name string) string { return name + "-refused" }
 
-// AssignIDs gives every exposure a mark id: a hash of its name, probed
-// linearly on collision. prev keeps ids already in use stable.
-func AssignIDs(exps []Exposure, prev map[string]uint32) map[string]uint32 {
-	ids := make(map[string]uint32, len(exps))
-	used := make(map[uint32]bool, len(exps))
-	// Ids in prev are distinct, so keeping them needs no order; only the
-	// new names are sorted (probing order decides their ids).
-	var names []string
-	for _, e := range exps {
-		if id, ok := prev[e.Name]; ok && !used[id] {
-			ids[e.Name], used[id] = id, true
-		} else {
-			names = append(names, e.Name)
-		}
-	}
-	sort.Strings(names)
-	for _, n := range names {
-		if _, ok := ids[n]; ok {
-			continue
-		}
-		h := fnv.New32a()
-		h.Write([]byte(n))
-		id := h.Sum32() & MarkIDMask
-		for id == 0 || used[id] {
-			id = (id + 1) & MarkIDMask
-		}
-		ids[n], used[id] = id, true
-	}
-	return ids
-}
-
-// Desired computes the whole desired content of both tables from validated
-// rules: ids are the exposures' mark ids (AssignIDs, or the counter slots
-// with KernelCap) and overflowPort the cap slow path's listener (0: none).
-// Input no table can express is an error naming the field, not a panic.
-func Desired(r Rules, ids map[string]uint32, overflowPort uint16) (inet, bridge *TableSpec, err error) {
+// buildFixed computes both tables without the exposures: everything that
+// does not depend on them, with the shared maps their units fill declared
+// empty. Input no table can express is an error naming the field.
+func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 	if err := r.buildable(); err != nil {
 		return nil, nil, err
 	}
@@ -122,13 +96,23 @@ func Desired(r Rules, ids map[string]uint32, overflowPort uint16) (inet, bridge 
 		Rules: []RuleSpec{entry("published ports")}})
 	inet.addChain(&ChainSpec{Name: chainOutput, Hook: &HookSpec{nftables.ChainTypeNAT, *nftables.ChainHookOutput, -100},
 		Rules: []RuleSpec{entry("published ports, host-local callers")}})
+	toPublish := &expr.Verdict{Kind: expr.VerdictGoto, Chain: chainPublish}
 	inet.addChain(&ChainSpec{Name: chainDispatch, Rules: []RuleSpec{
-		rule(fam, "exposures bound to one address", append(loadAddrProtoPort(), lookupVmap(MapExpAddr))...),
-		rule(fam, "exposures bound to every local address", append(loadProtoPort(), lookupVmap(MapExpAny))...),
+		rule(fam, "exposures bound to one address", append(append(loadAddrProtoPort(), markFrom(MapExpAddr)...), toPublish)...),
+		rule(fam, "exposures bound to every local address", append(append(loadProtoPort(), markFrom(MapExpAny)...), toPublish)...),
 	}})
-	addSharedMaps(inet)
-	if !r.KernelCap {
-		desiredSetCap(inet, overflowPort)
+	setCap, setBased := r.setBased()
+	var publish []RuleSpec
+	if setBased {
+		publish = append(publish, rule(fam, "capped exposures: the set-based cap",
+			&expr.Ct{Register: 1, Key: expr.CtKeyMARK}, lookupVmap(MapExpCap)))
+	}
+	publish = append(publish, rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnatToTarget()...)...),
+		rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnatToTarget()...)...))
+	inet.addChain(&ChainSpec{Name: chainPublish, Rules: publish})
+	addSharedMaps(inet, setBased)
+	if setBased {
+		desiredSetCap(inet, setCap.OverflowPort)
 	}
 
 	// Masquerade: hairpin (a guest reaching a published port through the
@@ -153,7 +137,7 @@ func Desired(r Rules, ids map[string]uint32, overflowPort uint16) (inet, bridge 
 		fg = append(fg, rule(fam, "dns", append(l4Dport(unix.IPPROTO_UDP, 53), accept())...),
 			rule(fam, "dns", append(l4Dport(unix.IPPROTO_TCP, 53), accept())...))
 	}
-	if !r.KernelCap {
+	if setBased {
 		// A guest calling a published port whose cap is full in the kernel is
 		// redirected to the slow-path listener on the host (only brokkr's
 		// redirect makes a connection to the host DNATed).
@@ -162,22 +146,12 @@ func Desired(r Rules, ids map[string]uint32, overflowPort uint16) (inet, bridge 
 	fg = append(fg, rule(fam, "nothing else reaches the host", drop()))
 	inet.addChain(&ChainSpec{Name: chainFromGuests, Rules: fg})
 
-	for _, e := range r.Exposures {
-		if e.LoopbackOnly() {
-			continue
-		}
-		if err := e.buildable(r.KernelCap, ids[e.Name]); err != nil {
-			return nil, nil, err
-		}
-		addExposure(inet, e, ids[e.Name], r.KernelCap)
-	}
-
 	return inet, desiredBridge(r), nil
 }
 
-// desiredSetCap adds the objects of the set-based cap (the fallback when the
-// BPF nat path cannot load): the slow path's port map and the FIN/RST
-// bookkeeping chains.
+// desiredSetCap adds the fixed objects of the set-based cap (the fallback
+// when the BPF nat path cannot load): the slow path's port map and the
+// FIN/RST bookkeeping.
 func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 	fam := inet.Family
 	// The cap's slow path: one element, the listener's port, so a new port
@@ -191,224 +165,215 @@ func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 	}
 	inet.addSet(ov)
 
-	// Cap bookkeeping: FIN/RST of a marked connection updates its mark bits
-	// and, once closed, frees its slot. Only FIN/RST packets get past the
-	// first comparison, so established traffic pays one load and compare.
+	// Cap bookkeeping: FIN/RST of a connection of a capped TCP exposure
+	// sets its mark's close bits; once closed, the watcher frees its place.
+	// Only FIN/RST packets get past the first comparison, so established
+	// traffic pays one load and compare.
 	closeRule := rule(fam, "cap: closing connections",
-		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(MarkIDMask)...), lookupVmap(MapClosers))...)
+		append(append(tcpFlagsAny(0x01|0x04), ctMarkMasked(ctmark.IDMask)...),
+			&expr.Lookup{SourceRegister: 1, SetName: SetCappedTCP}, &expr.Verdict{Kind: expr.VerdictJump, Chain: chainClose})...)
 	inet.addChain(&ChainSpec{Name: chainClosePre, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -150},
 		Rules: []RuleSpec{closeRule}})
 	inet.addChain(&ChainSpec{Name: chainCloseOut, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookOutput, -150},
 		Rules: []RuleSpec{closeRule}})
+	setBits := func(bits uint32) []expr.Any {
+		return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
+			&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
+				Mask: binaryutil.NativeEndian.PutUint32(^bits), Xor: binaryutil.NativeEndian.PutUint32(bits)},
+			&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true}}
+	}
+	inet.addChain(&ChainSpec{Name: chainClose, Rules: []RuleSpec{
+		rule(fam, "reset", append(tcpFlagsAny(0x04), setBits(ctmark.Closed)...)...),
+		rule(fam, "fin from caller", append(ctDirection(0), setBits(ctmark.FINOrig)...)...),
+		rule(fam, "fin from guest", append(ctDirection(1), setBits(ctmark.FINRepl)...)...),
+	}})
 }
 
-// Key types of the two exposure maps (built once: every unit has the maps).
+// Key and data types of the exposure maps (built once).
 var (
 	expAddrKey = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService)
 	expAnyKey  = nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService)
+	targetData = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService)
 )
 
-// addSharedMaps adds the verdict maps every exposure has an element in.
-func addSharedMaps(inet *TableSpec) {
-	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey,
-		Data: nftables.TypeVerdict, IsMap: true, Comment: "exposures by address, protocol, port", Elems: map[string]ElemSpec{}})
-	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey,
-		Data: nftables.TypeVerdict, IsMap: true, Comment: "exposures by protocol, port", Elems: map[string]ElemSpec{}})
-	inet.addSet(&SetSpec{Name: MapClosers, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true,
-		Comment: "capped tcp exposures by mark", Elems: map[string]ElemSpec{}})
-
-}
-
-// UnitKey is everything one exposure's objects are built from.
-type UnitKey struct {
-	Exp    Exposure
-	ID     uint32
-	Kernel bool // Rules.KernelCap
-}
-
-// UnitOf is one exposure's objects alone: its chains, counters and cap set,
-// and its elements in otherwise empty shared maps. Planning two units
-// against each other yields exactly the batch for that exposure.
-func UnitOf(k *UnitKey) (*TableSpec, error) {
-	t := EmptyUnit()
-	if !k.Exp.LoopbackOnly() {
-		if err := k.Exp.buildable(k.Kernel, k.ID); err != nil {
-			return nil, err
-		}
-		addExposure(t, k.Exp, k.ID, k.Kernel)
+// addSharedMaps adds the maps every exposure has elements in. With the
+// set-based cap the targets count each exposure's admitted connections
+// (their element's counter), and capped exposures are found by mark.
+func addSharedMaps(inet *TableSpec, setBased bool) {
+	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
+		Comment: "exposures bound to one address: their mark", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
+		Comment: "exposures bound to every local address: their mark", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: MapExpTarget, Key: nftables.TypeMark, Data: targetData, IsMap: true, PerExposure: true,
+		Counter: setBased, Comment: "each exposure's guest, by its mark", Elems: map[string]ElemSpec{}})
+	if !setBased {
+		return
 	}
-	return t, nil
+	inet.addSet(&SetSpec{Name: MapExpCap, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,
+		Comment: "capped exposures: their cap, by mark", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: SetCappedTCP, Key: nftables.TypeMark, PerExposure: true,
+		Comment: "capped tcp exposures by mark id", Elems: map[string]ElemSpec{}})
 }
 
-// EmptyUnit is the unit of no exposure: the shared maps, empty.
-func EmptyUnit() *TableSpec {
+// unit is one exposure's part of the inet table: its elements in the
+// shared maps, and the objects of its own (nil when it has none). It is
+// built for a first apply of 100,000 exposures at once: two allocations
+// for the common case (the unit, and one buffer all its keys and values
+// are slices of).
+type unit struct {
+	elems []unitElem
+	own   *TableSpec
+	arr   [2]unitElem
+}
+
+type unitElem struct {
+	set string
+	e   ElemSpec
+}
+
+// unitOf builds one exposure's unit. It depends on the exposure alone (and
+// the cap's mode), so a unit is built again whenever it is needed instead
+// of being kept.
+func unitOf(e Exposure, setBased bool) (*unit, error) {
+	if e.LoopbackOnly() {
+		return &unit{}, nil
+	}
+	if err := e.buildable(); err != nil {
+		return nil, err
+	}
+	u := &unit{}
+	u.elems = u.arr[:0]
+	add := func(set string, el ElemSpec) {
+		el.Comment, el.Owner = e.Name, e.Name
+		u.elems = append(u.elems, unitElem{set, el})
+	}
+	proto := ProtoNum(e.Protocol)
+	// mark (4) . dispatch key (8 or 12) . guest address . port (8)
+	buf := make([]byte, 0, 32)
+	buf = binary.NativeEndian.AppendUint32(buf, e.MarkID|ctmark.Owned)
+	mark := buf[0:4:4]
+	at := len(buf)
+	if !e.Wildcard() {
+		a := e.HostAddr.As4()
+		buf = append(buf, a[:]...)
+	}
+	buf = append(buf, proto, 0, 0, 0)
+	buf = binary.BigEndian.AppendUint16(buf, e.HostPort)
+	buf = append(buf, 0, 0)
+	dispatch := buf[at:len(buf):len(buf)]
+	at = len(buf)
+	g := e.GuestAddr.As4()
+	buf = append(buf, g[:]...)
+	buf = binary.BigEndian.AppendUint16(buf, e.GuestPort)
+	buf = append(buf, 0, 0)
+	target := buf[at:len(buf):len(buf)]
+	if e.Wildcard() {
+		add(MapExpAny, ElemSpec{Key: dispatch, Val: mark})
+	} else {
+		add(MapExpAddr, ElemSpec{Key: dispatch, Val: mark})
+	}
+	add(MapExpTarget, ElemSpec{Key: mark, Val: target})
+	if !setBased || e.MaxConns <= 0 {
+		return u, nil
+	}
+	// The set-based cap: the exposure's set of open connections, the
+	// chain that admits into it, and its refused counter.
+	add(MapExpCap, ElemSpec{Key: mark, Verdict: CapChain(e.Name)})
+	if proto == unix.IPPROTO_TCP {
+		add(SetCappedTCP, ElemSpec{Key: binaryutil.NativeEndian.PutUint32(e.MarkID)})
+	}
+	u.own = capObjects(e, proto)
+	return u, nil
+}
+
+// capObjects are a capped exposure's own objects under the set-based cap.
+func capObjects(e Exposure, proto byte) *TableSpec {
 	t := NewTableSpec(nftables.TableFamilyINet)
-	addSharedMaps(t)
+	fam := t.Family
+	t.Counters[RefusedCounter(e.Name)] = CounterSpec{Name: RefusedCounter(e.Name), Exposure: e.Name}
+	t.addSet(&SetSpec{Name: ConnsSet(e.Name), Key: ConnKeyType, Dynamic: true, Size: uint32(e.MaxConns),
+		Comment: "open connections of " + e.Name, Stateful: true, Owner: e.Name, SeedID: e.MarkID})
+	// The add fails (and the rule stops) once the set holds MaxConns
+	// connections.
+	admit := append(append(nfprotoIPv4(), l4proto(proto)...),
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+		&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4},
+		&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 2},
+		&expr.Dynset{SrcRegKey: 1, SetName: ConnsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
+	rules := []RuleSpec{rule(fam, e.Name, append(admit, dnatToTarget()...)...)}
+	rej := &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}
+	if proto != unix.IPPROTO_TCP {
+		rej = &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_PORT_UNREACH}
+	}
+	if proto == unix.IPPROTO_TCP {
+		// Full in the kernel: let package nft's slow path decide exactly.
+		// Without a listener (no element) the lookup fails and the next
+		// rule refuses.
+		rules = append(rules, rule(fam, e.Name+": full in the kernel, to the slow path", append(l4proto(proto),
+			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+			&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapOverflow},
+			&expr.Redir{RegisterProtoMin: 1, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED})...))
+	}
+	rules = append(rules, rule(fam, e.Name+": over the cap", append(l4proto(proto),
+		&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: RefusedCounter(e.Name)}, rej)...))
+	t.addChain(&ChainSpec{Name: CapChain(e.Name), Owner: e.Name, Rules: rules})
 	return t
 }
 
-// Assemble is the whole inet table: the global part and one unit per
-// exposure.
-func Assemble(global *TableSpec, units []*TableSpec) *TableSpec {
-	n := len(units)
-	// Sized for every exposure up front: growing these maps was a sixth of
-	// building a 10,000-exposure table.
-	whole := &TableSpec{Family: global.Family, Counters: make(map[string]CounterSpec, n+len(global.Counters)),
-		Sets: make(map[string]*SetSpec, len(global.Sets)), Chains: make(map[string]*ChainSpec, n+len(global.Chains))}
-	MergeUnit(whole, global)
-	// The shared maps must not be the global's own (they get elements).
-	for _, name := range []string{MapExpAddr, MapExpAny, MapClosers} {
-		s := *global.Sets[name]
-		s.Elems = make(map[string]ElemSpec, n)
-		whole.Sets[name] = &s
+// assemble is a whole inet table: the fixed part and every unit.
+func assemble(fixed *TableSpec, n int, units func(yield func(*unit) bool)) *TableSpec {
+	whole := &TableSpec{Family: fixed.Family, Counters: maps.Clone(fixed.Counters),
+		Sets: make(map[string]*SetSpec, len(fixed.Sets)), Chains: maps.Clone(fixed.Chains)}
+	for name, s := range fixed.Sets {
+		if s.PerExposure {
+			c := *s // the fixed part's own stays empty
+			c.Elems = make(map[string]ElemSpec, n)
+			s = &c
+		}
+		whole.Sets[name] = s
 	}
-	for _, u := range units {
-		MergeUnit(whole, u)
+	for u := range units {
+		for _, ue := range u.elems {
+			whole.Sets[ue.set].Elems[string(ue.e.Key)] = ue.e
+		}
+		if u.own != nil {
+			maps.Copy(whole.Counters, u.own.Counters)
+			maps.Copy(whole.Chains, u.own.Chains)
+			maps.Copy(whole.Sets, u.own.Sets)
+		}
 	}
 	return whole
 }
 
-// BuildUnits builds the units of ks, on every CPU when there are many (a
-// first 10,000-exposure Converge): units are independent of each other.
-func BuildUnits(ks []UnitKey) ([]*TableSpec, error) {
-	out := make([]*TableSpec, len(ks))
-	errs := make([]error, len(ks))
-	workers := runtime.GOMAXPROCS(0)
-	if len(ks) < 512 || workers < 2 {
-		for i := range ks {
-			out[i], errs[i] = UnitOf(&ks[i])
+// Whole is both tables for r, everything in them: what Render prints (the
+// golden files) and what a replace creates.
+func Whole(r Rules) (inet, bridge *TableSpec, err error) {
+	fixed, bridge, err := buildFixed(r)
+	if err != nil {
+		return nil, nil, err
+	}
+	units := make([]*unit, 0, len(r.Exposures))
+	for _, e := range r.Exposures {
+		_, setBased := r.setBased()
+		u, err := unitOf(e, setBased)
+		if err != nil {
+			return nil, nil, err
 		}
-		return out, errors.Join(errs...)
+		units = append(units, u)
 	}
-	var wg sync.WaitGroup
-	per := (len(ks) + workers - 1) / workers
-	for lo := 0; lo < len(ks); lo += per {
-		hi := min(lo+per, len(ks))
-		wg.Go(func() {
-			for i := lo; i < hi; i++ {
-				out[i], errs[i] = UnitOf(&ks[i])
-			}
-		})
-	}
-	wg.Wait()
-	return out, errors.Join(errs...)
+	return assemble(fixed, len(units), slices.Values(units)), bridge, nil
 }
 
-// MergeUnit adds a unit's objects into a whole table.
-func MergeUnit(dst, u *TableSpec) {
-	for n, c := range u.Counters {
-		dst.Counters[n] = c
+// dispatchSide decodes the host side from the key of an element of a
+// dispatch map (the maps looked up by address, protocol and port).
+func dispatchSide(set string, k []byte) (HostSide, bool) {
+	switch {
+	case set == MapExpAny && len(k) == 8:
+		return HostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
+	case set == MapExpAddr && len(k) == 12:
+		return HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
 	}
-	for n, c := range u.Chains {
-		dst.Chains[n] = c
-	}
-	for n, s := range u.Sets {
-		ds, ok := dst.Sets[n]
-		if !ok {
-			dst.Sets[n] = s
-			continue
-		}
-		for k, e := range s.Elems {
-			ds.Elems[k] = e
-		}
-	}
-}
-
-// addExposure adds everything one exposure needs: its chain, counters, map
-// element, and for a cap its slot set (and close chain for TCP).
-func addExposure(t *TableSpec, e Exposure, id uint32, kernelCap bool) {
-	fam := t.Family
-	proto := ProtoNum(e.Protocol)
-	inet := func(exprs ...expr.Any) []expr.Any { return exprs }
-	if kernelCap {
-		// The BPF nat path reads the mark and does the rest.
-		t.addChain(&ChainSpec{Name: ExpChain(e.Name), Owner: e.Name, Rules: []RuleSpec{rule(fam, e.Name, append(l4proto(proto),
-			&expr.Immediate{Register: 1, Data: connMark(id)},
-			&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
-			&expr.Immediate{Register: 1, Data: e.GuestAddr.AsSlice()},
-			&expr.Immediate{Register: 2, Data: binaryutil.BigEndian.PutUint16(e.GuestPort)},
-			&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegProtoMin: 2, Specified: true})...)}})
-		addDispatch(t, e, proto)
-		return
-	}
-	t.Counters[AcceptedCounter(e.Name)] = CounterSpec{Name: AcceptedCounter(e.Name), Exposure: e.Name}
-	if e.MaxConns > 0 {
-		// Only a cap refuses: an uncapped exposure has no refused counter
-		// (one object less per exposure in a 10,000-exposure batch).
-		t.Counters[RefusedCounter(e.Name)] = CounterSpec{Name: RefusedCounter(e.Name), Exposure: e.Name}
-	}
-
-	admit := l4proto(proto)
-	if e.MaxConns > 0 {
-		t.addSet(&SetSpec{Name: ConnsSet(e.Name), Key: ConnKeyType, Dynamic: true, Size: uint32(e.MaxConns),
-			Comment: "open connections of " + e.Name, Stateful: true, Owner: e.Name})
-		// The add fails (and the rule stops) once the set holds MaxConns
-		// connections.
-		admit = append(append(nfprotoIPv4(), admit...),
-			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
-			&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4},
-			&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 2},
-			&expr.Dynset{SrcRegKey: 1, SetName: ConnsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
-	}
-	admit = append(admit,
-		&expr.Immediate{Register: 1, Data: connMark(id)},
-		&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
-		&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: AcceptedCounter(e.Name)},
-		&expr.Immediate{Register: 1, Data: e.GuestAddr.AsSlice()},
-		&expr.Immediate{Register: 2, Data: binaryutil.BigEndian.PutUint16(e.GuestPort)},
-		&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegProtoMin: 2, Specified: true})
-	rules := []RuleSpec{rule(fam, e.Name, admit...)}
-	if e.MaxConns > 0 {
-		rej := &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}
-		if proto != unix.IPPROTO_TCP {
-			rej = &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_PORT_UNREACH}
-		}
-		refuse := func(comment string, pre ...expr.Any) RuleSpec {
-			return rule(fam, e.Name+": "+comment, append(append(l4proto(proto), pre...),
-				&expr.Objref{Type: unix.NFT_OBJECT_COUNTER, Name: RefusedCounter(e.Name)}, rej)...)
-		}
-		if proto == unix.IPPROTO_TCP {
-			// Full in the kernel: let package nft's slow path decide
-			// exactly. Without a listener (no element) the lookup fails
-			// and the next rule refuses.
-			rules = append(rules, rule(fam, e.Name+": full in the kernel, to the slow path", append(l4proto(proto),
-				&expr.Immediate{Register: 1, Data: connMark(id)},
-				&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true},
-				&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
-				&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapOverflow},
-				&expr.Redir{RegisterProtoMin: 1, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED})...))
-		}
-		rules = append(rules, refuse("over the cap"))
-		if proto == unix.IPPROTO_TCP {
-			setBits := func(bits uint32) []expr.Any {
-				return inet(&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
-					&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
-						Mask: binaryutil.NativeEndian.PutUint32(^bits), Xor: binaryutil.NativeEndian.PutUint32(bits)},
-					&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true})
-			}
-			t.addChain(&ChainSpec{Name: closeChain(e.Name), Owner: e.Name, Rules: []RuleSpec{
-				rule(fam, e.Name+": reset", append(tcpFlagsAny(0x04), setBits(MarkClosed)...)...),
-				rule(fam, e.Name+": fin from caller", append(ctDirection(0), setBits(MarkFINOrig)...)...),
-				rule(fam, e.Name+": fin from guest", append(ctDirection(1), setBits(MarkFINRepl)...)...),
-			}})
-			k := binaryutil.NativeEndian.PutUint32(id)
-			t.Sets[MapClosers].Elems[string(k)] = ElemSpec{Key: k, Verdict: closeChain(e.Name), Comment: e.Name}
-		}
-	}
-	t.addChain(&ChainSpec{Name: ExpChain(e.Name), Owner: e.Name, Rules: rules})
-	addDispatch(t, e, proto)
-}
-
-// addDispatch adds the exposure's element in the dispatch map for its host
-// side.
-func addDispatch(t *TableSpec, e Exposure, proto byte) {
-	if e.Wildcard() {
-		k := append(pad4([]byte{proto}), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...)
-		t.Sets[MapExpAny].Elems[string(k)] = ElemSpec{Key: k, Verdict: ExpChain(e.Name), Comment: e.Name}
-	} else {
-		k := append(append(e.HostAddr.AsSlice(), pad4([]byte{proto})...), pad4(binaryutil.BigEndian.PutUint16(e.HostPort))...)
-		t.Sets[MapExpAddr].Elems[string(k)] = ElemSpec{Key: k, Verdict: ExpChain(e.Name), Comment: e.Name}
-	}
+	return HostSide{}, false
 }
 
 // desiredBridge: anti-spoof per guest port and guest isolation.
@@ -610,4 +575,20 @@ func loadProtoPort() []expr.Any {
 
 func lookupVmap(set string) expr.Any {
 	return &expr.Lookup{SourceRegister: 1, DestRegister: 0, IsDestRegSet: true, SetName: set}
+}
+
+// markFrom sets the connection's mark to what the key loaded before maps
+// to in set: ct mark set <key> map @set.
+func markFrom(set string) []expr.Any {
+	return []expr.Any{&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: set},
+		&expr.Ct{Register: 1, Key: expr.CtKeyMARK, SourceRegister: true}}
+}
+
+// dnatToTarget DNATs to the guest the connection's mark maps to: dnat ip to
+// ct mark map @exp-target. The map's data is address . port, which lands
+// in reg32 00 and 01 (NFT_REG_1 and the 32-bit register after it).
+func dnatToTarget() []expr.Any {
+	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
+		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapExpTarget},
+		&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegAddrMax: 1, RegProtoMin: 9, RegProtoMax: 9, Specified: true}}
 }

@@ -6,8 +6,7 @@ type GoldenCase = goldenCase
 
 func GoldenCases() []GoldenCase { return goldenCases() }
 
-func (c GoldenCase) Name() string         { return c.name }
-func (c GoldenCase) Rules() Rules         { return c.rules }
-func (c GoldenCase) OverflowPort() uint16 { return c.overflowPort }
+func (c GoldenCase) Name() string { return c.name }
+func (c GoldenCase) Rules() Rules { return c.rules }
 
 func GoldenPath(name string) string { return goldenPath(name) }

@@ -17,9 +17,13 @@ import (
 var update = flag.Bool("update", false, "rewrite the golden files under testdata/")
 
 type goldenCase struct {
-	name         string
-	rules        Rules
-	overflowPort uint16
+	name  string
+	rules Rules
+}
+
+func withOverflow(r Rules, port uint16) Rules {
+	r.Cap = SetBasedCap{OverflowPort: port}
+	return r
 }
 
 var (
@@ -29,9 +33,14 @@ var (
 	g3 = Guest{Name: "g3", Tap: "tap-g3", MAC: net.HardwareAddr{0x52, 0x54, 0, 0, 0, 3}}
 )
 
+// baseRules numbers the exposures' marks in order (their counter slots,
+// as the plane hands them over).
 func baseRules(exps ...Exposure) Rules {
+	for i := range exps {
+		exps[i].MarkID = uint32(i + 1)
+	}
 	return Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
-		Masquerade: true, DHCP: true, DNS: true, Guests: []Guest{g1, g2}, Exposures: exps}
+		Masquerade: true, DHCP: true, DNS: true, Guests: []Guest{g1, g2}, Exposures: exps, Cap: SetBasedCap{}}
 }
 
 func tcpTo(name string, hostPort uint16, guest Guest, guestPort uint16) Exposure {
@@ -53,10 +62,7 @@ func goldenCases() []goldenCase {
 	loop.HostAddr = netip.MustParseAddr("127.0.0.1")
 
 	kernel := baseRules(capped, bound, udp)
-	kernel.KernelCap = true
-	for i := range kernel.Exposures {
-		kernel.Exposures[i].MarkID = uint32(i + 1)
-	}
+	kernel.Cap = MarksOnly{}
 	noMasq := baseRules(tcpTo("web", 8080, g1, 80))
 	noMasq.Masquerade, noMasq.DHCP, noMasq.DNS = false, false, false
 	isolated := baseRules(tcpTo("web", 8080, g1, 80))
@@ -64,11 +70,11 @@ func goldenCases() []goldenCase {
 	antiSpoof := baseRules()
 	antiSpoof.Guests = []Guest{g1, g3}
 	return []goldenCase{
-		{name: "empty", rules: Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24")}},
+		{name: "empty", rules: Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Cap: SetBasedCap{}}},
 		{name: "wildcard", rules: baseRules(tcpTo("web", 8080, g1, 80))},
 		{name: "specific-address", rules: baseRules(bound)},
 		{name: "wildcard-and-specific-same-port", rules: baseRules(tcpTo("web", 2222, g1, 80), bound)},
-		{name: "cap-tcp-set", rules: baseRules(capped), overflowPort: 40001},
+		{name: "cap-tcp-set", rules: withOverflow(baseRules(capped), 40001)},
 		{name: "cap-tcp-set-no-listener", rules: baseRules(capped)},
 		{name: "cap-kernel", rules: kernel},
 		{name: "udp", rules: baseRules(udp, udpCapped)},
@@ -86,13 +92,7 @@ func goldenCases() []goldenCase {
 // renderCase is the case's two tables in `nft -f` syntax.
 func renderCase(t *testing.T, c goldenCase) string {
 	t.Helper()
-	ids := AssignIDs(c.rules.Exposures, nil)
-	if c.rules.KernelCap {
-		for _, e := range c.rules.Exposures {
-			ids[e.Name] = e.MarkID
-		}
-	}
-	inet, bridge, err := Desired(c.rules, ids, c.overflowPort)
+	inet, bridge, err := Whole(c.rules)
 	require.NoError(t, err, c.name)
 	var out []string
 	for _, tab := range []*TableSpec{inet, bridge} {
@@ -129,7 +129,7 @@ func TestGolden(t *testing.T) {
 
 // An expression the renderer does not know fails the render, naming it.
 func TestRenderRefusesUnknownExpression(t *testing.T) {
-	inet, _, err := Desired(baseRules(), nil, 0)
+	inet, _, err := Whole(baseRules())
 	require.NoError(t, err)
 	inet.addChain(&ChainSpec{Name: "x", Rules: []RuleSpec{rule(inet.Family, "log", &expr.Log{})}})
 	_, err = Render(inet)
@@ -139,31 +139,33 @@ func TestRenderRefusesUnknownExpression(t *testing.T) {
 }
 
 // Input Validate refuses but that reaches the compiler anyway is an error
-// naming the field, never a panic.
-func TestDesiredRefusesImpossibleInput(t *testing.T) {
+// naming the field, never a panic, and nothing is planned.
+func TestPlanRefusesImpossibleInput(t *testing.T) {
 	for field, mutate := range map[string]func(*Rules){
 		"exposures[web].guestAddr": func(r *Rules) { r.Exposures[0].GuestAddr = netip.Addr{} },
 		"exposures[web].hostAddr":  func(r *Rules) { r.Exposures[0].HostAddr = netip.MustParseAddr("2001:db8::1") },
 		"exposures[web].protocol":  func(r *Rules) { r.Exposures[0].Protocol = "sctp" },
-		"exposures[web].markID":    func(r *Rules) { r.KernelCap = true },
-		"subnet":                   func(r *Rules) { r.Subnet = netip.Prefix{} },
-		"bridge":                   func(r *Rules) { r.Bridge = "a-name-longer-than-ifnamsiz" },
-		"guests[0].mac":            func(r *Rules) { r.Guests[0].MAC = nil },
-		"guests[0].addr":           func(r *Rules) { r.Guests[0].Addr = netip.MustParseAddr("2001:db8::2") },
+		"exposures[web].markID":    func(r *Rules) { r.Exposures[0].MarkID = 0 },
+		"exposures[web2].markID": func(r *Rules) {
+			r.Exposures = append(r.Exposures, tcpTo("web2", 8081, g1, 80))
+			r.Exposures[1].MarkID = 1
+		},
+		"exposures[web2].hostPort": func(r *Rules) {
+			r.Exposures = append(r.Exposures, tcpTo("web2", 8080, g1, 81))
+			r.Exposures[1].MarkID = 2
+		},
+		"exposures[web].name": func(r *Rules) { r.Exposures = append(r.Exposures, r.Exposures[0]) },
+		"subnet":              func(r *Rules) { r.Subnet = netip.Prefix{} },
+		"bridge":              func(r *Rules) { r.Bridge = "a-name-longer-than-ifnamsiz" },
+		"guests[0].mac":       func(r *Rules) { r.Guests[0].MAC = nil },
+		"guests[0].addr":      func(r *Rules) { r.Guests[0].Addr = netip.MustParseAddr("2001:db8::2") },
 	} {
 		r := baseRules(tcpTo("web", 8080, g1, 80))
 		r.Guests = []Guest{g1}
 		mutate(&r)
-		ids := AssignIDs(r.Exposures, nil)
-		if r.KernelCap {
-			ids = map[string]uint32{}
-		}
-		_, _, err := Desired(r, ids, 0)
+		p, err := NewState().Plan(r, &Observation{Inet: EmptyObserved(), Bridge: EmptyObserved()})
 		require.Error(t, err, field)
+		assert.Nil(t, p, field)
 		assert.Contains(t, err.Error(), field+":")
-		_, err = UnitOf(&UnitKey{Exp: r.Exposures[0], ID: ids[r.Exposures[0].Name], Kernel: r.KernelCap})
-		if strings.HasPrefix(field, "exposures") {
-			assert.ErrorContains(t, err, field+":")
-		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/netplane/nft"
 	"github.com/brokkr/brokkr/netplane/nft/compile"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -27,15 +28,16 @@ func TestGoldenLoadsAndMatchesRuntime(t *testing.T) {
 			fromText.MustRun(t, "nft", "-f", path)
 
 			fromRuntime := nstest.New(t, "rt")
-			var opts []nft.Option
-			if c.OverflowPort() == 0 {
-				// The golden has no slow-path listener: neither does the
-				// runtime.
-				opts = append(opts, nft.WithoutCapWatcher())
-			}
-			tb, err := nft.Open(fromRuntime.Path, opts...)
+			tb, err := nft.Open(fromRuntime.Path)
 			require.NoError(t, err)
 			defer tb.Close()
+			if c, ok := c.Rules().Cap.(compile.SetBasedCap); ok && c.OverflowPort != 0 {
+				// The golden has a slow-path listener: so does the runtime
+				// (on a port of its own).
+				sc, err := nft.StartSetCap(tb)
+				require.NoError(t, err)
+				defer sc.Close()
+			}
 			_, err = tb.Converge(c.Rules())
 			require.NoError(t, err)
 
@@ -55,7 +57,8 @@ var (
 )
 
 // listTable is `nft list table` with what differs between two loads of the
-// same table taken out: counter values, the listener port, element order.
+// same table taken out: counter values, the listener port, element order,
+// and the order of the table's objects (creation order).
 func listTable(t *testing.T, ns *nstest.NS, family string) string {
 	t.Helper()
 	out := ns.MustRun(t, "nft", "list", "table", family, compile.TableName)
@@ -76,5 +79,60 @@ func listTable(t *testing.T, ns *nstest.NS, family string) string {
 		l = overflowRE.ReplaceAllString(l, "${1}PORT")
 		norm = append(norm, l)
 	}
-	return strings.Join(norm, "\n")
+	// One block per object (a line opening at one tab to its closing
+	// brace), sorted.
+	var blocks []string
+	var cur []string
+	for _, l := range norm {
+		if strings.HasPrefix(l, "\t") && !strings.HasPrefix(l, "\t\t") && strings.HasSuffix(l, "{") {
+			cur = []string{l}
+			continue
+		}
+		if cur != nil {
+			cur = append(cur, l)
+			if l == "\t}" {
+				blocks = append(blocks, strings.Join(cur, "\n"))
+				cur = nil
+			}
+		}
+	}
+	slices.Sort(blocks)
+	return norm[0] + "\n" + strings.Join(blocks, "\n")
+}
+
+// A table of the previous release (a chain per exposure, dispatched through
+// verdict maps; testdata/previous holds its golden files) becomes the
+// map-based one in one incremental batch: no replace, nothing flushed (the
+// flows go where they went), and it lists what a fresh load lists.
+func TestUpgradeFromAChainPerExposureTable(t *testing.T) {
+	nstest.RequireRoot(t)
+	cases := map[string]compile.GoldenCase{}
+	for _, c := range compile.GoldenCases() {
+		cases[c.Name()] = c
+	}
+	for _, name := range []string{"cap-kernel", "cap-tcp-set", "udp", "wildcard-and-specific-same-port"} {
+		t.Run(name, func(t *testing.T) {
+			c := cases[name]
+			old := nstest.New(t, "old")
+			path, err := filepath.Abs(filepath.Join("testdata", "previous", name+".nft"))
+			require.NoError(t, err)
+			old.MustRun(t, "nft", "-f", path)
+			tb, err := nft.Open(old.Path)
+			require.NoError(t, err)
+			defer tb.Close()
+			res, err := tb.Converge(c.Rules())
+			require.NoError(t, err)
+			require.NoError(t, res.Replaced, "one incremental batch")
+			for _, ch := range res.Changes {
+				assert.False(t, ch.Flush, "%v", ch)
+			}
+			fresh := nstest.New(t, "new")
+			golden, err := filepath.Abs(compile.GoldenPath(name))
+			require.NoError(t, err)
+			fresh.MustRun(t, "nft", "-f", golden)
+			for _, fam := range []string{"inet", "bridge"} {
+				require.Equal(t, listTable(t, fresh, fam), listTable(t, old, fam), "%s table %s", name, fam)
+			}
+		})
+	}
 }

@@ -25,7 +25,7 @@ type TableSpec struct {
 
 type CounterSpec struct {
 	Name     string
-	Exposure string
+	Exposure string // the exposure it belongs to
 }
 
 type HookSpec struct {
@@ -54,11 +54,16 @@ type SetSpec struct {
 	Data     nftables.SetDatatype // zero unless a map
 	IsMap    bool
 	Dynamic  bool
+	Counter  bool // every element counts the packets that found it (NFTA_SET_EXPRESSIONS: counter)
 	Size     uint32
 	Comment  string
-	Stateful bool // elements are runtime state (cap slots): never diffed; seeded when created
-	Owner    string
-	Elems    map[string]ElemSpec // by string(key); nil for stateful sets
+	Stateful bool   // elements are runtime state (cap slots): never diffed; seeded when created
+	SeedID   uint32 // a stateful set's exposure mark id: it is seeded from that exposure's open connections
+	Owner    string // the exposure a set of its own belongs to ("" for the fixed sets)
+	// PerExposure: a shared set whose elements come from the exposures'
+	// units (the fixed part declares it empty).
+	PerExposure bool
+	Elems       map[string]ElemSpec // by string(key); nil for stateful sets
 }
 
 type ElemSpec struct {
@@ -66,6 +71,10 @@ type ElemSpec struct {
 	Val     []byte
 	Verdict string // goto target for verdict maps
 	Comment string
+	Owner   string // the exposure whose unit holds it (not in the kernel: "" when observed)
+	// Counter: in a set whose elements count (SetSpec.Counter), the value
+	// the element starts at (a replace carries what the kernel held).
+	Counter CounterValue
 }
 
 func (e ElemSpec) Same(o ElemSpec) bool {

@@ -1,12 +1,14 @@
 package compile
 
 import (
+	"fmt"
 	"net/netip"
 	"regexp"
-	"strconv"
+	"sort"
 	"strings"
 	"testing"
 
+	"github.com/google/nftables"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -15,126 +17,337 @@ import (
 
 func refRules() Rules {
 	return Rules{Bridge: "br0", Subnet: netip.MustParsePrefix("10.213.0.1/24"),
-		Masquerade: true, DHCP: true, Exposures: []Exposure{
-			{Name: "web", Protocol: "tcp", HostPort: 8080, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 80, MaxConns: 3},
-			{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: netip.MustParseAddr("10.213.0.12"), GuestPort: 53},
+		Masquerade: true, DHCP: true, Cap: SetBasedCap{}, Exposures: []Exposure{
+			{Name: "web", Protocol: "tcp", HostPort: 8080, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 80, MaxConns: 3, MarkID: 1},
+			{Name: "dns", Protocol: "udp", HostPort: 5353, GuestAddr: netip.MustParseAddr("10.213.0.12"), GuestPort: 53, MarkID: 2},
 		}}
 }
 
-func mustDesired(t *testing.T, r Rules, ids map[string]uint32) (inet, bridge *TableSpec) {
+func ssh() Exposure {
+	return Exposure{Name: "ssh", Protocol: "tcp", HostPort: 2222, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 22, MarkID: 3}
+}
+
+// empty is what a kernel without brokkr's tables holds.
+func empty() *Observation { return &Observation{Inet: EmptyObserved(), Bridge: EmptyObserved()} }
+
+// held is what a kernel holds once r is applied exactly.
+func held(t *testing.T, r Rules) *Observation {
 	t.Helper()
-	inet, bridge, err := Desired(r, ids, 0)
+	inet, bridge, err := Whole(r)
 	require.NoError(t, err)
-	return inet, bridge
+	return &Observation{Inet: ObservedFrom(inet), Bridge: ObservedFrom(bridge)}
+}
+
+// applied is a state that has applied r.
+func applied(t *testing.T, r Rules) *State {
+	t.Helper()
+	s := NewState()
+	p, err := s.Plan(r, empty())
+	require.NoError(t, err)
+	s.Commit(p)
+	return s
+}
+
+func opsOf[T Op](p *Plan) []T {
+	var out []T
+	for _, o := range p.Ops {
+		if x, ok := o.(T); ok {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+func elemCount[T interface{ AddElems | DelElems }](ops []T, set string) int {
+	n := 0
+	for _, o := range ops {
+		switch x := any(o).(type) {
+		case AddElems:
+			if x.Set.Name == set {
+				n += len(x.Elems)
+			}
+		case DelElems:
+			if x.Set == set {
+				n += len(x.Elems)
+			}
+		}
+	}
+	return n
+}
+
+func changesOf(p *Plan) []string {
+	var out []string
+	for _, c := range p.Changes {
+		s := c.Exposure.Name + " " + c.Kind.String()
+		if c.Flush {
+			s += " flush " + c.HostSide.String()
+		}
+		out = append(out, s)
+	}
+	sort.Strings(out) // the plan lists them in the desired state's order
+	return out
+}
+
+func TestPlanFirstApplyCreatesEverythingAndFlushesEachHostSide(t *testing.T) {
+	p, err := NewState().Plan(refRules(), empty())
+	require.NoError(t, err)
+	assert.Equal(t, []string{"dns created flush udp *:5353", "web created flush tcp *:8080"}, changesOf(p))
+	assert.Empty(t, p.Repairs, "a first build is not drift")
+	assert.Len(t, opsOf[AddTable](p), 2)
+	assert.Equal(t, 2, elemCount(opsOf[AddElems](p), MapExpAny))
 }
 
 func TestPlanNothingWhenEqual(t *testing.T) {
 	r := refRules()
-	ids := AssignIDs(r.Exposures, nil)
-	d, _ := mustDesired(t, r, ids)
-	assert.True(t, MakePlan(d, ObservedFrom(d)).Empty())
+	s := applied(t, r)
+	for name, obs := range map[string]*Observation{"generation unchanged": nil, "read back": held(t, r)} {
+		p, err := s.Plan(r, obs)
+		require.NoError(t, err, name)
+		assert.True(t, p.Empty(), name)
+		assert.Empty(t, p.Changes, name)
+		assert.Empty(t, p.Repairs, name)
+	}
+}
+
+// A new process finds the tables as the last one left them: nothing to
+// send, every exposure is new to the state, and none is flushed.
+func TestPlanAfterRestartFlushesNothing(t *testing.T) {
+	r := refRules()
+	p, err := NewState().Plan(r, held(t, r))
+	require.NoError(t, err)
+	assert.True(t, p.Empty())
+	assert.Equal(t, []string{"dns created", "web created"}, changesOf(p))
 }
 
 func TestPlanOneExposureAdded(t *testing.T) {
 	r := refRules()
-	ids := AssignIDs(r.Exposures, nil)
-	d0, _ := mustDesired(t, r, ids)
-	r.Exposures = append(r.Exposures, Exposure{Name: "ssh", Protocol: "tcp", HostPort: 2222, GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 22})
-	ids = AssignIDs(r.Exposures, ids)
-	d1, _ := mustDesired(t, r, ids)
-	p := MakePlan(d1, ObservedFrom(d0))
-	assert.Len(t, p.AddChains, 1)
-	assert.Equal(t, "exp-ssh", p.AddChains[0].Name)
-	assert.Len(t, p.AddElems[MapExpAny], 1)
-	assert.Empty(t, p.FlushChains, "no other chain is rewritten")
-	assert.Empty(t, p.DelChains)
-	assert.ElementsMatch(t, []string{"ssh-accepted"}, p.AddCounters, "uncapped: no refused counter")
+	s := applied(t, r)
+	r.Exposures = append(r.Exposures, ssh())
+	for name, obs := range map[string]*Observation{"generation unchanged": nil, "read back": held(t, refRules())} {
+		p, err := s.Plan(r, obs)
+		require.NoError(t, err)
+		assert.Equal(t, []string{"ssh created flush tcp *:2222"}, changesOf(p), name)
+		assert.Equal(t, 1, elemCount(opsOf[AddElems](p), MapExpAny), name)
+		assert.Equal(t, 1, elemCount(opsOf[AddElems](p), MapExpTarget), name)
+		assert.Len(t, p.Ops, 2, name+": two elements and nothing else")
+		assert.Empty(t, opsOf[AddChain](p), name+": an exposure is data, not a chain")
+		assert.Empty(t, opsOf[DelElems](p), name)
+		assert.Empty(t, p.Repairs, name)
+	}
+}
+
+// PlanUpdate plans the exposures it is given and nothing else: at 2,000
+// exposures one more is the same few operations as at 2.
+func TestPlanUpdateTouchesOnlyItsExposures(t *testing.T) {
+	r := refRules()
+	for i := 0; i < 2000; i++ {
+		r.Exposures = append(r.Exposures, Exposure{Name: fmt.Sprintf("x%04d", i), Protocol: "tcp", HostPort: uint16(20000 + i),
+			GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 7000, MarkID: uint32(100 + i)})
+	}
+	s := applied(t, r)
+	p, err := s.PlanUpdate(nil, []Exposure{ssh()}, []string{"x0007"}, nil)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"ssh created flush tcp *:2222", "x0007 removed flush tcp *:20007"}, changesOf(p))
+	assert.Equal(t, 1, elemCount(opsOf[AddElems](p), MapExpAny))
+	assert.Equal(t, 1, elemCount(opsOf[DelElems](p), MapExpAny))
+	s.Commit(p)
+	_, ok := s.Exposure("x0007")
+	assert.False(t, ok)
+	got, ok := s.Exposure("ssh")
+	assert.True(t, ok)
+	assert.Equal(t, ssh(), got)
+
+	// The same update again changes nothing.
+	p, err = s.PlanUpdate(nil, []Exposure{ssh()}, []string{"x0007"}, nil)
+	require.NoError(t, err)
+	assert.True(t, p.Empty())
+	assert.Empty(t, p.Changes)
+	// And the whole desired state, planned afresh, agrees with it.
+	r.Exposures = append(r.Exposures, ssh())
+	r.Exposures = append(r.Exposures[:9], r.Exposures[10:]...) // x0007
+	p, err = s.Plan(r, nil)
+	require.NoError(t, err)
+	assert.True(t, p.Empty(), "%v", p.Ops)
+}
+
+func TestPlanUpdateNeedsAWholeStateFirst(t *testing.T) {
+	_, err := NewState().PlanUpdate(nil, []Exposure{ssh()}, nil, empty())
+	assert.ErrorContains(t, err, "no whole desired state")
 }
 
 func TestPlanRemovedAndDrift(t *testing.T) {
 	r := refRules()
-	ids := AssignIDs(r.Exposures, nil)
-	d0, _ := mustDesired(t, r, ids)
-	obs := ObservedFrom(d0)
-	delete(obs.Chains, "dispatch")       // drift: a chain deleted
-	obs.Chains["prerouting"].Rules = nil // drift: a flushed chain
-	r.Exposures = r.Exposures[:1]        // change: dns removed
-	d1, _ := mustDesired(t, r, AssignIDs(r.Exposures, ids))
-	p := MakePlan(d1, obs)
-	assert.Contains(t, p.DelChains, "exp-dns")
-	assert.Contains(t, p.DelCounters, "dns-accepted")
-	assert.Len(t, p.DelElems[MapExpAny], 1)
-	repaired, changed := Split(p, Fingerprints(d0), Fingerprints(d1))
-	assert.Contains(t, repaired, "chain dispatch missing")
-	assert.Contains(t, repaired, "rules of chain prerouting differ")
-	assert.Contains(t, changed, "chain exp-dns unexpected")
+	s := applied(t, r)
+	obs := held(t, r)
+	delete(obs.Inet.Chains, "dispatch")       // drift: a chain deleted
+	obs.Inet.Chains["prerouting"].Rules = nil // drift: a flushed chain
+	r.Exposures = r.Exposures[:1]             // change: dns removed
+	p, err := s.Plan(r, obs)
+	require.NoError(t, err)
+	assert.Equal(t, 1, elemCount(opsOf[DelElems](p), MapExpAny))
+	assert.Equal(t, 1, elemCount(opsOf[DelElems](p), MapExpTarget))
+	var repairs []string
+	for _, r := range p.Repairs {
+		repairs = append(repairs, r.String())
+	}
+	assert.ElementsMatch(t, []string{"chain dispatch missing", "rules of chain prerouting differ"}, repairs)
+	assert.Equal(t, []string{"dns removed flush udp *:5353"}, changesOf(p))
 }
 
-func TestPlanCapChangeRecreatesSetAndRewritesChain(t *testing.T) {
+// A repaired element restores where the flows already go: nothing is
+// flushed for it.
+func TestPlanRepairedElementIsNotFlushed(t *testing.T) {
 	r := refRules()
-	ids := AssignIDs(r.Exposures, nil)
-	d0, _ := mustDesired(t, r, ids)
+	s := applied(t, r)
+	obs := held(t, r)
+	for k, e := range obs.Inet.Sets[MapExpAny].Elems {
+		if e.Comment == "web" {
+			delete(obs.Inet.Sets[MapExpAny].Elems, k)
+		}
+	}
+	p, err := s.Plan(r, obs)
+	require.NoError(t, err)
+	require.Len(t, p.Repairs, 1)
+	assert.Equal(t, "element exp-any[web] missing", p.Repairs[0].String())
+	assert.Empty(t, p.Changes)
+	assert.Equal(t, 1, elemCount(opsOf[AddElems](p), MapExpAny))
+	assert.Len(t, p.Ops, 1)
+}
+
+// A dispatch element that no exposure owns (its exposure was deleted while
+// no daemon ran) is deleted on the first pass and its host side flushed.
+func TestPlanOrphanElementIsDeletedAndFlushed(t *testing.T) {
+	old := refRules()
+	obs := held(t, old)
+	r := refRules()
+	r.Exposures = r.Exposures[:1] // dns went while the daemon was down
+	p, err := NewState().Plan(r, obs)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"dns removed flush udp *:5353", "web created"}, changesOf(p))
+}
+
+func TestPlanCapChangeRecreatesSetAndRewritesChainButKeepsFlows(t *testing.T) {
+	r := refRules()
+	s := applied(t, r)
 	r.Exposures[0].MaxConns = 5
-	d1, _ := mustDesired(t, r, ids)
-	p := MakePlan(d1, ObservedFrom(d0))
-	assert.Contains(t, p.DelSets, "conns-web")
-	require.Len(t, p.Seed, 1, "a recreated cap set is seeded from conntrack")
-	assert.Contains(t, p.FlushChains, "exp-web")
+	p, err := s.Plan(r, nil)
+	require.NoError(t, err)
+	assert.Contains(t, opsOf[DelSet](p), DelSet{nftables.TableFamilyINet, "conns-web"})
+	adds := opsOf[AddSet](p)
+	require.Len(t, adds, 1)
+	assert.True(t, adds[0].Set.Stateful, "a recreated cap set is seeded from conntrack")
+	assert.Equal(t, uint32(1), adds[0].Set.SeedID)
+	assert.Contains(t, opsOf[FlushChain](p), FlushChain{nftables.TableFamilyINet, "cap-web"})
+	assert.Equal(t, []string{"web changed"}, changesOf(p), "a new cap keeps where the flows go")
 }
 
-func TestIDsStableAndDistinct(t *testing.T) {
-	var exps []Exposure
-	for i := 0; i < 5000; i++ {
-		exps = append(exps, Exposure{Name: "e" + strings.Repeat("x", i%7) + string(rune('a'+i%26)) + itoa(i)})
-	}
-	ids := AssignIDs(exps, nil)
-	seen := map[uint32]bool{}
-	for _, id := range ids {
-		assert.NotZero(t, id)
-		assert.Zero(t, id&^MarkIDMask)
-		assert.False(t, seen[id])
-		seen[id] = true
-	}
-	again := AssignIDs(append(exps, Exposure{Name: "new"}), ids)
-	for n, id := range ids {
-		assert.Equal(t, id, again[n])
-	}
+func TestPlanRetargetFlushesAndAMoveFlushesBothSides(t *testing.T) {
+	r := refRules()
+	s := applied(t, r)
+	r.Exposures[0].GuestPort = 81
+	r.Exposures[1].HostPort = 5354
+	p, err := s.Plan(r, nil)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"dns created flush udp *:5354", "dns removed flush udp *:5353", "web changed flush tcp *:8080"}, changesOf(p))
 }
 
-func itoa(i int) string { return strings.TrimSpace(strings.Repeat(" ", 0) + string([]byte(fmtInt(i)))) }
-
-func fmtInt(i int) string {
-	if i == 0 {
-		return "0"
-	}
-	var b []byte
-	for ; i > 0; i /= 10 {
-		b = append([]byte{byte('0' + i%10)}, b...)
-	}
-	return string(b)
+// With the cap outside the table (MarksOnly), a new cap is the slot's business: the table does not
+// change and nothing is flushed.
+func TestPlanMarksOnlyChangeOfCapAloneSendsNothing(t *testing.T) {
+	r := refRules()
+	r.Cap = MarksOnly{}
+	s := applied(t, r)
+	r.Exposures[0].MaxConns = 9
+	p, err := s.Plan(r, nil)
+	require.NoError(t, err)
+	assert.True(t, p.Empty())
+	assert.Equal(t, []string{"web changed"}, changesOf(p))
 }
+
+// A shared map whose digest is what the state applied is not read: the
+// plan then covers the changed exposures' elements there. A map whose
+// digest differs must be read before anything is planned.
+func TestPlanTrustsAnUnreadMapOnlyWhenItsDigestMatches(t *testing.T) {
+	r := refRules()
+	s := applied(t, r)
+	obs := held(t, r)
+	unread := obs.Inet.Sets[MapExpAny]
+	unread.Elems = nil
+	r.Exposures = append(r.Exposures, ssh())
+	p, err := s.Plan(r, obs)
+	require.NoError(t, err)
+	assert.Equal(t, 1, elemCount(opsOf[AddElems](p), MapExpAny))
+	assert.Equal(t, []string{"ssh created flush tcp *:2222"}, changesOf(p))
+
+	unread.Digest = unread.Digest.Plus(Digest{1, 42})
+	_, err = s.Plan(r, obs)
+	assert.ErrorContains(t, err, "set "+MapExpAny)
+}
+
+func TestDigestFollowsCommits(t *testing.T) {
+	r := refRules()
+	s := applied(t, r)
+	assert.Equal(t, held(t, r).Inet.Sets[MapExpAny].Digest, s.Digest(MapExpAny))
+	p, err := s.PlanUpdate(nil, []Exposure{ssh()}, []string{"dns"}, nil)
+	require.NoError(t, err)
+	s.Commit(p)
+	r.Exposures = append(r.Exposures[:1], ssh())
+	assert.Equal(t, held(t, r).Inet.Sets[MapExpAny].Digest, s.Digest(MapExpAny))
+	assert.Equal(t, 2, s.Digest(MapExpAny).Count)
+}
+
+// The replacement creates the target whole, after deleting both tables,
+// and carries counter values.
+func TestReplacementDeletesAndCreatesWhole(t *testing.T) {
+	r := refRules()
+	s := applied(t, r)
+	r.Exposures = append(r.Exposures, ssh())
+	p, err := s.Plan(r, nil)
+	require.NoError(t, err)
+	ops := p.Replacement(Counts{Named: map[string]CounterValue{"web-refused": {Packets: 7, Bytes: 700}}})
+	require.GreaterOrEqual(t, len(ops), 4)
+	assert.Equal(t, []Op{AddTable{nftables.TableFamilyINet}, AddTable{nftables.TableFamilyBridge},
+		DelTable{nftables.TableFamilyINet}, DelTable{nftables.TableFamilyBridge}}, ops[:4])
+	var web CounterValue
+	for _, o := range ops {
+		if c, ok := o.(AddCounter); ok && c.Name == "web-refused" {
+			web = c.Value
+		}
+	}
+	assert.Equal(t, CounterValue{7, 700}, web)
+	assert.Equal(t, 3, elemCount(opsOfList[AddElems](ops), MapExpAny))
+}
+
+func opsOfList[T Op](ops []Op) []T { return opsOf[T](&Plan{Ops: ops}) }
 
 func TestLoopbackExposureGetsNoRules(t *testing.T) {
 	r := refRules()
 	r.Exposures = append(r.Exposures, Exposure{Name: "lo", Protocol: "tcp", HostAddr: netip.MustParseAddr("127.0.0.1"), HostPort: 1,
 		GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 1})
-	d, _ := mustDesired(t, r, AssignIDs(r.Exposures, nil))
-	assert.NotContains(t, d.Chains, "exp-lo")
-	u, err := UnitOf(&UnitKey{Exp: r.Exposures[2], ID: 1})
+	inet, _, err := Whole(r)
 	require.NoError(t, err)
-	assert.Nil(t, u.Chains["exp-lo"])
+	for _, s := range inet.Sets {
+		for _, e := range s.Elems {
+			assert.NotEqual(t, "lo", e.Owner)
+		}
+	}
+	p, err := NewState().Plan(r, empty())
+	require.NoError(t, err)
+	assert.Contains(t, changesOf(p), "lo created", "known to the state, not published, not flushed")
 }
 
-// Any input either builds or is refused with an error: the compiler never
+// Any input either plans or is refused with an error: the compiler never
 // panics, whatever reaches it.
-func FuzzDesired(f *testing.F) {
-	f.Add("web", "tcp", uint16(8080), uint16(80), 3, "10.213.0.11")
-	f.Add("", "udp", uint16(0), uint16(0), -1, "::1")
-	f.Fuzz(func(t *testing.T, name, proto string, hp, gp uint16, max int, guest string) {
+func FuzzPlan(f *testing.F) {
+	f.Add("web", "tcp", uint16(8080), uint16(80), 3, "10.213.0.11", uint32(5))
+	f.Add("", "udp", uint16(0), uint16(0), -1, "::1", uint32(0))
+	f.Fuzz(func(t *testing.T, name, proto string, hp, gp uint16, max int, guest string, mark uint32) {
 		r := refRules()
 		ga, _ := netip.ParseAddr(guest)
-		r.Exposures = append(r.Exposures, Exposure{Name: name, Protocol: proto, HostPort: hp, GuestPort: gp, MaxConns: max, GuestAddr: ga})
-		_, _, _ = Desired(r, AssignIDs(r.Exposures, nil), 0)
+		r.Exposures = append(r.Exposures, Exposure{Name: name, Protocol: proto, HostPort: hp, GuestPort: gp, MaxConns: max, GuestAddr: ga, MarkID: mark})
+		s := applied(t, refRules())
+		_, _ = s.Plan(r, nil)
+		_, _ = s.PlanUpdate(nil, r.Exposures[2:], nil, nil)
 	})
 }
 
@@ -153,26 +366,19 @@ func FuzzValidNameMatchesNameRE(f *testing.F) {
 	})
 }
 
-// The Go side of a first 10,000-exposure Converge: units built and merged
-// into the whole table, then planned against an empty kernel.
-func BenchmarkWholeTable10000(b *testing.B) {
+// The Go side of a first 10,000-exposure Converge: the whole table planned
+// against an empty kernel.
+func BenchmarkPlanWhole10000(b *testing.B) {
 	r := refRules()
 	r.Exposures = nil
 	for i := 0; i < 10000; i++ {
-		r.Exposures = append(r.Exposures, Exposure{Name: "x" + strconv.Itoa(i), Protocol: "tcp", HostPort: uint16(20000 + i),
-			GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 7000})
+		r.Exposures = append(r.Exposures, Exposure{Name: fmt.Sprintf("x%d", i), Protocol: "tcp", HostPort: uint16(20000 + i),
+			GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 7000, MarkID: uint32(i + 1)})
 	}
-	ids := AssignIDs(r.Exposures, nil)
-	var keys []UnitKey
-	for _, e := range r.Exposures {
-		keys = append(keys, UnitKey{Exp: e, ID: ids[e.Name]})
-	}
-	g, _, err := Desired(Rules{Bridge: r.Bridge, Subnet: r.Subnet, Masquerade: true, DHCP: true}, nil, 0)
-	require.NoError(b, err)
 	b.ReportAllocs()
 	for b.Loop() {
-		units, err := BuildUnits(keys)
-		require.NoError(b, err)
-		MakePlan(Assemble(g, units), EmptyObserved())
+		if _, err := NewState().Plan(r, empty()); err != nil {
+			b.Fatal(err)
+		}
 	}
 }

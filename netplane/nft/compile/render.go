@@ -92,6 +92,9 @@ func renderSet(b *strings.Builder, s *SetSpec) error {
 	if s.Dynamic {
 		b.WriteString("\t\tflags dynamic\n")
 	}
+	if s.Counter {
+		b.WriteString("\t\tcounter\n")
+	}
 	if s.Comment != "" {
 		fmt.Fprintf(b, "\t\tcomment %q\n", s.Comment)
 	}
@@ -106,13 +109,14 @@ func renderSet(b *strings.Builder, s *SetSpec) error {
 			key += fmt.Sprintf(" comment %q", e.Comment)
 		}
 		if s.IsMap {
-			switch {
-			case e.Verdict != "":
+			if e.Verdict != "" {
 				key += " : goto " + e.Verdict
-			case s.Data.Name == nftables.TypeInetService.Name && len(e.Val) == 2:
-				key += " : " + strconv.Itoa(int(binary.BigEndian.Uint16(e.Val)))
-			default:
-				return fmt.Errorf("element %s: value %x of type %s", key, e.Val, s.Data.Name)
+			} else {
+				v, err := renderKey(s.Data, e.Val)
+				if err != nil {
+					return fmt.Errorf("element %s: value %x of type %s: %w", key, e.Val, s.Data.Name, err)
+				}
+				key += " : " + v
 			}
 		}
 		elems = append(elems, key)
@@ -542,13 +546,22 @@ func (rr *ruleReader) lookup(x *expr.Lookup) error {
 	case x.DestRegister == 0:
 		rr.emit(key + " vmap @" + x.SetName)
 	default:
-		rr.regs[reg32(x.DestRegister)] = operand{text: key + " map @" + x.SetName, kind: "mapped", len: 4}
+		// The data fills as many 32-bit registers as it needs; the ones
+		// after the first are the same value, continued.
+		text := key + " map @" + x.SetName
+		n := int(rr.t.Sets[x.SetName].Data.Bytes)
+		idx := reg32(x.DestRegister)
+		rr.regs[idx] = operand{text: text, kind: "mapped", len: n}
+		for i := 1; i < (n+3)/4; i++ {
+			rr.regs[idx+i] = operand{text: text, kind: "mapped-cont", len: n - 4*i}
+		}
 	}
 	return nil
 }
 
 func (rr *ruleReader) nat(x *expr.NAT) error {
-	if x.Type != expr.NATTypeDestNAT || x.Family != unix.NFPROTO_IPV4 || !x.Specified || x.RegAddrMax != 0 || x.RegProtoMax != 0 ||
+	if x.Type != expr.NATTypeDestNAT || x.Family != unix.NFPROTO_IPV4 || !x.Specified ||
+		x.RegAddrMax != 0 && x.RegAddrMax != x.RegAddrMin || x.RegProtoMax != 0 && x.RegProtoMax != x.RegProtoMin ||
 		x.Random || x.FullyRandom || x.Persistent || x.Prefix {
 		return fmt.Errorf("nat other than dnat ip to addr:port")
 	}
@@ -560,10 +573,15 @@ func (rr *ruleReader) nat(x *expr.NAT) error {
 	if err != nil {
 		return err
 	}
-	if len(a.imm) != 4 || len(p.imm) != 2 {
+	switch {
+	case len(a.imm) == 4 && len(p.imm) == 2:
+		rr.emit(fmt.Sprintf("dnat ip to %s:%d", netip.AddrFrom4([4]byte(a.imm)), binary.BigEndian.Uint16(p.imm)))
+	case a.kind == "mapped" && a.len == 8 && p.kind == "mapped-cont" && p.text == a.text && reg32(x.RegProtoMin) == reg32(x.RegAddrMin)+1:
+		// One map lookup whose data is address . port.
+		rr.emit("dnat ip to " + a.text)
+	default:
 		return fmt.Errorf("dnat to %q:%q", a.text, p.text)
 	}
-	rr.emit(fmt.Sprintf("dnat ip to %s:%d", netip.AddrFrom4([4]byte(a.imm)), binary.BigEndian.Uint16(p.imm)))
 	return nil
 }
 
@@ -572,6 +590,8 @@ func markValue(o operand) (string, error) {
 	switch {
 	case len(o.imm) == 4:
 		return fmt.Sprintf("0x%08x", binaryutil.NativeEndian.Uint32(o.imm)), nil
+	case o.kind == "mapped" && o.len == 4:
+		return o.text, nil
 	case o.text == "ct mark" && o.mask != nil:
 		m, x := binaryutil.NativeEndian.Uint32(o.mask), binaryutil.NativeEndian.Uint32(o.xor)
 		switch {

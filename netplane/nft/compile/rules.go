@@ -12,6 +12,8 @@ package compile
 
 import (
 	"fmt"
+
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"net"
 	"net/netip"
 	"strconv"
@@ -27,10 +29,35 @@ type Rules struct {
 	DNS           bool         // guests may reach udp+tcp/53 on the host
 	Guests        []Guest      // ports under anti-spoof
 	Exposures     []Exposure
-	// KernelCap: the cap, its release and the counters are the BPF nat
-	// path's (bpf.NatPath); exposures carry only their mark and DNAT, and
-	// each Exposure's MarkID is its counter slot's.
-	KernelCap bool
+	// Cap is the connection cap's part of the table (nil: MarksOnly).
+	Cap Cap
+}
+
+// Cap is the connection cap's part of the inet table: what the backend
+// that runs the cap needs there. The shapes are this package's (it builds
+// and renders every expression); a backend picks one.
+type Cap interface{ capShape() string }
+
+// MarksOnly: the cap runs outside the table (the BPF nat path's programs
+// read the marks): an exposure is its mark and its DNAT, nothing else.
+type MarksOnly struct{}
+
+// SetBasedCap: the set-based cap runs in the table (the fallback where the
+// nat path's programs cannot load): per capped exposure a set of its open
+// connections and the chain that admits into it, the FIN/RST bookkeeping,
+// per-element counters of the targets, and the slow path's port map
+// pointing at OverflowPort (its listener; 0: none).
+type SetBasedCap struct{ OverflowPort uint16 }
+
+func (MarksOnly) capShape() string   { return "marks" }
+func (SetBasedCap) capShape() string { return "set" }
+
+// setBased reports whether r's cap is the set-based one, and its settings.
+func (r Rules) setBased() (SetBasedCap, bool) {
+	if r.Cap == nil || r.Cap.capShape() != (SetBasedCap{}).capShape() {
+		return SetBasedCap{}, false
+	}
+	return r.Cap.(SetBasedCap), true
 }
 
 // Guest is one bridge port that may only send frames from its own MAC and
@@ -51,7 +78,7 @@ type Exposure struct {
 	GuestAddr netip.Addr
 	GuestPort uint16
 	MaxConns  int    // 0 = unlimited
-	MarkID    uint32 // with Rules.KernelCap: the ct mark id (counter slot + 1)
+	MarkID    uint32 // the ct mark id: the exposure's counter slot + 1, unique
 }
 
 // loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
@@ -110,9 +137,10 @@ func (r Rules) buildable() error {
 	return nil
 }
 
-// buildable reports an exposure the builder cannot express (id is its mark
-// id; 0 is never one).
-func (e Exposure) buildable(kernelCap bool, id uint32) error {
+// buildable reports an exposure the builder cannot express (a mark id of 0
+// is never one).
+func (e Exposure) buildable() error {
+	id := e.MarkID
 	if e.LoopbackOnly() {
 		return nil
 	}
@@ -128,8 +156,8 @@ func (e Exposure) buildable(kernelCap bool, id uint32) error {
 		return fieldErr(f+".hostAddr", "%s is not an IPv4 address", e.HostAddr)
 	case e.MaxConns < 0 || e.MaxConns > MaxConnsLimit:
 		return fieldErr(f+".maxConns", "%d is outside 0..%d", e.MaxConns, MaxConnsLimit)
-	case id == 0 || id > MarkIDMask:
-		return fieldErr(f+".markID", "%d is not a mark id (1..%d)", id, MarkIDMask)
+	case id == 0 || id > ctmark.IDMask:
+		return fieldErr(f+".markID", "%d is not a mark id (1..%d)", id, ctmark.IDMask)
 	}
 	return nil
 }

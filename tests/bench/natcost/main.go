@@ -16,6 +16,7 @@ import (
 	"os"
 
 	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/internal/nlsafe"
 )
 
@@ -52,7 +53,7 @@ func main() {
 		sl, err := store.Attach(*slotName, bpf.ProtoTCP, 0)
 		check(err)
 		sl.SetCap(uint32(*capN))
-		fmt.Printf("0x%x\n", bpf.MarkOf(sl.Index()))
+		fmt.Printf("0x%x\n", ctmark.Of(sl.Index()))
 		sl.Release(false)
 		check(np.Close())
 	case "remove":

@@ -4,6 +4,7 @@
 //	natscale connrate -ns CLIENTNS -addr IP:PORT -n N
 //	natscale serve  -ns GUESTNS -addr :7000   (accepts and closes, until killed)
 //	natscale scale  -ns HOSTNS -client CLIENTNS -guest IP -guestport P -hostaddrs IP,IP [-csv FILE]
+//	natscale changes -ns HOSTNS -guest IP -guestport P -hostaddrs IP,IP [-rounds R] [-csv FILE]
 //
 // It only ever touches namespaces named on its command line.
 package main
@@ -40,6 +41,8 @@ func main() {
 		err = connrate(os.Args[2:])
 	case "scale":
 		err = scale(os.Args[2:])
+	case "changes":
+		err = changes(os.Args[2:])
 	case "serve":
 		err = serve(os.Args[2:])
 	default:
@@ -70,9 +73,14 @@ func apply(args []string) error {
 		h, _ := strconv.Atoi(hp)
 		gg, _ := strconv.Atoi(gp)
 		r.Exposures = append(r.Exposures, nft.Exposure{Name: fmt.Sprintf("e%d", i), Protocol: "tcp",
-			HostPort: uint16(h), GuestAddr: g, GuestPort: uint16(gg), MaxConns: *capN})
+			HostPort: uint16(h), GuestAddr: g, GuestPort: uint16(gg), MaxConns: *capN, MarkID: uint32(i + 1)})
 	}
-	t, err := nft.Open(*ns, nft.WithoutCapWatcher())
+	if *capN > 0 {
+		// The kernel refuses over the cap by itself (no watcher, no slow
+		// path: the rule path alone).
+		r.Cap = nft.SetBasedCap{}
+	}
+	t, err := nft.Open(*ns)
 	if err != nil {
 		return err
 	}
@@ -150,7 +158,7 @@ func connrate(args []string) error {
 // table (timed), one more exposure (median of 5), and connect latency to the
 // last exposure through the table against the guest routed directly,
 // interleaved in the same minute. Exposures are in the production mode
-// (KernelCap, marks + DNAT only; no BPF program is needed for the DNAT
+// (MarksOnly, marks + DNAT only; no BPF program is needed for the DNAT
 // itself). Each size becomes a row of the CSV at -csv, for tests/bench/plot.
 // Optionally the linear-chain anchor at one size (-linear).
 func scale(args []string) error {
@@ -208,7 +216,7 @@ func scale(args []string) error {
 		fmt.Fprintf(f, "# natscale scale %s kernel=%s cores=%d n=%d\n", time.Now().UTC().Format(time.RFC3339), kernelRelease(), runtime.NumCPU(), *n)
 		out.Write(csvHeader)
 	}
-	t, err := nft.Open(*ns, nft.WithoutCapWatcher())
+	t, err := nft.Open(*ns)
 	if err != nil {
 		return err
 	}
@@ -239,7 +247,7 @@ func scale(args []string) error {
 			return err
 		}
 		r := baseRules(g)
-		r.KernelCap = true
+		r.Cap = nft.MarksOnly{}
 		r.Exposures = exps(k)
 		runtime.GC() // the previous size's garbage is not this apply's
 		t0 := time.Now()
@@ -276,7 +284,7 @@ func scale(args []string) error {
 			return err
 		}
 		r := baseRules(g)
-		r.KernelCap = true
+		r.Cap = nft.MarksOnly{}
 		r.Exposures = exps(k)
 		if _, err := t.Converge(r); err != nil {
 			return err

@@ -1,7 +1,9 @@
 // Command plot draws the nat scale benchmark's PNGs from the CSV that
-// `natscale scale -csv` writes (tests/bench/nat.sh runs both):
+// `natscale scale -csv` or `natscale changes -csv` writes
+// (tests/bench/nat.sh runs them):
 //
 //	plot -csv OUT/nat-scale.csv -out OUT
+//	plot -csv OUT/nat-changes.csv -out OUT   (OUT/nat-changes.png)
 //
 // writes OUT/nat-apply.png (whole-table apply and one-more-exposure change
 // time against the number of exposures) and OUT/nat-latency.png (connect
@@ -15,7 +17,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"image/color"
+	stdcolor "image/color"
 	"io"
 	"os"
 	"path/filepath"
@@ -141,7 +143,7 @@ func (plainTicks) Ticks(lo, hi float64) []plot.Tick {
 type series struct {
 	name  string
 	y     func(row) float64
-	color color.Color
+	color color
 	dash  []vg.Length
 	shape draw.GlyphDrawer
 }
@@ -164,10 +166,13 @@ func addSeries(p *plot.Plot, rows []row, ss []series) error {
 	return nil
 }
 
+type color = stdcolor.Color
+
 var (
-	blue = color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff}
-	red  = color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff}
-	grey = color.RGBA{R: 0x55, G: 0x55, B: 0x55, A: 0xff}
+	blue  = stdcolor.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff}
+	red   = stdcolor.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff}
+	grey  = stdcolor.RGBA{R: 0x55, G: 0x55, B: 0x55, A: 0xff}
+	green = stdcolor.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff}
 )
 
 // plotApply: both times on a log y axis, since they span 10 ms to seconds.
@@ -240,12 +245,22 @@ func main() {
 }
 
 func mainErr(in, dir string) error {
-	f, err := os.Open(in)
+	b, err := os.ReadFile(in)
 	if err != nil {
 		return err
 	}
-	defer f.Close()
-	r, err := parse(f)
+	if isChanges(b) {
+		r, err := parseChanges(bytes.NewReader(b))
+		if err != nil {
+			return fmt.Errorf("%s: %w", in, err)
+		}
+		paths, err := renderChanges(r, dir)
+		for _, p := range paths {
+			fmt.Println("wrote", p)
+		}
+		return err
+	}
+	r, err := parse(bytes.NewReader(b))
 	if err != nil {
 		return fmt.Errorf("%s: %w", in, err)
 	}

@@ -91,3 +91,53 @@ func TestRenderApplyOnly(t *testing.T) {
 		t.Fatalf("paths %v", paths)
 	}
 }
+
+// testdata/nat-changes.csv is a real `natscale changes` run (2026-12-02,
+// a shared machine), copied as a fixture.
+func TestRenderChanges(t *testing.T) {
+	b, err := os.ReadFile("testdata/nat-changes.csv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !isChanges(b) {
+		t.Fatal("not recognized as a changes CSV")
+	}
+	r, err := parseChanges(strings.NewReader(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Rows) != 4 || r.Rows[3].Exposures != 100000 {
+		t.Fatalf("rows: %+v", r.Rows)
+	}
+	for _, x := range r.Rows {
+		for _, m := range changesMetrics {
+			v := x.M[m]
+			if !(v[1] <= v[0] && v[0] <= v[2]) {
+				t.Errorf("%v exposures, %s: median %v outside [%v, %v]", x.Exposures, m, v[0], v[1], v[2])
+			}
+		}
+	}
+	dir := t.TempDir()
+	paths, err := renderChanges(r, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(paths[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	img, err := png.Decode(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := img.Bounds(); b.Dx() < 400 || b.Dy() < 300 {
+		t.Errorf("image %v", b)
+	}
+	if err := mainErr("testdata/nat-changes.csv", dir); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := parseChanges(strings.NewReader(strings.Join(changesHeader(), ",") + "\n10,0,1,1,1" + strings.Repeat(",1", 20) + "\n")); err == nil {
+		t.Error("a zero time must be refused (log axes)")
+	}
+}

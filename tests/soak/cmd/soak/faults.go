@@ -165,7 +165,7 @@ func (x *h) killDuringConverges(p string, kills, maxExp, maxVM int) {
 	x.check(p+".vmm.orphan", int64(tot.orphans), 0, "VMM processes of VMs not desired")
 	x.check(p+".vmm.duplicate", int64(tot.dups), 0, "second VMM processes for one VM")
 	x.check(p+".vmm.missing", int64(tot.missingVMM), 0, "desired VMs without their status pid alive")
-	x.check(p+".nft.stale", int64(tot.nftStale), 0, "map elements or exp- chains of exposures not desired")
+	x.check(p+".nft.stale", int64(tot.nftStale), 0, "map elements of exposures not desired")
 	x.check(p+".nft.missing", int64(tot.nftMissing), 0, "desired nat/auto exposures without exactly one element and chain")
 	x.check(p+".records.lost", int64(tot.lost), 0, "desired states lost or VM records missing")
 	x.check(p+".records.corrupt", int64(tot.corrupt), 0, "records or desired.json not parsing")
@@ -221,7 +221,7 @@ func (x *h) checkAfterRestart(k int, cur, prevDesired desired, st *api.Status, p
 		}
 	}
 	// nft against desired state.
-	elems, chains, err := nftState()
+	elems, targets, err := nftState()
 	if err != nil {
 		x.fail("kill %d: %v", k, err)
 		return
@@ -237,15 +237,15 @@ func (x *h) checkAfterRestart(k int, cur, prevDesired desired, st *api.Status, p
 			tot.nftStale += c
 		}
 	}
-	for n, c := range chains {
+	for n, c := range targets {
 		if !wantNft[n] {
 			tot.nftStale += c
 		}
 	}
 	for n := range wantNft {
-		if elems[n] != 1 || chains[n] != 1 {
+		if elems[n] != 1 || targets[n] != 1 {
 			tot.nftMissing++
-			fmt.Printf("kill %d: %s has %d elements, %d chains\n", k, n, elems[n], chains[n])
+			fmt.Printf("kill %d: %s has %d dispatch elements, %d target elements\n", k, n, elems[n], targets[n])
 		}
 	}
 	// Records: desired.json parses; each desired VM has its record.

@@ -220,8 +220,9 @@ func taps() ([]string, error) {
 }
 
 // nftState reads `nft -j list table inet brokkr`: per exposure name, how many
-// elements of the exposure maps and how many exp-NAME chains it has.
-func nftState() (elems, chains map[string]int, err error) {
+// elements it has in the dispatch maps (exp-addr, exp-any: its mark by host
+// side) and in exp-target (its guest by mark).
+func nftState() (elems, targets map[string]int, err error) {
 	out, err := runIn(hostNS, "nft", "-j", "list", "table", "inet", "brokkr")
 	if err != nil {
 		return nil, nil, err
@@ -232,35 +233,28 @@ func nftState() (elems, chains map[string]int, err error) {
 	if err := json.Unmarshal([]byte(out), &doc); err != nil {
 		return nil, nil, err
 	}
-	elems, chains = map[string]int{}, map[string]int{}
+	elems, targets = map[string]int{}, map[string]int{}
 	for _, o := range doc.Nftables {
-		if raw, ok := o["chain"]; ok {
-			var c struct {
-				Name string `json:"name"`
-			}
-			_ = json.Unmarshal(raw, &c)
-			if strings.HasPrefix(c.Name, "exp-") && c.Name != "exp-addr" && c.Name != "exp-any" {
-				chains[strings.TrimPrefix(c.Name, "exp-")]++
-			}
+		raw, ok := o["map"]
+		if !ok {
+			continue
 		}
-		if raw, ok := o["map"]; ok {
-			var m struct {
-				Name string            `json:"name"`
-				Elem []json.RawMessage `json:"elem"`
-			}
-			_ = json.Unmarshal(raw, &m)
-			if m.Name != "exp-addr" && m.Name != "exp-any" {
-				continue
-			}
-			for _, el := range m.Elem {
-				// Each element is [key, value]; the key carries the comment
-				// naming the exposure.
-				c := findComment(el)
-				elems[c]++
-			}
+		var m struct {
+			Name string            `json:"name"`
+			Elem []json.RawMessage `json:"elem"`
+		}
+		_ = json.Unmarshal(raw, &m)
+		count := map[string]map[string]int{"exp-addr": elems, "exp-any": elems, "exp-target": targets}[m.Name]
+		if count == nil {
+			continue
+		}
+		for _, el := range m.Elem {
+			// Each element is [key, value]; the key carries the comment
+			// naming the exposure.
+			count[findComment(el)]++
 		}
 	}
-	return elems, chains, nil
+	return elems, targets, nil
 }
 
 func findComment(raw json.RawMessage) string {
