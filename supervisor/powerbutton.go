@@ -19,18 +19,24 @@ const PowerButtonEvery = 5 * time.Second
 // escalate; a later press may fail because the VMM is already exiting, so
 // those failures are ignored.
 func PressPowerButton(grace, every time.Duration, press func() error, waitExit func(time.Duration) bool, done func() bool) (exited bool, err error) {
+	return pressPowerButton(time.Now, grace, every, press, waitExit, done)
+}
+
+// pressPowerButton is PressPowerButton on the clock now (a fake one in
+// tests, so that they do not depend on how long a sleep takes).
+func pressPowerButton(now func() time.Time, grace, every time.Duration, press func() error, waitExit func(time.Duration) bool, done func() bool) (exited bool, err error) {
 	if every <= 0 {
 		every = PowerButtonEvery
 	}
-	end := time.Now().Add(grace)
+	end := now().Add(grace)
 	if err := press(); err != nil {
 		return false, err
 	}
 	for {
-		if waitExit(min(every, max(time.Until(end), 0))) {
+		if waitExit(min(every, max(end.Sub(now()), 0))) {
 			return true, nil
 		}
-		if done() || time.Until(end) <= 0 {
+		if done() || end.Sub(now()) <= 0 {
 			return false, nil
 		}
 		_ = press()
