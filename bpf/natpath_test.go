@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/bpf/ctmark"
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
