@@ -174,7 +174,20 @@ func (n *NS) ServeEcho(t testing.TB, addr string) {
 		t.Fatalf("echo server on %s in %s: %v", addr, n.Name, err)
 	}
 	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); pc.Close(); wg.Wait() })
+	// Open connections are closed at cleanup too: a test that fails with a
+	// caller's connection still open must not wait on it for ever.
+	var mu sync.Mutex
+	conns := map[net.Conn]struct{}{}
+	t.Cleanup(func() {
+		ln.Close()
+		pc.Close()
+		mu.Lock()
+		for c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
@@ -183,11 +196,17 @@ func (n *NS) ServeEcho(t testing.TB, addr string) {
 			if err != nil {
 				return
 			}
+			mu.Lock()
+			conns[c] = struct{}{}
+			mu.Unlock()
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				_, _ = io.Copy(c, c)
 				c.Close()
+				mu.Lock()
+				delete(conns, c)
+				mu.Unlock()
 			}()
 		}
 	}()

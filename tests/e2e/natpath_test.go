@@ -144,20 +144,26 @@ func TestNatPathCountersAndCapAreExactAcrossSIGKILLRestartAndTableLoss(t *testin
 	assert.EqualValues(t, 300+8, got.BytesOut)
 
 	// The table deleted under the running daemon with a flow open: the
-	// daemon puts it back and flushes the exposure's flows; the flushed
-	// flow's place is given back, totals stay.
+	// daemon puts it back as it was; a repair changes nothing the flows
+	// follow, so nothing is flushed: the open flow keeps its place and
+	// carries on, and gives its place back when it closes.
 	e.host.MustRun(t, "nft", "delete", "table", "inet", "brokkr")
 	e.waitStatus("the table repaired", 20*time.Second, func(api.Status) bool {
 		out, err := e.host.Run("nft", "list", "table", "inet", "brokkr")
 		return err == nil && strings.Contains(out, "echo-nat")
 	})
-	e.waitCounters("the flushed flow's place given back", func(b bpftoolEntry) bool { return b.Active == 0 })
+	still, err := echo(b, "still")
+	require.NoError(t, err, "the open flow carries on across the repair")
+	assert.Equal(t, "still", still)
+	got = e.waitCounters("the open flow still holds its place", func(b bpftoolEntry) bool { return b.BytesIn >= 313 })
+	assert.EqualValues(t, 1, got.Active)
 	b.Close()
+	e.waitCounters("the closed flow's place given back", func(b bpftoolEntry) bool { return b.Active == 0 })
 	e.shortCalls(addr, 5, msg)
 	got = e.waitCounters("calls counted after the repair", func(b bpftoolEntry) bool { return b.Accepted == 37 })
 	assert.EqualValues(t, 0, got.Active)
 	assert.EqualValues(t, 1, got.Refused)
 	x, _ = exposure(e.status(), "echo-nat")
-	assert.EqualValues(t, 350+8, x.BytesIn)
-	assert.EqualValues(t, 350+8, x.BytesOut)
+	assert.EqualValues(t, 350+8+5, x.BytesIn)
+	assert.EqualValues(t, 350+8+5, x.BytesOut)
 }
