@@ -50,6 +50,12 @@ type Options struct {
 	// why it is not (shown in status, the proxies serve them instead).
 	SocketPath       SocketPath
 	SocketPathReason string
+	// CappedAutoByProxy, when set, says why the kernel's nat cap cannot be
+	// one cap with the host-local paths' (the nat path's fallback counts in
+	// nft sets, the socket path and the proxy in the shared slot): capped
+	// auto exposures are then carried by the proxy for every caller, which
+	// admits against the slot (see byProxy).
+	CappedAutoByProxy string
 	// Source, when set, is where the desired state comes from (fleet mode);
 	// Run runs it, and a local apply is refused.
 	Source Source
@@ -259,6 +265,10 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.mu.Unlock()
 	want := &cp
 	var errs []error
+	var moved []string
+	if d.opts.CappedAutoByProxy != "" {
+		model, moved = byProxy(model)
+	}
 
 	t0 := time.Now()
 	nrep, err := d.netRun.run(ctx, d.opts.Timeout, func(ctx context.Context) netplane.Report {
@@ -326,6 +336,9 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	d.kw.sync()
 	st := d.mergeStatus(want, model, srep, nrep, pst, errs)
+	if len(moved) > 0 {
+		st.Warnings = append(st.Warnings, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", moved, d.opts.CappedAutoByProxy))
+	}
 	d.mu.Lock()
 	d.status = st
 	d.statusGen = gen

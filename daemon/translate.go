@@ -3,6 +3,7 @@ package daemon
 import (
 	"net"
 	"net/netip"
+	"slices"
 
 	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane"
@@ -19,6 +20,34 @@ func netDesired(m *spec.Desired) netplane.Desired {
 		d.Guests = append(d.Guests, netplane.Guest{Name: v.Name, MultiQueue: v.CPUs > 1})
 	}
 	return d
+}
+
+// byProxy is m with its capped auto exposures that the kernel would carry
+// made proxy exposures on the same host side, and their names; m itself is
+// not changed. Used where the nat path's fallback runs: its cap is an nft
+// set that the socket path's and the proxy's admissions (an atomic gauge
+// in the exposure's slot) cannot see, so an auto exposure's outside and
+// host-local callers would each have a cap of their own. The proxy admits
+// every caller against the slot: one cap, exact, at the proxy's cost.
+func byProxy(m *spec.Desired) (*spec.Desired, []string) {
+	var moved []string
+	var exps []spec.Exposure
+	for i, e := range m.Exposures {
+		if e.Mode != spec.ModeAuto || e.MaxConns == 0 || !e.UsesKernel() {
+			continue
+		}
+		if exps == nil {
+			exps = slices.Clone(m.Exposures)
+		}
+		exps[i].Mode = spec.ModeProxy
+		moved = append(moved, e.Name)
+	}
+	if exps == nil {
+		return m, nil
+	}
+	out := *m
+	out.Exposures = exps
+	return &out, moved
 }
 
 func proxySpecs(m *spec.Desired, ipv6, sock bool) []proxy.Spec {

@@ -15,6 +15,7 @@ import (
 	"github.com/brokkr/brokkr/daemon"
 	"github.com/brokkr/brokkr/daemon/config"
 	"github.com/brokkr/brokkr/daemon/fleet"
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/netplane"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/brokkr/brokkr/supervisor"
@@ -194,6 +195,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
 		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, SocketPathReason: sockReason, Source: src,
 		KeptProxyActive: kept, Wakes: wakes, KernelWake: kwake,
+	}
+	if err := kernelfeat.Running().Missing(kernelfeat.NatPath...); err != nil {
+		opts.CappedAutoByProxy = "the nat path's fallback (" + err.Error() + ") cannot share a cap with host-local callers"
 	}
 	if sock != nil {
 		opts.SocketPath = sock

@@ -1,0 +1,45 @@
+package daemon
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/brokkr/brokkr/internal/spec"
+)
+
+// Where the nat path's fallback runs, a capped auto exposure the kernel
+// would carry is carried by the proxy (one cap for every caller); uncapped
+// ones, loopback ones and other modes are left as they are, and the model
+// the daemon holds is not changed.
+func TestByProxyMovesOnlyCappedAutoExposuresTheKernelCarries(t *testing.T) {
+	any4 := netip.IPv4Unspecified()
+	lo := netip.MustParseAddr("127.0.0.1")
+	m := &spec.Desired{Exposures: []spec.Exposure{
+		{Name: "capped-auto", Mode: spec.ModeAuto, HostAddr: any4, HostPort: 7002, MaxConns: 2},
+		{Name: "open-auto", Mode: spec.ModeAuto, HostAddr: any4, HostPort: 7003},
+		{Name: "capped-loopback", Mode: spec.ModeAuto, HostAddr: lo, HostPort: 7004, MaxConns: 2},
+		{Name: "capped-nat", Mode: spec.ModeNAT, HostAddr: any4, HostPort: 7000, MaxConns: 2},
+	}}
+	got, moved := byProxy(m)
+	assert.Equal(t, []string{"capped-auto"}, moved)
+	require.Len(t, got.Exposures, 4)
+	modes := map[string]spec.Mode{}
+	for _, e := range got.Exposures {
+		modes[e.Name] = e.Mode
+	}
+	assert.Equal(t, map[string]spec.Mode{"capped-auto": spec.ModeProxy, "open-auto": spec.ModeAuto,
+		"capped-loopback": spec.ModeAuto, "capped-nat": spec.ModeNAT}, modes)
+	assert.Equal(t, spec.ModeAuto, m.Exposures[0].Mode, "the daemon's model is not changed")
+	kernel := got.KernelExposures()
+	for _, e := range kernel {
+		assert.NotEqual(t, "capped-auto", e.Name, "nftables no longer carries it")
+	}
+	assert.Equal(t, []netip.Addr{any4}, got.Exposures[0].ProxyBinds(true, true), "the proxy binds its host side, socket path or not")
+
+	same, none := byProxy(&spec.Desired{Exposures: m.Exposures[1:]})
+	assert.Empty(t, none)
+	assert.Equal(t, m.Exposures[1:], same.Exposures)
+}
