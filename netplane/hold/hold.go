@@ -1,0 +1,294 @@
+// Package hold keeps exposures' host ports: one bound socket per host side
+// (address, protocol, port), so that a host program's bind of a published
+// port fails with EADDRINUSE instead of silently losing its callers to the
+// DNAT, and so that a port a host program already holds is found before
+// brokkr publishes over it (the squatter's callers are never hijacked).
+//
+// The sockets are bound, never listening: a connection the kernel paths
+// did not translate is reset as it would be with no socket there, and a UDP
+// socket's tiny receive buffer drops what reaches it. They are bound without
+// SO_REUSEADDR, so even a program that sets it cannot bind the port; only
+// where the port is busy with nothing but TIME_WAIT connections (a listener
+// that just went) is the hold taken with SO_REUSEADDR, which still makes
+// such a program's listen() fail.
+package hold
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/brokkr/brokkr/internal/nlsafe"
+)
+
+// Side is one host side of an exposure.
+type Side struct {
+	Addr  netip.Addr
+	Proto string // "tcp" or "udp"
+	Port  uint16
+}
+
+func (s Side) String() string {
+	return fmt.Sprintf("%s/%s", netip.AddrPortFrom(s.Addr, s.Port), s.Proto)
+}
+
+// InUseError is a host side another socket holds.
+type InUseError struct {
+	Side Side
+	// Holder names the process holding it ("pid 812 (nginx)"), "" when
+	// none could be found.
+	Holder string
+	// Self is set when the holder is this process (one of brokkr's own
+	// proxy listeners that has not closed yet).
+	Self bool
+}
+
+func (e *InUseError) Error() string {
+	if e.Holder == "" {
+		return fmt.Sprintf("%s is in use (address already in use)", e.Side)
+	}
+	return fmt.Sprintf("%s is in use by %s", e.Side, e.Holder)
+}
+
+// Set holds host sides in one network namespace. Its methods are safe for
+// concurrent use.
+type Set struct {
+	netns string
+	mu    sync.Mutex
+	held  map[Side]*os.File
+	// inherited are sockets a previous brokkrd handed over (Files' keys),
+	// claimed by the first Sync that wants them; the rest are closed by
+	// DropUnclaimed.
+	inherited map[string]*os.File
+}
+
+// New makes a Set for the namespace at netns ("" = the caller's) with the
+// sockets a previous process handed over (nil: none).
+func New(netns string, inherited map[string]*os.File) *Set {
+	if inherited == nil {
+		inherited = map[string]*os.File{}
+	}
+	return &Set{netns: netns, held: map[Side]*os.File{}, inherited: inherited}
+}
+
+// Sync holds exactly the sides of want (an exposure's name → its sides) and
+// returns, for each exposure that could not take all of its sides, why (an
+// *InUseError when another socket holds one). Sides no longer wanted are
+// released first, so an exposure may take a port another one gave up in
+// the same call. An exposure holds all of its sides or none.
+func (s *Set) Sync(want map[string][]Side) map[string]error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	keep := map[Side]bool{}
+	for _, sides := range want {
+		for _, sd := range sides {
+			keep[sd] = true
+		}
+	}
+	for sd, f := range s.held {
+		if !keep[sd] {
+			f.Close()
+			delete(s.held, sd)
+		}
+	}
+	names := make([]string, 0, len(want))
+	for n := range want {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	failed := map[string]error{}
+	for _, n := range names {
+		var took []Side
+		for _, sd := range want[n] {
+			if _, ok := s.held[sd]; ok {
+				continue
+			}
+			f, err := s.take(sd)
+			if err != nil {
+				failed[n] = err
+				break
+			}
+			s.held[sd] = f
+			took = append(took, sd)
+		}
+		if failed[n] != nil {
+			for _, sd := range took {
+				s.held[sd].Close()
+				delete(s.held, sd)
+			}
+		}
+	}
+	return failed
+}
+
+// take binds one side: a handed-over socket if there is one, else a new
+// socket.
+func (s *Set) take(sd Side) (*os.File, error) {
+	if f, ok := s.inherited[sd.String()]; ok {
+		delete(s.inherited, sd.String())
+		return f, nil
+	}
+	var f *os.File
+	err := nlsafe.Do(s.netns, func() error {
+		var err error
+		f, err = bindSide(sd, false)
+		if !errors.Is(err, unix.EADDRINUSE) {
+			return err
+		}
+		holders, only := findHolders(sd)
+		if len(holders) == 0 && only {
+			// Nothing but TIME_WAIT: take it with SO_REUSEADDR (see the
+			// package comment).
+			if f, err = bindSide(sd, true); err == nil {
+				return nil
+			}
+			holders, _ = findHolders(sd)
+		}
+		return inUse(sd, holders)
+	})
+	return f, err
+}
+
+func inUse(sd Side, holders []holder) error {
+	e := &InUseError{Side: sd}
+	var names []string
+	self := len(holders) > 0
+	for _, h := range holders {
+		names = append(names, h.String())
+		self = self && h.pid == os.Getpid()
+	}
+	e.Holder, e.Self = strings.Join(names, ", "), self
+	return e
+}
+
+// Check reports whether sd could be taken now, without holding it: nil, or
+// why not. A side this Set holds can be.
+func (s *Set) Check(sd Side) error {
+	s.mu.Lock()
+	_, held := s.held[sd]
+	_, inh := s.inherited[sd.String()]
+	s.mu.Unlock()
+	if held || inh {
+		return nil
+	}
+	return nlsafe.Do(s.netns, func() error {
+		f, err := bindSide(sd, false)
+		if errors.Is(err, unix.EADDRINUSE) {
+			holders, _ := findHolders(sd)
+			return inUse(sd, holders)
+		}
+		if err == nil {
+			f.Close()
+		}
+		return err
+	})
+}
+
+// Holds reports whether sd is held.
+func (s *Set) Holds(sd Side) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.held[sd]
+	return ok
+}
+
+// Files returns duplicates of the held sockets for a hand-over, keyed by
+// the side's String (New's inherited); the caller closes them.
+func (s *Set) Files() (map[string]*os.File, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]*os.File, len(s.held))
+	for sd, f := range s.held {
+		fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+		if err != nil {
+			for _, g := range out {
+				g.Close()
+			}
+			return nil, fmt.Errorf("hold: duplicating %s: %w", sd, err)
+		}
+		out[sd.String()] = os.NewFile(uintptr(fd), "hold "+sd.String())
+	}
+	return out, nil
+}
+
+// DropUnclaimed closes the handed-over sockets no Sync wanted and returns
+// their keys.
+func (s *Set) DropUnclaimed() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []string
+	for k, f := range s.inherited {
+		f.Close()
+		out = append(out, k)
+	}
+	s.inherited = map[string]*os.File{}
+	slices.Sort(out)
+	return out
+}
+
+// Close releases every side.
+func (s *Set) Close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for sd, f := range s.held {
+		f.Close()
+		delete(s.held, sd)
+	}
+	for k, f := range s.inherited {
+		f.Close()
+		delete(s.inherited, k)
+	}
+}
+
+// bindSide makes a socket bound to sd in the calling thread's namespace.
+func bindSide(sd Side, reuse bool) (*os.File, error) {
+	var domain int
+	var sa unix.Sockaddr
+	if a := sd.Addr.Unmap(); a.Is4() {
+		domain, sa = unix.AF_INET, &unix.SockaddrInet4{Port: int(sd.Port), Addr: a.As4()}
+	} else {
+		domain, sa = unix.AF_INET6, &unix.SockaddrInet6{Port: int(sd.Port), Addr: sd.Addr.As16()}
+	}
+	typ := unix.SOCK_STREAM
+	if sd.Proto == "udp" {
+		typ = unix.SOCK_DGRAM
+	}
+	fd, err := unix.Socket(domain, typ|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+	if err != nil {
+		return nil, fmt.Errorf("socket for %s: %w", sd, err)
+	}
+	opt := func(level, name, v int) error {
+		if err := unix.SetsockoptInt(fd, level, name, v); err != nil {
+			return fmt.Errorf("setsockopt on %s: %w", sd, err)
+		}
+		return nil
+	}
+	err = nil
+	if domain == unix.AF_INET6 {
+		// "::" is IPv6 only, as for the proxy's listeners.
+		err = opt(unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1)
+	}
+	if err == nil && reuse {
+		err = opt(unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
+	}
+	if err == nil && typ == unix.SOCK_DGRAM {
+		// Nothing reads it: what the kernel paths do not translate is dropped.
+		err = opt(unix.SOL_SOCKET, unix.SO_RCVBUF, 1)
+	}
+	if err == nil {
+		if err = unix.Bind(fd, sa); err != nil {
+			err = fmt.Errorf("binding %s: %w", sd, err)
+		}
+	}
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), "hold "+sd.String()), nil
+}
