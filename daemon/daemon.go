@@ -67,6 +67,9 @@ type Options struct {
 	// nat path's and the socket path's callers wake them too.
 	Wakes      *Wakes
 	KernelWake *bpf.Wake
+	// Holds, when set, holds the exposures' host sides (ports.go); nil
+	// (tests of the loop with recorders): no port is held or checked.
+	Holds Holds
 }
 
 // Daemon is one running brokkrd.
@@ -81,9 +84,11 @@ type Daemon struct {
 	addrs *AddressBook
 	m     *metrics
 	sock  *sockPath // nil: the loopback proxies serve host-local callers
-	// sockParts is the socket path's last report per exposure (the loop's
+	// sockParts is the socket path's last report per exposure, portParts
+	// the exposures whose host side could not be held (the loop's
 	// goroutine only).
 	sockParts map[string]part
+	portParts map[string]part
 	kw        *kernelWakes // nil: the kernel paths do not wake suspended VMs
 
 	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
@@ -269,6 +274,11 @@ func (d *Daemon) Pass(ctx context.Context) {
 	if d.opts.CappedAutoByProxy != "" {
 		model, moved = byProxy(model)
 	}
+	// The engines see only the exposures that hold their host side; the
+	// status and the counter slots keep every exposure.
+	all := model
+	model, portParts, selfHeld := d.holdPorts(model)
+	d.portParts = portParts
 
 	t0 := time.Now()
 	nrep, err := d.netRun.run(ctx, d.opts.Timeout, func(ctx context.Context) netplane.Report {
@@ -326,7 +336,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	if d.store != nil {
 		keep := map[string]bool{}
-		for _, e := range model.Exposures {
+		for _, e := range all.Exposures {
 			keep[e.Name] = true
 		}
 		if gone := d.store.Prune(func(n string) bool { return keep[n] }); len(gone) > 0 {
@@ -335,7 +345,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	}
 
 	d.kw.sync()
-	st := d.mergeStatus(want, model, srep, nrep, pst, errs)
+	st := d.mergeStatus(want, all, srep, nrep, pst, errs)
 	if len(moved) > 0 {
 		st.Warnings = append(st.Warnings, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", moved, d.opts.CappedAutoByProxy))
 	}
@@ -348,6 +358,9 @@ func (d *Daemon) Pass(ctx context.Context) {
 	select {
 	case d.passed <- struct{}{}:
 	default:
+	}
+	if selfHeld {
+		d.Wake() // the proxy closed its listener in this pass: take the port now
 	}
 	// Log a problem when it appears and when it clears, not every second.
 	now := map[string]bool{}
@@ -547,6 +560,7 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	if w := budgetWarning(model); w != "" {
 		plan.Warnings = append(plan.Warnings, w)
 	}
+	plan.Warnings = append(plan.Warnings, d.portWarnings(model)...)
 	if dryRun {
 		return plan, nil
 	}
@@ -724,7 +738,11 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		var parts []part
 		vm := e.Target.VM
 		_, hasAddr := d.addrs.lookup(vm)
-		if e.UsesKernel() {
+		p, held := d.portParts[e.Name]
+		if held {
+			parts = append(parts, p) // no engine carries it
+		}
+		if !held && e.UsesKernel() {
 			if n, ok := ns[e.Name]; ok {
 				parts = append(parts, part{"nat", n.State, n.Reason})
 			} else if netErr != "" {
@@ -733,14 +751,14 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 				parts = append(parts, part{"nat", spec.StatePending, "the network plane has not reported it yet"})
 			}
 		}
-		if d.sock != nil && e.UsesSocketPath() {
+		if !held && d.sock != nil && e.UsesSocketPath() {
 			if p, ok := d.sockParts[e.Name]; ok {
 				parts = append(parts, p)
 			} else {
 				parts = append(parts, part{"socket", spec.StatePending, "the socket path has not reported it yet"})
 			}
 		}
-		if binds := e.ProxyBinds(d.opts.IPv6Loopback, d.sock != nil); len(binds) > 0 {
+		if binds := e.ProxyBinds(d.opts.IPv6Loopback, d.sock != nil); !held && len(binds) > 0 {
 			if p := ps[e.Name]; len(p) > 0 {
 				for _, s := range p {
 					if s.State == spec.StatePending && vm != "" && !hasAddr && netErr != "" {

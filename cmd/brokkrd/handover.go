@@ -43,6 +43,7 @@ var readyTimeout = 60 * time.Second
 type handState struct {
 	Lock, API, Upgrade, Metrics int // descriptor indexes; -1 none
 	Managers                    map[string]handManager
+	Holds                       map[string]int // the held host ports (hold.Set.Files)
 }
 
 type handManager struct {
@@ -65,6 +66,7 @@ type inherited struct {
 	lock                  *os.File
 	api, upgrade, metrics net.Listener
 	snaps                 map[string]*proxy.Snapshot
+	holds                 map[string]*os.File
 }
 
 func (h *inherited) kept() map[string]uint64 {
@@ -223,7 +225,12 @@ func receiveHandover() (*inherited, error) {
 		return ln
 	}
 	h := &inherited{conn: conn, lock: at(st.Lock), api: listener(st.API), upgrade: listener(st.Upgrade),
-		metrics: listener(st.Metrics), snaps: map[string]*proxy.Snapshot{}}
+		metrics: listener(st.Metrics), snaps: map[string]*proxy.Snapshot{}, holds: map[string]*os.File{}}
+	for k, i := range st.Holds {
+		if f := at(i); f != nil {
+			h.holds[k] = f
+		}
+	}
 	if h.lock == nil || h.api == nil {
 		conn.Close()
 		return nil, errors.New("hand-over: no runDir lock or API socket in the state")
@@ -331,7 +338,17 @@ func (s *system) handOver(req upgradeReq, apiLn, upLn, metricsLn net.Listener, l
 		}
 	}()
 	add := func(f *os.File) int { files = append(files, f); return len(files) - 1 }
-	st := handState{Lock: add(s.lock), API: -1, Upgrade: -1, Metrics: -1, Managers: map[string]handManager{}}
+	st := handState{Lock: add(s.lock), API: -1, Upgrade: -1, Metrics: -1, Managers: map[string]handManager{}, Holds: map[string]int{}}
+	held, err := s.holds.Files()
+	if err != nil {
+		theirs.Close()
+		thaw()
+		return 0, err
+	}
+	for k, f := range held {
+		dups = append(dups, f)
+		st.Holds[k] = add(f)
+	}
 	for _, l := range []struct {
 		ln  net.Listener
 		idx *int

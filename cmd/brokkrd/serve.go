@@ -363,6 +363,7 @@ func (l *controlLoop) start() {
 				for _, name := range l.sys.px.DropUnclaimed() {
 					l.store.remove(name)
 				}
+				l.sys.holds.DropUnclaimed()
 				l.store.sync(l.sys.px)
 			case <-t.C:
 				l.store.sync(l.sys.px)

@@ -17,6 +17,7 @@ import (
 	"github.com/brokkr/brokkr/daemon/fleet"
 	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/netplane"
+	"github.com/brokkr/brokkr/netplane/hold"
 	"github.com/brokkr/brokkr/proxy"
 	"github.com/brokkr/brokkr/supervisor"
 	"github.com/brokkr/brokkr/supervisor/chv"
@@ -40,6 +41,8 @@ type system struct {
 	px *proxy.Manager
 	// kwake is where the kernel paths ask for wakes; nil when off.
 	kwake *bpf.Wake
+	// holds are the exposures' held host ports (daemon/ports.go).
+	holds *hold.Set
 }
 
 func (s *system) countersWhere() string {
@@ -62,6 +65,7 @@ func (s *system) close() {
 	if s.kwake != nil {
 		_ = s.kwake.Close()
 	}
+	s.holds.Close()
 	_ = s.store.Close()
 	_ = s.lock.Close()
 }
@@ -191,8 +195,14 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 	if warn != "" {
 		warnings = append(warnings, warn)
 	}
+	var heldBefore map[string]*os.File
+	if h != nil {
+		heldBefore = h.holds
+	}
+	holds := hold.New("", heldBefore)
 	opts := daemon.Options{
-		Host: cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
+		Holds: holds,
+		Host:  cfg, Store: store, Supervisor: eng, Network: plane, Proxy: px, Addresses: addrs,
 		Logger: log, Warnings: warnings, IPv6Loopback: ipv6, SocketPathReason: sockReason, Source: src,
 		KeptProxyActive: kept, Wakes: wakes, KernelWake: kwake,
 	}
@@ -221,6 +231,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 		eng.Stop()
 		closeScopes()
 		plane.Close()
+		holds.Close()
 		store.Close()
 		return fail(err)
 	}
@@ -235,7 +246,7 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 			px.Adopt(sn.Pairs)
 		}
 	}
-	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, px: px, scopes: scopes, kwake: kwake}, nil
+	return &system{d: dd, store: store, sock: sock, lock: lock, fleet: agent, px: px, scopes: scopes, kwake: kwake, holds: holds}, nil
 }
 
 // openKernelWake opens the maps through which the nat path and the socket

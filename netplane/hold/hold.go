@@ -57,7 +57,7 @@ func (e *InUseError) Error() string {
 }
 
 // Set holds host sides in one network namespace. Its methods are safe for
-// concurrent use.
+// concurrent use; a nil Set holds nothing (Files, DropUnclaimed, Close).
 type Set struct {
 	netns string
 	mu    sync.Mutex
@@ -201,6 +201,9 @@ func (s *Set) Holds(sd Side) bool {
 // Files returns duplicates of the held sockets for a hand-over, keyed by
 // the side's String (New's inherited); the caller closes them.
 func (s *Set) Files() (map[string]*os.File, error) {
+	if s == nil {
+		return nil, nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := make(map[string]*os.File, len(s.held))
@@ -220,6 +223,9 @@ func (s *Set) Files() (map[string]*os.File, error) {
 // DropUnclaimed closes the handed-over sockets no Sync wanted and returns
 // their keys.
 func (s *Set) DropUnclaimed() []string {
+	if s == nil {
+		return nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var out []string
@@ -234,6 +240,9 @@ func (s *Set) DropUnclaimed() []string {
 
 // Close releases every side.
 func (s *Set) Close() {
+	if s == nil {
+		return
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for sd, f := range s.held {

@@ -364,12 +364,36 @@ func (r *rig) waitServing() {
 				ok = ok && e.State == "active"
 			}
 			if ok {
+				r.requireHeld()
 				return
 			}
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
 	r.t.Fatalf("brokkrd did not serve all %d exposures within 30 s; log:\n%s", r.exposures, tailFile(r.log, 4000))
+}
+
+// requireHeld: a host program cannot bind the nat and auto exposures'
+// ports (brokkrd holds them, across every hand-over and restart), even
+// with SO_REUSEADDR as servers set it.
+func (r *rig) requireHeld() {
+	for _, port := range []int{7200, 7201, 7210, 7211} {
+		err := r.host.Do(func() error {
+			fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			defer unix.Close(fd)
+			if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+				return err
+			}
+			if err := unix.Bind(fd, &unix.SockaddrInet4{Port: port}); err != nil {
+				return err
+			}
+			return unix.Listen(fd, 1)
+		})
+		require.ErrorIs(r.t, err, unix.EADDRINUSE, "a host program's bind of 0.0.0.0:%d/tcp under an active exposure", port)
+	}
 }
 
 func tailFile(path string, n int) string {
