@@ -168,6 +168,23 @@ echo "refused: ${out:-connection closed}"
 step "brokkr status"
 "$bin/brokkr" status
 
+step "a port a host program holds is not taken from it"
+# A host program on 9090 in the host namespace; an exposure of the same
+# port is refused before anything changes, and the ports brokkr publishes
+# cannot be bound by host programs.
+nsenter --net=/run/netns/$host_ns -- socat TCP4-LISTEN:9090,fork,reuseaddr SYSTEM:"echo squatter" &
+squat_pid=$!
+for _ in $(seq 50); do in_host ss -Htln "sport = :9090" | grep -q . && break; sleep 0.1; done
+{ cat "$tmp/brokkr.yaml"; printf '  - {name: demo-squat, vm: demo, guestPort: 8080, hostPort: 9090, mode: nat}\n'; } > "$tmp/squat.yaml"
+echo "\$ brokkr apply -f squat.yaml --dry-run   (demo-squat on 9090, where socat pid $squat_pid listens)"
+"$bin/brokkr" apply -f "$tmp/squat.yaml" --dry-run 2>&1 | tee "$tmp/squat.out"
+grep -q "9090/tcp is in use by pid $squat_pid (socat)" "$tmp/squat.out" || { echo "demo: the squatted port was not reported" >&2; exit 1; }
+kill "$squat_pid"; wait "$squat_pid" 2>/dev/null || true
+echo "\$ socat TCP4-LISTEN:8080,reuseaddr -   (a host program binding the port demo-http publishes)"
+rc=0; timeout 2 nsenter --net=/run/netns/$host_ns -- socat -u "TCP4-LISTEN:8080,reuseaddr" - </dev/null 2>"$tmp/bind.err" || rc=$?
+[ "$rc" = 1 ] || { echo "demo: a host program bound a published port (exit $rc)" >&2; exit 1; }
+grep -o "Address already in use" "$tmp/bind.err" | head -n 1
+
 step "bpftool: the pinned map exposure_stats, with named fields (daemon or not)"
 # The array has 16384 entries; show the occupied ones (a non-empty name).
 echo "\$ bpftool map dump pinned $bpf_dir/exposure_stats   (occupied entries only)"
