@@ -6,7 +6,7 @@ GO ?= go
 BIN := bin
 TEST_TIMEOUT ?= 45m
 
-.PHONY: all build deps test restart-soak soak test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet test-kernels
+.PHONY: all build deps test restart-soak soak test-unit vet generate check-generate guest-image bench demo clean clean-ns fuzz bench-fleet demo-fleet test-kernels bench-kernels
 
 all: build
 
@@ -59,6 +59,13 @@ guest-image:
 KERNELS ?= 5.10 6.1 6.12
 test-kernels: deps
 	KERNELS="$(KERNELS)" tests/kernels/run.sh
+
+# bench-kernels: capped brokkr nat against plain nft DNAT and direct, inside
+# each kernel's VM (ratios; absolute figures under TCG mean nothing), then on
+# this host. BENCH_KERNELS=6.1 by default; ROUNDS, DUR (s) per measurement.
+BENCH_KERNELS ?= 6.1
+bench-kernels: deps
+	BENCH=1 KERNELS="$(BENCH_KERNELS)" tests/kernels/run.sh
 
 clean-ns:
 	@scripts/clean-ns.sh

@@ -15,6 +15,10 @@
 # (otherwise a kernel line downloaded once is reused: no network).
 # KERNELS_TIMEOUT (minutes per VM, 60) bounds a boot. Logs stay under
 # .cache/kernels/run-<line>/ (console.log, results.log).
+# BENCH=1 (make bench-kernels) runs tests/kernels/bench-vm.sh in each VM
+# instead of the tests, then on the host, and prints per kernel the medians
+# of the per-round ratios (capped brokkr nat against plain nft DNAT and
+# against direct) and brokkrd's CPU per connection.
 # The whole script is one block, read before it runs: editing the file
 # while a run goes on does not change that run.
 {
@@ -25,6 +29,7 @@ cache="$repo/.cache/kernels"
 export PATH=/usr/local/go/bin:$PATH
 KERNELS=${KERNELS:-"5.10 6.1 6.12"}
 HOST=${HOST:-1}
+BENCH=${BENCH:-0}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-60}
 mkdir -p "$cache"
 
@@ -141,6 +146,12 @@ build_payload() {
   echo "root:x:0:" > "$p/etc/group"
   install -m 0755 "$here/init" "$p/init"
   suite > "$p/etc/brk-suite"
+  if [ "$BENCH" = 1 ]; then
+    install -m 0755 "$here/bench-vm.sh" "$p/etc/brk-bench"
+    (cd "$repo" && go build -ldflags='-s -w' -o "$p/tests/bin/" ./cmd/brokkrd ./cmd/brokkr ./tests/bench/connrate)
+    (cd "$p" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) > "$p.cpio"
+    return 0
+  fi
   # The test binaries, and the repository's files they read (testdata,
   # scripts) at the same paths relative to their package.
   (cd "$repo" && go test -c -ldflags='-s -w' -o "$p/tests/" ./internal/kernelfeat ./bpf/... ./netplane/... ./tests/e2e >/dev/null)
@@ -213,7 +224,55 @@ run_host() {
   echo "$((SECONDS - start))" > "$r/seconds"
 }
 
+# bench_report NAME FILE: the BENCH lines of one run as medians of the
+# per-round ratios [lowest..highest], and brokkrd's CPU per connection.
+bench_report() {
+  awk -v name="$1" '
+    function med(a, n,   i, j, t) { for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+      return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 }
+    /^BENCH / { for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+      c[v["round"], v["path"]] = v["conns_s"]; q[v["round"], v["path"]] = v["p99_us"]
+      if (v["path"] == "nat") cpu[++nc] = v["cpu_us_per_conn"]
+      if (v["round"] > rounds) rounds = v["round"] }
+    /^BENCH-ERROR/ { print "    " $0; bad = 1 }
+    /^BENCH-NOTE/ { sub(/^BENCH-NOTE /, ""); note = note "    status: " $0 "
+" }
+    END {
+      if (rounds == 0) { printf "bench %s: no measurement
+", name; exit 1 }
+      for (r = 1; r <= rounds; r++) { rp[r] = c[r, "nat"] / c[r, "plain"]; rd[r] = c[r, "nat"] / c[r, "direct"]; rq[r] = q[r, "nat"] / q[r, "plain"]
+        np[r] = c[r, "nat"]; pp[r] = c[r, "plain"]; dp[r] = c[r, "direct"] }
+      n = rounds
+      lo = 1e9; hi = 0; for (r = 1; r <= n; r++) { if (rp[r] < lo) lo = rp[r]; if (rp[r] > hi) hi = rp[r] }
+      printf "bench %s: %d rounds; conns/s medians: nat %.0f, plain nft DNAT %.0f, direct %.0f
+", name, n, med(np, n), med(pp, n), med(dp, n)
+      printf "    nat / plain DNAT: %.2f [%.2f..%.2f]; nat / direct: %.2f; p99 nat / plain: %.2f; brokkrd CPU per nat connection: %.1f us (median of rounds)
+", med(rp, n), lo, hi, med(rd, n), med(rq, n), med(cpu, nc)
+      printf "%s", note
+      if (bad) exit 1 }' "$2"
+}
+
 for line in $KERNELS; do fetch_kernel "$line"; done
+if [ "$BENCH" = 1 ]; then
+  payload="$cache/payload"
+  echo "bench-kernels: building brokkrd, brokkr, connrate and the VM's userspace"
+  build_payload "$payload"
+  rc=0
+  for line in $KERNELS; do
+    echo "bench-kernels: booting $(cat "$cache/$line/release") under QEMU TCG"
+    run_vm "$line"
+    r="$cache/run-$line"
+    grep '^BENCH' "$r/results.log" > "$r/bench.txt" || true
+    bench_report "$(awk '/^BRK-KERNEL /{print $2; exit}' "$r/results.log") (TCG)" "$r/bench.txt" || rc=1
+  done
+  if [ "$HOST" = 1 ]; then
+    r="$cache/run-host"; rm -rf "$r"; mkdir -p "$r"
+    BIN="$payload/tests/bin" "$here/bench-vm.sh" > "$r/bench.txt" 2>&1 || rc=1
+    bench_report "$(uname -r) (host)" "$r/bench.txt" || rc=1
+  fi
+  rm -rf "$payload" "$payload.cpio"
+  exit $rc
+fi
 payload="$cache/payload"
 echo "test-kernels: building the test binaries and the VM's userspace"
 build_payload "$payload"
