@@ -215,3 +215,54 @@ func TestProxyHeaderCarriesTheCallersAddressAndTheOneItDialled(t *testing.T) {
 		}
 	}
 }
+
+// Any pair of addresses and ports, either version: the independent parser
+// reads back what was encoded (IPv4 pairs as TCP4, the rest as TCP6 with an
+// IPv4 address v4-mapped) and the payload starts right after the header.
+func FuzzPPHeaderRoundTrip(f *testing.F) {
+	f.Add(uint8(1), []byte{192, 0, 2, 1}, uint16(51000), []byte{198, 51, 100, 2}, uint16(8080))
+	f.Add(uint8(2), bytes.Repeat([]byte{0xff}, 16), uint16(65535), []byte{10, 0, 0, 1}, uint16(1))
+	f.Add(uint8(2), netip.MustParseAddr("::ffff:10.1.2.3").AsSlice(), uint16(0), []byte{10, 0, 0, 1}, uint16(0))
+	f.Fuzz(func(t *testing.T, ver uint8, sb []byte, sp uint16, db []byte, dp uint16) {
+		sa, ok1 := netip.AddrFromSlice(sb)
+		da, ok2 := netip.AddrFromSlice(db)
+		if !ok1 || !ok2 {
+			return
+		}
+		v := ppVersion(ver%2 + 1)
+		src, dst := netip.AddrPortFrom(sa, sp), netip.AddrPortFrom(da, dp)
+		wire := append(appendPPHeader(nil, v, src, dst), "x"...)
+		if len(wire)-1 > maxPPHeader {
+			t.Fatalf("header of %d bytes", len(wire)-1)
+		}
+		br := bufio.NewReader(bytes.NewReader(wire))
+		h, err := proxyproto.Read(br)
+		if err != nil {
+			t.Fatalf("v%d %s -> %s: %v (%q)", v, src, dst, err, wire)
+		}
+		s, d, ok := h.TCPAddrs()
+		if !ok {
+			t.Fatalf("not TCP: %v", h.TransportProtocol)
+		}
+		four := sa.Unmap().Is4() && da.Unmap().Is4()
+		want := func(a netip.AddrPort) netip.AddrPort {
+			if four {
+				return unmapAP(a)
+			}
+			return netip.AddrPortFrom(netip.AddrFrom16(a.Addr().As16()), a.Port())
+		}
+		got := func(a *net.TCPAddr) netip.AddrPort {
+			ap := a.AddrPort()
+			if four {
+				return unmapAP(ap)
+			}
+			return netip.AddrPortFrom(netip.AddrFrom16(ap.Addr().As16()), ap.Port())
+		}
+		if got(s) != want(src) || got(d) != want(dst) {
+			t.Fatalf("v%d: got %v -> %v, want %v -> %v", v, s, d, want(src), want(dst))
+		}
+		if rest, _ := io.ReadAll(br); string(rest) != "x" {
+			t.Fatalf("payload after the header: %q", rest)
+		}
+	})
+}
