@@ -734,7 +734,8 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 			continue
 		}
 		r := api.Exposure{Name: ce.Name, VM: ce.VM, Target: ce.Target, Mode: ce.Mode, HostAddress: ce.HostAddress,
-			HostPort: ce.HostPort, Protocol: ce.Protocol, GuestPort: ce.GuestPort, MaxConns: *ce.MaxConns}
+			HostPort: ce.HostPort, Protocol: ce.Protocol, GuestPort: ce.GuestPort, MaxConns: *ce.MaxConns,
+			ProxyProtocol: ce.ProxyProtocol}
 		var parts []part
 		vm := e.Target.VM
 		_, hasAddr := d.addrs.lookup(vm)

@@ -43,3 +43,36 @@ func TestByProxyMovesOnlyCappedAutoExposuresTheKernelCarries(t *testing.T) {
 	assert.Empty(t, none)
 	assert.Equal(t, m.Exposures[1:], same.Exposures)
 }
+
+// An auto exposure with a PROXY header reaches the proxy alone: nftables
+// does not carry it, the socket path does not serve it, and the proxy
+// listens on its host side and on ::1 with the header, socket path or not,
+// in both kinds of host (with the nat path's fallback or without).
+func TestAnAutoExposureWithAProxyHeaderGoesToTheProxyAlone(t *testing.T) {
+	any4 := netip.IPv4Unspecified()
+	m := &spec.Desired{Exposures: []spec.Exposure{
+		{Name: "pp", Mode: spec.ModeAuto, Proto: spec.TCP, HostAddr: any4, HostPort: 7010, MaxConns: 2, ProxyProtocol: spec.ProxyV2},
+		{Name: "plain", Mode: spec.ModeAuto, Proto: spec.TCP, HostAddr: any4, HostPort: 7011},
+	}}
+	moved, names := byProxy(m)
+	assert.Empty(t, names, "not moved: it is the proxy's already, and no warning is due")
+	for _, d := range []*spec.Desired{m, moved} {
+		var kernel []string
+		for _, e := range netDesired(d).Exposures {
+			kernel = append(kernel, e.Name)
+		}
+		assert.Equal(t, []string{"plain"}, kernel)
+		assert.False(t, d.Exposures[0].UsesSocketPath())
+		for _, sock := range []bool{false, true} {
+			ps := proxySpecs(d, true, sock)
+			var pp []netip.Addr
+			for _, s := range ps {
+				if s.Name == "pp" {
+					pp = append(pp, s.Listen)
+					assert.Equal(t, spec.ProxyV2, s.ProxyProtocol)
+				}
+			}
+			assert.Equal(t, []netip.Addr{any4, netip.IPv6Loopback()}, pp, "socket path %v", sock)
+		}
+	}
+}

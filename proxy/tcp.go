@@ -211,6 +211,17 @@ func (m *Manager) carry(ex *exposure, c net.Conn, to spec.Target, guestPort stri
 		return
 	}
 	guest := g.(*net.TCPConn)
+	if v := ex.pp.Load(); v != ppNone {
+		// Before the first byte of the caller's, as a plain write: the
+		// payload keeps the splice path.
+		if err := writePPHeader(guest, client, v); err != nil {
+			guest.Close()
+			slot.AddDropped(1)
+			slot.Closed()
+			reset(c)
+			return
+		}
+	}
 	slot.AddAccepted(1)
 	p := &pair{client: client, guest: guest, id: ex.id, hostPort: hostPort}
 	if !m.runPair(p, func(n int64) { slot.AddBytes(uint64(n), 0) }, func(n int64) { slot.AddBytes(0, uint64(n)) }) {

@@ -30,9 +30,10 @@ func (c checked) bindKey() string {
 	return string(c.Proto) + " " + netip.AddrPortFrom(c.host, c.HostPort).String()
 }
 
-// listenKey says which changes need a new socket. MaxConns and UDPIdle are
-// not in it: a changed cap or idle timeout is applied in place, without
-// dropping the listener or its connections.
+// listenKey says which changes need a new socket. MaxConns, UDPIdle and
+// ProxyProtocol are not in it: a changed cap, idle timeout or header is
+// applied in place (to the connections accepted after it), without dropping
+// the listener or its connections.
 func (c checked) listenKey() string {
 	return c.bindKey() + " -> " + c.Target.String() + ":" + strconv.Itoa(int(c.GuestPort))
 }

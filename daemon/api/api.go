@@ -91,6 +91,9 @@ type Exposure struct {
 	Dropped     uint64 `json:"dropped"`
 	BytesIn     uint64 `json:"bytesIn"`
 	BytesOut    uint64 `json:"bytesOut"`
+
+	// ProxyProtocol: the PROXY header (v1, v2) the proxy writes; "" none.
+	ProxyProtocol string `json:"proxyProtocol,omitempty"`
 }
 
 // Changes lists names added, changed and removed between two configs.

@@ -137,6 +137,8 @@ type Exposure struct {
 	HostAddress string `yaml:"hostAddress" json:"hostAddress"`
 	Mode        string `yaml:"mode" json:"mode"`
 	MaxConns    *int   `yaml:"maxConns" json:"maxConns"`
+	// ProxyProtocol: "" (none), v1 or v2 (spec.ProxyProtocol).
+	ProxyProtocol string `yaml:"proxyProtocol" json:"proxyProtocol,omitempty"`
 }
 
 // FieldError is one problem, named by its field path ("vms[1].memory").

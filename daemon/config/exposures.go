@@ -95,6 +95,9 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 		// The kernel path publishes IPv4 only: the guests have no IPv6.
 		col.add(p+".hostAddress", "%s is not IPv4 (guests are IPv4-only)", me.HostAddr)
 	}
+	// Set after the mode's checks: auto's address rules are auto's, with a
+	// header or without (removing one must not make a config invalid).
+	me.ProxyProtocol = checkProxyProtocol(p, e, me, col)
 	if *e.MaxConns < 0 {
 		col.add(p+".maxConns", "%d is negative (0 = unlimited)", *e.MaxConns)
 	} else if *e.MaxConns > spec.MaxConnsLimit {
@@ -102,6 +105,25 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 	}
 	ix.checkBinds(p, e, me, col)
 	return me
+}
+
+// checkProxyProtocol checks proxyProtocol: a PROXY header is written by the
+// proxy, on TCP; the kernel's nat path keeps the caller's address and
+// writes no header, and a UDP datagram has no stream to put one in front of.
+func checkProxyProtocol(p string, e Exposure, me spec.Exposure, col *collector) spec.ProxyProtocol {
+	v := spec.ProxyProtocol(e.ProxyProtocol)
+	switch {
+	case v == spec.ProxyNone:
+	case v != spec.ProxyV1 && v != spec.ProxyV2:
+		col.add(p+".proxyProtocol", "%q is not one of \"\" (none), v1, v2", e.ProxyProtocol)
+	case me.Mode == spec.ModeNAT:
+		col.add(p+".proxyProtocol", "%s cannot be written on mode nat: the kernel path keeps the caller's address and writes no header; use mode proxy or auto (carried by the proxy)", v)
+	case me.Proto == spec.UDP:
+		col.add(p+".proxyProtocol", "%s is for TCP only: a UDP exposure carries no PROXY header", v)
+	default:
+		return v
+	}
+	return spec.ProxyNone
 }
 
 // checkTarget checks vm or target and sets me.Target.Addr.

@@ -30,6 +30,19 @@ const (
 	UDP Proto = "udp"
 )
 
+// ProxyProtocol is the PROXY protocol header (HAProxy's format) the proxy
+// writes to the guest before the first byte of each TCP connection it
+// carries: the caller's address and the address it dialled. ProxyNone
+// writes none.
+type ProxyProtocol string
+
+// PROXY protocol versions an exposure may ask for.
+const (
+	ProxyNone ProxyProtocol = ""
+	ProxyV1   ProxyProtocol = "v1" // text: "PROXY TCP4 src dst sport dport\r\n"
+	ProxyV2   ProxyProtocol = "v2" // binary, with the 12-byte signature
+)
+
 // Power is a VM's desired power.
 type Power string
 
@@ -175,6 +188,17 @@ type Exposure struct {
 	GuestPort uint16
 	Mode      Mode
 	MaxConns  int // 0 = unlimited
+	// ProxyProtocol: a PROXY header to the guest on every connection the
+	// proxy carries (TCP only; refused with nat). An auto exposure with one
+	// is carried wholly by the proxy (UsesKernel, UsesSocketPath, ProxyBinds):
+	// a guest that expects a header must get one on every connection.
+	ProxyProtocol ProxyProtocol
+}
+
+// proxiedAuto: an auto exposure with a PROXY header, which only the proxy
+// can write, so the proxy carries every caller of it.
+func (e Exposure) proxiedAuto() bool {
+	return e.Mode == ModeAuto && e.ProxyProtocol != ProxyNone
 }
 
 // UsesKernel reports whether nftables DNAT (and the nat path) carries the
@@ -185,25 +209,34 @@ func (e Exposure) UsesKernel() bool {
 	case ModeNAT:
 		return true
 	case ModeAuto:
-		return !e.HostAddr.IsLoopback()
+		return !e.HostAddr.IsLoopback() && !e.proxiedAuto()
 	}
 	return false
 }
 
 // UsesSocketPath reports whether the socket path serves the exposure's
-// host-local callers when it is attached: every auto exposure.
-func (e Exposure) UsesSocketPath() bool { return e.Mode == ModeAuto }
+// host-local callers when it is attached: every auto exposure but one with
+// a PROXY header (the socket path connects the caller straight to the
+// guest, so no header could be written).
+func (e Exposure) UsesSocketPath() bool { return e.Mode == ModeAuto && !e.proxiedAuto() }
 
 // ProxyBinds lists the addresses the userspace proxy binds for the
 // exposure: proxy mode binds hostAddress; auto binds the loopback that DNAT
 // cannot serve when hostAddress covers it: 127.0.0.1, and ::1 when the host
 // has IPv6 loopback (ipv6). With the socket path attached (sock) auto binds
-// nothing: the socket path serves loopback callers.
+// nothing: the socket path serves loopback callers. An auto exposure with a
+// PROXY header binds what auto claims, socket path or not: hostAddress, and
+// ::1 beside 0.0.0.0 when the host has IPv6 loopback.
 func (e Exposure) ProxyBinds(ipv6, sock bool) []netip.Addr {
-	switch e.Mode {
-	case ModeProxy:
+	switch {
+	case e.proxiedAuto():
+		if e.HostAddr == netip.IPv4Unspecified() && ipv6 {
+			return []netip.Addr{e.HostAddr, netip.IPv6Loopback()}
+		}
 		return []netip.Addr{e.HostAddr}
-	case ModeAuto:
+	case e.Mode == ModeProxy:
+		return []netip.Addr{e.HostAddr}
+	case e.Mode == ModeAuto:
 		a := e.HostAddr
 		switch {
 		case sock:

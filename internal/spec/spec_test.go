@@ -80,3 +80,39 @@ func TestVMByName(t *testing.T) {
 	_, ok = d.VM("c")
 	assert.False(t, ok)
 }
+
+// An auto exposure with a PROXY header is carried wholly by the proxy: the
+// nat path and the socket path cannot write the header, and a guest that
+// expects one must get it from every caller. The proxy binds what auto
+// claims (hostAddress, and ::1 beside 0.0.0.0), socket path or not. proxy
+// mode is unchanged by the header.
+func TestAnAutoExposureWithAProxyHeaderIsCarriedByTheProxyAlone(t *testing.T) {
+	a := netip.MustParseAddr
+	lo6 := a("::1")
+	cases := []struct {
+		host          string
+		binds, binds4 []netip.Addr // with and without IPv6 loopback
+	}{
+		{"0.0.0.0", []netip.Addr{a("0.0.0.0"), lo6}, []netip.Addr{a("0.0.0.0")}},
+		{"192.0.2.1", []netip.Addr{a("192.0.2.1")}, []netip.Addr{a("192.0.2.1")}},
+		{"127.0.0.1", []netip.Addr{a("127.0.0.1")}, []netip.Addr{a("127.0.0.1")}},
+		{"::1", []netip.Addr{lo6}, []netip.Addr{lo6}},
+	}
+	for _, v := range []ProxyProtocol{ProxyV1, ProxyV2} {
+		for _, c := range cases {
+			e := Exposure{Name: "e", Mode: ModeAuto, HostAddr: a(c.host), ProxyProtocol: v}
+			what := string(v) + " auto on " + c.host
+			assert.False(t, e.UsesKernel(), what)
+			assert.False(t, e.UsesSocketPath(), what)
+			for _, sock := range []bool{false, true} {
+				assert.Equal(t, c.binds, e.ProxyBinds(true, sock), what)
+				assert.Equal(t, c.binds4, e.ProxyBinds(false, sock), what)
+			}
+			d := Desired{Exposures: []Exposure{e}}
+			assert.Empty(t, d.KernelExposures(), what)
+		}
+		p := Exposure{Name: "p", Mode: ModeProxy, HostAddr: a("0.0.0.0"), ProxyProtocol: v}
+		assert.Equal(t, []netip.Addr{a("0.0.0.0")}, p.ProxyBinds(true, true), "proxy mode binds hostAddress alone")
+		assert.False(t, p.UsesKernel())
+	}
+}
