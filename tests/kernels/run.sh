@@ -148,6 +148,9 @@ build_payload() {
   suite > "$p/etc/brk-suite"
   if [ "$BENCH" = 1 ]; then
     install -m 0755 "$here/bench-vm.sh" "$p/etc/brk-bench"
+    : > "$p/etc/brk-bench.env"
+    [ -n "${ROUNDS:-}" ] && echo "ROUNDS=$ROUNDS" >> "$p/etc/brk-bench.env"
+    [ -n "${DUR:-}" ] && echo "DUR=$DUR" >> "$p/etc/brk-bench.env"
     (cd "$repo" && go build -ldflags='-s -w' -o "$p/tests/bin/" ./cmd/brokkrd ./cmd/brokkr ./tests/bench/connrate)
     (cd "$p" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) > "$p.cpio"
     return 0
@@ -232,22 +235,20 @@ bench_report() {
       return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 }
     /^BENCH / { for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
       c[v["round"], v["path"]] = v["conns_s"]; q[v["round"], v["path"]] = v["p99_us"]
-      if (v["path"] == "nat") cpu[++nc] = v["cpu_us_per_conn"]
+      if (v["path"] == "nat") { cpu[++nc] = v["cpu_us_per_conn"]; busy[nc] = v["busy_us_per_conn"]; share[nc] = (v["busy_us_per_conn"] > 0) ? v["cpu_us_per_conn"] / v["busy_us_per_conn"] : 0 }
+      if (v["path"] == "plain") pbusy[++npb] = v["busy_us_per_conn"]
       if (v["round"] > rounds) rounds = v["round"] }
     /^BENCH-ERROR/ { print "    " $0; bad = 1 }
-    /^BENCH-NOTE/ { sub(/^BENCH-NOTE /, ""); note = note "    status: " $0 "
-" }
+    /^BENCH-NOTE/ { sub(/^BENCH-NOTE /, ""); note = note "    status: " $0 "\n" }
     END {
-      if (rounds == 0) { printf "bench %s: no measurement
-", name; exit 1 }
+      if (rounds == 0) { printf "bench %s: no measurement\n", name; exit 1 }
       for (r = 1; r <= rounds; r++) { rp[r] = c[r, "nat"] / c[r, "plain"]; rd[r] = c[r, "nat"] / c[r, "direct"]; rq[r] = q[r, "nat"] / q[r, "plain"]
         np[r] = c[r, "nat"]; pp[r] = c[r, "plain"]; dp[r] = c[r, "direct"] }
       n = rounds
       lo = 1e9; hi = 0; for (r = 1; r <= n; r++) { if (rp[r] < lo) lo = rp[r]; if (rp[r] > hi) hi = rp[r] }
-      printf "bench %s: %d rounds; conns/s medians: nat %.0f, plain nft DNAT %.0f, direct %.0f
-", name, n, med(np, n), med(pp, n), med(dp, n)
-      printf "    nat / plain DNAT: %.2f [%.2f..%.2f]; nat / direct: %.2f; p99 nat / plain: %.2f; brokkrd CPU per nat connection: %.1f us (median of rounds)
-", med(rp, n), lo, hi, med(rd, n), med(rq, n), med(cpu, nc)
+      printf "bench %s: %d rounds; conns/s medians: nat %.0f, plain nft DNAT %.0f, direct %.0f\n", name, n, med(np, n), med(pp, n), med(dp, n)
+      printf "    nat / plain DNAT: %.2f [%.2f..%.2f]; nat / direct: %.2f; p99 nat / plain: %.2f\n", med(rp, n), lo, hi, med(rd, n), med(rq, n)
+      printf "    per connection (medians of rounds): brokkrd %.1f us of the machine'"'"'s %.1f us on nat (%.0f%%); the machine %.1f us on plain DNAT\n", med(cpu, nc), med(busy, nc), 100 * med(share, nc), med(pbusy, npb)
       printf "%s", note
       if (bad) exit 1 }' "$2"
 }
