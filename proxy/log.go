@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"log/slog"
+	"net/netip"
 	"sync"
 	"time"
 )
@@ -20,6 +21,12 @@ type Option func(*Manager)
 // WithLogger sets the Manager's logger (default: slog.Default() when the
 // Manager is made).
 func WithLogger(l *slog.Logger) Option { return func(m *Manager) { m.logs.log = l } }
+
+// WithHolders names, in a listener's bind failure with EADDRINUSE, the
+// processes holding its port (proto "tcp" or "udp"); "" when none is found.
+func WithHolders(f func(proto string, addr netip.AddrPort) string) Option {
+	return func(m *Manager) { m.holders = f }
+}
 
 // Events the proxy logs.
 const (

@@ -1,11 +1,13 @@
 package proxy
 
 import (
+	"errors"
 	"net"
 	"net/netip"
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/brokkr/brokkr/bpf"
@@ -30,6 +32,7 @@ type Manager struct {
 	// hand the accept loop a listener whose Accept fails on cue, the way a
 	// real one only does under load a test cannot stage.
 	listenTCP func(checked) (net.Listener, error)
+	holders   func(proto string, addr netip.AddrPort) string // WithHolders; nil: not looked up
 
 	// mu guards live and every exposure's socket fields and reason; the
 	// serving goroutines write those under it, so a status is never a torn
@@ -262,6 +265,11 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 	if !ex.bound() {
 		if err := m.bind(ex, c); err != nil {
 			ex.reason = err.Error()
+			if errors.Is(err, syscall.EADDRINUSE) && m.holders != nil {
+				if h := m.holders(string(c.Proto), netip.AddrPortFrom(c.host, c.HostPort)); h != "" {
+					ex.reason += ": held by " + h
+				}
+			}
 			st.Reason = ex.reason
 			st.Counters = ex.ctr.slot.Read()
 			return st

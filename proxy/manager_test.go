@@ -274,6 +274,34 @@ func TestABindFailureCarriesTheOSErrorAndHealsWhenThePortFrees(t *testing.T) {
 	assert.Equal(t, "g:back", roundTrip(t, dial(t, addr), "g:", "back"))
 }
 
+// With WithHolders a port in use names who holds it (brokkrd asks
+// netplane/hold, which reads /proc); another bind error asks nothing.
+func TestABindFailureNamesThePortsHolder(t *testing.T) {
+	var asked []string
+	m := NewManager((&guests{addrs: map[string]string{"vm1": "127.0.0.1"}}).resolve, nil,
+		WithHolders(func(proto string, a netip.AddrPort) string {
+			asked = append(asked, proto+" "+a.String())
+			return "pid 812 (nginx)"
+		}))
+	t.Cleanup(m.StopAll)
+	squat, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer squat.Close()
+	spec := tcpSpec("web", echoServer(t, "g:"))
+	spec.HostPort = uint16(squat.Addr().(*net.TCPAddr).Port)
+	st := only(t, m, spec)
+	assert.Equal(t, StateFailed, st.State)
+	assert.Contains(t, st.Reason, "address already in use: held by pid 812 (nginx)")
+	assert.Equal(t, []string{"tcp " + squat.Addr().String()}, asked)
+
+	asked = nil
+	spec.Listen = netip.MustParseAddr("192.0.2.77") // not this host's: EADDRNOTAVAIL
+	st = only(t, m, spec)
+	assert.Equal(t, StateFailed, st.State)
+	assert.NotContains(t, st.Reason, "held by")
+	assert.Empty(t, asked)
+}
+
 func TestAListenerWhoseAcceptLoopDiedIsRebound(t *testing.T) {
 	m, _ := newManager(t)
 	port := echoServer(t, "g:")

@@ -98,6 +98,9 @@ func open(ctx context.Context, cfg *config.Config, log *slog.Logger, h *inherite
 	// A suspended VM's callers are held by the proxy until it runs again.
 	wakes := daemon.NewWakes()
 	pxOpts = append(pxOpts, proxy.WithWaker(wakes, proxy.DefaultWakeHold))
+	pxOpts = append(pxOpts, proxy.WithHolders(func(proto string, a netip.AddrPort) string {
+		return hold.Holders("", hold.Side{Addr: a.Addr(), Proto: proto, Port: a.Port()})
+	}))
 	px := proxy.NewManager(addrs.Resolve, store, append(pxOpts, proxy.WithResolver6(addrs.Resolve6))...)
 	px.Inherit(sd)
 	plane, err := netplane.New(netplane.Options{

@@ -301,3 +301,18 @@ func bindSide(sd Side, reuse bool) (*os.File, error) {
 	}
 	return os.NewFile(uintptr(fd), "hold "+sd.String()), nil
 }
+
+// Holders names the processes holding sd in the namespace at netns ("" =
+// the caller's): "pid 812 (nginx)", several joined by ", ", or "" when none
+// is found (a bound TCP socket that does not listen is not in /proc/net).
+func Holders(netns string, sd Side) string {
+	var names []string
+	_ = nlsafe.Do(netns, func() error {
+		hs, _ := findHolders(sd)
+		for _, h := range hs {
+			names = append(names, h.String())
+		}
+		return nil
+	})
+	return strings.Join(names, ", ")
+}

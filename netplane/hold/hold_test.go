@@ -108,6 +108,7 @@ func TestASquattedSideNamesItsHolderAndIsTakenWhenItGoes(t *testing.T) {
 			assert.False(t, iu.Self)
 			assert.False(t, s.Holds(sd))
 			assert.Error(t, s.Check(sd), "Check sees the squatter too")
+			assert.Equal(t, fmt.Sprintf("pid %d (%s)", pid, comm), Holders(ns.Path, sd))
 
 			stop()
 			assert.Empty(t, s.Sync(map[string][]Side{"web": {sd}}))
