@@ -336,3 +336,22 @@ func TestAnExposurePutIsServedBeforeThePass(t *testing.T) {
 	assert.Equal(t, "active", st.Exposures[0].State, st.Exposures[0].Reason)
 	assert.NoError(t, echo("10.99.0.1:8082"))
 }
+
+// desired.json is laid out as json.MarshalIndent lays it out, byte for
+// byte (the faster layout is no change of format), strings holding what
+// the layout looks for included.
+func TestDesiredFileIsIndentedAsBefore(t *testing.T) {
+	r := newRig(t, strings.Replace(rigConfig, "    kernel: /k\n    cpus: 2", "    kernel: /k\n    cmdline: 'a=\"{[,:]}\" b=\\\\ {}[]'\n    cpus: 2", 1))
+	require.NoError(t, r.d.SetPower("db", "stopped"))
+	want, err := json.MarshalIndent(r.d.Desired(), "", "  ")
+	require.NoError(t, err)
+	assert.Equal(t, string(want)+"\n", string(persisted(t, r)))
+	assert.Contains(t, string(want), `"cmdline": "a=\"{[,:]}\" b=\\\\ {}[]"`)
+	for _, v := range []any{map[string]any{}, []any{}, map[string]any{"a": []any{}, "b": map[string]any{}, "c": []any{map[string]any{}, 1, "x\\\""}}} {
+		compact, err := json.Marshal(v)
+		require.NoError(t, err)
+		want, err := json.MarshalIndent(v, "", "  ")
+		require.NoError(t, err)
+		assert.Equal(t, string(want), string(indented(compact)))
+	}
+}
