@@ -60,46 +60,45 @@ func saveDesired(stateDir string, c *config.Config) error {
 // the whole encoding with the JSON state machine, which cost three times
 // the encoding itself at 10,000 exposures, on every one-exposure change.
 func indented(b []byte) []byte {
-	out := make([]byte, 0, len(b)+len(b)/3)
-	depth, inString, escaped := 0, false, false
-	newline := func(d int) {
-		out = append(out, '\n')
-		for range d {
-			out = append(out, ' ', ' ')
+	out := make([]byte, 0, 3*len(b)) // about what the layout adds to a desired state
+	pad := []byte("\n")
+	depth := 0
+	newline := func() {
+		for len(pad) < 1+2*depth {
+			pad = append(pad, ' ', ' ')
 		}
+		out = append(out, pad[:1+2*depth]...)
 	}
-	for i, c := range b {
-		if inString {
-			out = append(out, c)
-			switch {
-			case escaped:
-				escaped = false
-			case c == '\\':
-				escaped = true
-			case c == '"':
-				inString = false
-			}
-			continue
-		}
-		switch c {
+	for i := 0; i < len(b); i++ {
+		switch c := b[i]; c {
 		case '"':
-			inString = true
-			out = append(out, c)
+			// Copy the string whole: its end is the first quote not
+			// escaped (json.Marshal escapes quotes and backslashes).
+			j := i + 1
+			for j < len(b) && b[j] != '"' {
+				if b[j] == '\\' {
+					j++ // what it escapes
+				}
+				j++
+			}
+			j = min(j, len(b)-1)
+			out = append(out, b[i:j+1]...)
+			i = j
 		case '{', '[':
 			out = append(out, c)
 			depth++
 			if i+1 < len(b) && b[i+1] != '}' && b[i+1] != ']' {
-				newline(depth)
+				newline()
 			}
 		case '}', ']':
 			depth--
 			if i > 0 && b[i-1] != '{' && b[i-1] != '[' {
-				newline(depth)
+				newline()
 			}
 			out = append(out, c)
 		case ',':
 			out = append(out, c)
-			newline(depth)
+			newline()
 		case ':':
 			out = append(out, c, ' ')
 		default:
