@@ -108,7 +108,7 @@ func BenchmarkStatusRequest(b *testing.B) {
 	}
 }
 
-// BenchmarkOneMoreExposure is one exposure more at 10,000 through
+// BenchmarkOneMoreExposure is one exposure more at 10 and at 10,000 through
 // PUT /v1/exposures/{name} against the same change through POST /v1/apply
 // of the whole document (the only way before), each from the request to
 // its answer (the desired state validated, persisted with fsync and swapped
@@ -116,15 +116,21 @@ func BenchmarkStatusRequest(b *testing.B) {
 // that answer at once: the daemon's own share, not the kernel's. The
 // exposure is removed again outside the timing.
 func BenchmarkOneMoreExposure(b *testing.B) {
-	const n = 10000
+	for _, n := range []int{10, 10000} {
+		oneMoreExposure(b, n)
+	}
+}
+
+func oneMoreExposure(b *testing.B, n int) {
+	vms := max(1, n/10)
 	var y strings.Builder
 	y.WriteString("network: {cidr: 10.0.0.1/16}\nvms:\n")
-	for i := 0; i < n/10; i++ {
+	for i := 0; i < vms; i++ {
 		fmt.Fprintf(&y, "  - {name: vm-%d, kernel: /k}\n", i)
 	}
 	y.WriteString("exposures:\n")
 	for i := 0; i < n; i++ {
-		fmt.Fprintf(&y, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%(n/10), 1+i)
+		fmt.Fprintf(&y, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%vms, 1+i)
 	}
 	doc := y.String()
 	more := doc + "  - {name: extra, vm: vm-0, guestPort: 80, hostPort: 65000, mode: nat}\n"
