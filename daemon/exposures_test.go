@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -22,7 +21,6 @@ import (
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
-	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/netplane"
 )
 
@@ -282,59 +280,32 @@ func TestPutAndDeleteAreRefusedInFleetMode(t *testing.T) {
 
 // A PUT reaches the kernel before any pass runs: a caller is served by the
 // exposure just added, and no longer by the one just removed, with only
-// the first pass before them (which the network needs to be known).
+// the first pass before them (which the network needs to be known); on the
+// nat path (counters pinned, as brokkrd runs) and on its fallback.
 func TestAnExposurePutIsServedBeforeThePass(t *testing.T) {
-	host, client := nstest.New(t, "host"), nstest.New(t, "client")
-	nstest.Link(t, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
-	cfg, err := config.Parse([]byte("exposures:\n  - {name: a, target: 10.213.0.250, guestPort: 80, hostPort: 8081, mode: nat}\n"))
-	require.NoError(t, err)
-	cfg.StateDir, cfg.RunDir = t.TempDir(), shortDir(t)
-	store := bpf.NewInMemory("test")
-	t.Cleanup(func() { _ = store.Close() })
-	plane, err := netplane.New(netplane.Options{NetNS: host.Path, StateDir: cfg.StateDir, Stats: store})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = plane.Close() })
-	c := &calls{}
-	addrs := NewAddressBook()
-	d, err := New(Options{Host: cfg, Store: store, Supervisor: &recSup{calls: c}, Network: plane,
-		Proxy: &recProxy{calls: c, resolve: addrs.Resolve}, Addresses: addrs,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	require.NoError(t, err)
-	d.Pass(context.Background())
+	for _, pinned := range []bool{true, false} {
+		t.Run(map[bool]string{true: "pinned", false: "in memory"}[pinned], func(t *testing.T) {
+			d, echo := kernelRig(t, 1, "", pinned)
+			require.Error(t, echo("10.99.0.1:8082"), "not published yet")
 
-	g := nstest.New(t, "guest")
-	host.MustRun(t, "ip", "link", "add", "vh-g", "type", "veth", "peer", "name", "eth0", "netns", g.Name)
-	host.MustRun(t, "ip", "link", "set", "vh-g", "master", "brokkr0", "up")
-	g.MustRun(t, "ip", "addr", "add", "10.213.0.250/24", "dev", "eth0")
-	g.MustRun(t, "ip", "link", "set", "eth0", "up")
-	g.MustRun(t, "ip", "route", "add", "default", "via", "10.213.0.1")
-	g.ServeEcho(t, ":80")
-	echo := func(addr string) error {
-		var conn net.Conn
-		if err := client.Do(func() (err error) { conn, err = nstest.DialEcho(addr, "hi"); return err }); err != nil {
-			return err
-		}
-		return conn.Close()
+			h := d.Handler()
+			w := do(t, h, "PUT", "/v1/exposures/b", `{"target": "10.213.0.250", "guestPort": 80, "hostPort": 8082, "mode": "nat"}`)
+			require.Equal(t, http.StatusOK, w.Code, w.Body.String())
+			assert.NoError(t, echo("10.99.0.1:8082"), "served with no pass since the PUT")
+
+			w = do(t, h, "DELETE", "/v1/exposures/e-0", "")
+			require.Equal(t, http.StatusOK, w.Code, w.Body.String())
+			assert.Error(t, echo("10.99.0.1:20001"), "withdrawn with no pass since the DELETE")
+
+			// The pass after finds the kernel already so.
+			d.Pass(context.Background())
+			st := d.Status()
+			require.Len(t, st.Exposures, 1)
+			assert.Equal(t, "b", st.Exposures[0].Name)
+			assert.Equal(t, "active", st.Exposures[0].State, st.Exposures[0].Reason)
+			assert.NoError(t, echo("10.99.0.1:8082"))
+		})
 	}
-	require.NoError(t, echo("10.99.0.1:8081"))
-	require.Error(t, echo("10.99.0.1:8082"), "not published yet")
-
-	h := d.Handler()
-	w := do(t, h, "PUT", "/v1/exposures/b", `{"target": "10.213.0.250", "guestPort": 80, "hostPort": 8082, "mode": "nat"}`)
-	require.Equal(t, http.StatusOK, w.Code, w.Body.String())
-	assert.NoError(t, echo("10.99.0.1:8082"), "served with no pass since the PUT")
-
-	w = do(t, h, "DELETE", "/v1/exposures/a", "")
-	require.Equal(t, http.StatusOK, w.Code, w.Body.String())
-	assert.Error(t, echo("10.99.0.1:8081"), "withdrawn with no pass since the DELETE")
-
-	// The pass after finds the kernel already so.
-	d.Pass(context.Background())
-	st := d.Status()
-	require.Len(t, st.Exposures, 1)
-	assert.Equal(t, "b", st.Exposures[0].Name)
-	assert.Equal(t, "active", st.Exposures[0].State, st.Exposures[0].Reason)
-	assert.NoError(t, echo("10.99.0.1:8082"))
 }
 
 // desired.json is laid out as json.MarshalIndent lays it out, byte for
