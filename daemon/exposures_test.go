@@ -326,3 +326,29 @@ func TestDesiredFileIsIndentedAsBefore(t *testing.T) {
 		assert.Equal(t, string(want), string(indented(compact)))
 	}
 }
+
+// Changes from many clients at once are each whole: every acknowledged
+// exposure is in desired.json when its answer comes, and all of them are
+// there at the end (a daemon started again has every one).
+func TestConcurrentPutsAreEachPersisted(t *testing.T) {
+	r, _ := newUpdRig(t, rigConfig, nil)
+	h := r.d.Handler()
+	var wg sync.WaitGroup
+	for c := range 8 {
+		wg.Go(func() {
+			for i := range 5 {
+				name := fmt.Sprintf("c%d-%d", c, i)
+				w := do(t, h, "PUT", "/v1/exposures/"+name, fmt.Sprintf(`{"vm": "db", "guestPort": 80, "hostPort": %d, "mode": "nat"}`, 10000+10*c+i))
+				if !assert.Equal(t, http.StatusOK, w.Code, w.Body.String()) {
+					return
+				}
+				b, err := os.ReadFile(filepath.Join(r.host.StateDir, DesiredFile))
+				assert.NoError(t, err)
+				assert.Contains(t, string(b), `"name": "`+name+`"`, "persisted before it is acknowledged")
+			}
+		})
+	}
+	wg.Wait()
+	again := newRigWith(t, r.host)
+	assert.Len(t, again.d.Desired().Exposures, 5+8*5)
+}
