@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"testing"
 
@@ -104,5 +105,79 @@ func BenchmarkStatusRequest(b *testing.B) {
 			b.Fatal(w.Code)
 		}
 		b.SetBytes(int64(w.Body.Len()))
+	}
+}
+
+// BenchmarkOneMoreExposure is one exposure more at 10 and at 10,000 through
+// PUT /v1/exposures/{name} against the same change through POST /v1/apply
+// of the whole document (the only way before), each from the request to
+// its answer (the desired state validated, persisted with fsync and swapped
+// in; for PUT the one exposure handed to the network plane), with engines
+// that answer at once: the daemon's own share, not the kernel's. The
+// exposure is removed again outside the timing.
+func BenchmarkOneMoreExposure(b *testing.B) {
+	for _, n := range []int{10, 10000} {
+		oneMoreExposure(b, n)
+	}
+}
+
+func oneMoreExposure(b *testing.B, n int) {
+	vms := max(1, n/10)
+	var y strings.Builder
+	y.WriteString("network: {cidr: 10.0.0.1/16}\nvms:\n")
+	for i := 0; i < vms; i++ {
+		fmt.Fprintf(&y, "  - {name: vm-%d, kernel: /k}\n", i)
+	}
+	y.WriteString("exposures:\n")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&y, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%vms, 1+i)
+	}
+	doc := y.String()
+	more := doc + "  - {name: extra, vm: vm-0, guestPort: 80, hostPort: 65000, mode: nat}\n"
+	for _, path := range []string{"put", "apply"} {
+		b.Run(fmt.Sprintf("%s/exposures=%d", path, n), func(b *testing.B) {
+			host, err := config.Parse([]byte(doc))
+			if err != nil {
+				b.Fatal(err)
+			}
+			run, err := os.MkdirTemp("", "brk-b-")
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer os.RemoveAll(run)
+			host.StateDir, host.RunDir = b.TempDir(), run
+			addrs := NewAddressBook()
+			store := bpf.NewInMemory("bench")
+			defer store.Close()
+			un := &updNet{recNet: &recNet{calls: &calls{}, leased: true}}
+			d, err := New(Options{Host: host, Store: store, Supervisor: &recSup{calls: &calls{}}, Network: un,
+				Proxy: &recProxy{calls: &calls{}, resolve: addrs.Resolve}, Addresses: addrs,
+				Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+			if err != nil {
+				b.Fatal(err)
+			}
+			d.Pass(context.Background())
+			h := d.Handler()
+			call := func(method, path, body string) {
+				w := httptest.NewRecorder()
+				h.ServeHTTP(w, httptest.NewRequest(method, path, strings.NewReader(body)))
+				if w.Code != 200 {
+					b.Fatal(method, path, w.Code, w.Body.String())
+				}
+			}
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if path == "put" {
+					call("PUT", "/v1/exposures/extra", `{"vm": "vm-0", "guestPort": 80, "hostPort": 65000, "mode": "nat"}`)
+					b.StopTimer()
+					call("DELETE", "/v1/exposures/extra", "")
+				} else {
+					call("POST", "/v1/apply", more)
+					b.StopTimer()
+					call("POST", "/v1/apply", doc)
+				}
+				b.StartTimer()
+			}
+		})
 	}
 }

@@ -25,6 +25,7 @@ const SocketName = "brokkr.sock"
 const maxBody = 4 << 20
 
 // Handler is the API: GET /v1/status, POST /v1/apply[?dryRun=1],
+// PUT|DELETE /v1/exposures/{name} (exposures.go),
 // POST /v1/vms/{name}/start|stop|restart, GET /v1/vms/{name}/console,
 // GET /metrics.
 func (d *Daemon) Handler() http.Handler {
@@ -36,6 +37,8 @@ func (d *Daemon) Handler() http.Handler {
 		writeJSON(w, http.StatusOK, st)
 	})
 	mux.HandleFunc("POST /v1/apply", d.handleApply)
+	mux.HandleFunc("PUT /v1/exposures/{name}", d.handlePutExposure)
+	mux.HandleFunc("DELETE /v1/exposures/{name}", d.handleDeleteExposure)
 	mux.HandleFunc("POST /v1/vms/{name}/{action}", d.handleVMAction)
 	mux.HandleFunc("GET /v1/vms/{name}/console", d.handleConsole)
 	mux.Handle("GET /metrics", d.m.handler())
@@ -55,6 +58,22 @@ func writeError(w http.ResponseWriter, code int, msg string, fields []string) {
 	writeJSON(w, code, api.Error{Error: msg, Errors: fields})
 }
 
+// readBody reads a request's body, at most maxBody; false when it has
+// answered the request with the error.
+func readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBody))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("config is larger than %d bytes", maxBody), nil)
+			return nil, false
+		}
+		writeError(w, http.StatusBadRequest, "reading the request: "+err.Error(), nil)
+		return nil, false
+	}
+	return body, true
+}
+
 // parseConfig is config.Decode; tests watch it.
 var parseConfig = config.Decode
 
@@ -63,14 +82,8 @@ func (d *Daemon) handleApply(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusConflict, ErrRemoteSource{d.opts.Source.Report()}.Error(), nil)
 		return
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBody))
-	if err != nil {
-		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
-			writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("config is larger than %d bytes", maxBody), nil)
-			return
-		}
-		writeError(w, http.StatusBadRequest, "reading the request: "+err.Error(), nil)
+	body, ok := readBody(w, r)
+	if !ok {
 		return
 	}
 	dry := false

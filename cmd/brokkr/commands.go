@@ -313,15 +313,20 @@ func vmActionCmd(client func() *api.Client, verb, short, long, until string) *co
 func exposeCmd(client func() *api.Client) *cobra.Command {
 	c := &cobra.Command{
 		Use:   "expose",
-		Short: "Published guest ports",
+		Short: "Published guest ports: list, add or replace one, remove one",
 		Long: `expose lists the exposures: guest ports published on the host, with their state
 (active, pending: the guest has no address yet, failed: with the reason), mode, cap
-and counters. Exposures are changed through the config (brokkr apply).
+and counters. Exposures are changed through the config (brokkr apply), or one at a
+time: expose add creates or replaces one, expose rm removes one (each validated
+against the whole desired state and persisted with it; refused in fleet mode).
 
 ` + counterColumns,
 		Example: `  brokkr expose ls
-  brokkr expose ls web-http -o json`,
+  brokkr expose ls web-http -o json
+  brokkr expose add web-http --vm web --guest-port 80 --host-port 8080
+  brokkr expose rm web-http`,
 	}
+	c.AddCommand(exposeAddCmd(client), exposeRmCmd(client))
 	c.AddCommand(listCmd("exposure", "List exposures with state and counters", client, exposureNames, func(w io.Writer, st *api.Status, names []string, asJSON bool) error {
 		es := slices.DeleteFunc(slices.Clone(st.Exposures), func(e api.Exposure) bool { return !want(names, e.Name) })
 		if asJSON {

@@ -2,10 +2,12 @@ package main
 
 import (
 	"encoding/json"
+	"io"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 
@@ -25,6 +27,11 @@ type fakeDaemon struct {
 	// onAction, when set, changes the status after an action (a VM that
 	// stops once asked).
 	onAction func(st *api.Status, name, action string)
+	// exposures records PUT and DELETE /v1/exposures/{name} ("PUT name
+	// body"); onExposure, when set, answers them (code, body), else they
+	// succeed with the plan of an added or removed exposure.
+	exposures  []string
+	onExposure func(method, name string) (int, any)
 }
 
 func newFakeDaemon(t *testing.T, st api.Status) *fakeDaemon {
@@ -60,6 +67,29 @@ func newFakeDaemon(t *testing.T, st api.Status) *fakeDaemon {
 	mux.HandleFunc("POST /v1/apply", func(w http.ResponseWriter, r *http.Request) {
 		_ = json.NewEncoder(w).Encode(api.Plan{Applied: true, VMs: api.Changes{Added: []string{"web"}}})
 	})
+	for _, method := range []string{"PUT", "DELETE"} {
+		mux.HandleFunc(method+" /v1/exposures/{name}", func(w http.ResponseWriter, r *http.Request) {
+			body, _ := io.ReadAll(r.Body)
+			name := r.PathValue("name")
+			f.mu.Lock()
+			f.exposures = append(f.exposures, strings.TrimSpace(method+" "+name+" "+string(body)))
+			answer := f.onExposure
+			f.mu.Unlock()
+			if answer != nil {
+				code, v := answer(method, name)
+				w.WriteHeader(code)
+				_ = json.NewEncoder(w).Encode(v)
+				return
+			}
+			p := api.Plan{Applied: true, Exposures: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}}}
+			if method == "PUT" {
+				p.Exposures.Added = []string{name}
+			} else {
+				p.Exposures.Removed = []string{name}
+			}
+			_ = json.NewEncoder(w).Encode(p)
+		})
+	}
 	srv := &http.Server{Handler: mux}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { srv.Close() })
@@ -70,6 +100,18 @@ func (f *fakeDaemon) set(change func(st *api.Status)) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	change(&f.st)
+}
+
+func (f *fakeDaemon) answerExposures(fn func(method, name string) (int, any)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.onExposure = fn
+}
+
+func (f *fakeDaemon) exposureRequests() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]string(nil), f.exposures...)
 }
 
 func (f *fakeDaemon) sent() []string {

@@ -147,6 +147,21 @@ func (c *Client) Apply(ctx context.Context, config []byte, dryRun bool) (*Plan, 
 	return &p, c.getJSON(ctx, http.MethodPost, path, config, &p)
 }
 
+// PutExposure creates or replaces the exposure name; body is one exposure in
+// the config file's shape (an entry of exposures:, YAML or JSON). The plan
+// says whether it was added or changed.
+func (c *Client) PutExposure(ctx context.Context, name string, body []byte) (*Plan, error) {
+	var p Plan
+	return &p, c.getJSON(ctx, http.MethodPut, "/v1/exposures/"+url.PathEscape(name), body, &p)
+}
+
+// DeleteExposure removes the exposure name (an HTTPError 404 when there is
+// none).
+func (c *Client) DeleteExposure(ctx context.Context, name string) (*Plan, error) {
+	var p Plan
+	return &p, c.getJSON(ctx, http.MethodDelete, "/v1/exposures/"+url.PathEscape(name), nil, &p)
+}
+
 // VMAction is start, stop or restart.
 func (c *Client) VMAction(ctx context.Context, name, action string) error {
 	resp, err := c.do(ctx, http.MethodPost, "/v1/vms/"+url.PathEscape(name)+"/"+action, nil, time.Minute)

@@ -199,26 +199,11 @@ func Load(data []byte) (*Config, *spec.Desired, error) {
 // errors: a misspelt key ("maxconns") silently falling back to a default is
 // exactly the kind of surprise a config file must not hold.
 func Decode(data []byte) (*Config, error) {
-	if len(data) > maxConfigBytes {
-		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), maxConfigBytes)}}
+	doc, err := readDocument(data)
+	if err != nil {
+		return nil, err
 	}
-	var root yaml.Node
-	dec := yaml.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&root); err != nil {
-		if errors.Is(err, io.EOF) {
-			return Defaults(), nil
-		}
-		return nil, Errors{{Msg: "not valid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
-	}
-	var extra yaml.Node
-	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
-		return nil, Errors{{Msg: "more than one YAML document; a config is one document"}}
-	}
-	doc := &root
-	if doc.Kind == yaml.DocumentNode && len(doc.Content) == 1 {
-		doc = doc.Content[0]
-	}
-	if doc.Kind == yaml.ScalarNode && doc.Tag == "!!null" {
+	if doc == nil {
 		return Defaults(), nil
 	}
 	if doc.Kind != yaml.MappingNode {
@@ -239,6 +224,34 @@ func Decode(data []byte) (*Config, error) {
 	}
 	c.applyDefaults()
 	return c, nil
+}
+
+// readDocument reads the one YAML (or JSON) document of data; nil when it
+// is empty (or null).
+func readDocument(data []byte) (*yaml.Node, error) {
+	if len(data) > maxConfigBytes {
+		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), maxConfigBytes)}}
+	}
+	var root yaml.Node
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	if err := dec.Decode(&root); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, nil
+		}
+		return nil, Errors{{Msg: "not valid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}}
+	}
+	var extra yaml.Node
+	if err := dec.Decode(&extra); !errors.Is(err, io.EOF) {
+		return nil, Errors{{Msg: "more than one YAML document; a config is one document"}}
+	}
+	doc := &root
+	if doc.Kind == yaml.DocumentNode && len(doc.Content) == 1 {
+		doc = doc.Content[0]
+	}
+	if doc.Kind == yaml.ScalarNode && doc.Tag == "!!null" {
+		return nil, nil
+	}
+	return doc, nil
 }
 
 func intp(v int) *int       { return &v }

@@ -1,0 +1,135 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/brokkr/brokkr/bpf"
+	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/netplane"
+)
+
+// kernelRig is a daemon on a real network plane in a host namespace of
+// its own, with n nat exposures of a guest at 10.213.0.250 (a namespace on
+// the bridge serving echo on :80) on host ports 20001.., converged by one
+// pass; callers dial from a client namespace (10.99.0.2) to 10.99.0.1.
+// With pinned the counters are a pinned store in a bpffs of its own, as
+// brokkrd runs (the BPF nat path loads where the kernel has it); else an
+// in-memory store (the nat path's fallback).
+func kernelRig(tb testing.TB, n int, role string, pinned bool) (d *Daemon, echo func(addr string) error) {
+	tb.Helper()
+	host, client := nstest.New(tb, "host"+role), nstest.New(tb, "client"+role)
+	nstest.Link(tb, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
+	var y strings.Builder
+	y.WriteString("exposures:\n")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&y, "  - {name: e-%d, target: 10.213.0.250, guestPort: 80, hostPort: %d, mode: nat}\n", i, 20001+i)
+	}
+	cfg, err := config.Parse([]byte(y.String()))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cfg.StateDir, cfg.RunDir = tb.TempDir(), shortDirTB(tb)
+	store := bpf.NewInMemory("test")
+	if pinned {
+		if store, err = bpf.Open(nstest.PrivateBPFFS(tb)); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	tb.Cleanup(func() { _ = store.Close() })
+	plane, err := netplane.New(netplane.Options{NetNS: host.Path, StateDir: cfg.StateDir, Stats: store})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = plane.Close() })
+	c := &calls{}
+	addrs := NewAddressBook()
+	d, err = New(Options{Host: cfg, Store: store, Supervisor: &recSup{calls: c}, Network: plane,
+		Proxy: &recProxy{calls: c, resolve: addrs.Resolve}, Addresses: addrs,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Timeout: time.Minute})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	d.Pass(context.Background())
+
+	g := nstest.New(tb, "guest"+role)
+	host.MustRun(tb, "ip", "link", "add", "vh-g", "type", "veth", "peer", "name", "eth0", "netns", g.Name)
+	host.MustRun(tb, "ip", "link", "set", "vh-g", "master", "brokkr0", "up")
+	g.MustRun(tb, "ip", "addr", "add", "10.213.0.250/24", "dev", "eth0")
+	g.MustRun(tb, "ip", "link", "set", "eth0", "up")
+	g.MustRun(tb, "ip", "route", "add", "default", "via", "10.213.0.1")
+	g.ServeEcho(tb, ":80")
+	echo = func(addr string) error {
+		var conn net.Conn
+		if err := client.Do(func() (err error) { conn, err = nstest.DialEcho(addr, "hi"); return err }); err != nil {
+			return err
+		}
+		return conn.Close()
+	}
+	if err := echo("10.99.0.1:20001"); err != nil {
+		tb.Fatal("the first exposure is not served:", err)
+	}
+	return d, echo
+}
+
+// shortDirTB is shortDir for a benchmark too.
+func shortDirTB(tb testing.TB) string {
+	dir, err := os.MkdirTemp("", "brk-dm-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// BenchmarkPutToServed is one exposure more through PUT /v1/exposures/{name},
+// from the request until a caller outside is served by it (an echo through
+// the guest), on the real network plane (needs root), at 10 and at 10,000
+// exposures, with the counters pinned as brokkrd runs (natpath) and in
+// memory (the nat path's fallback); no pass runs in between. The exposure is removed again outside
+// the timing. ms-p50 is the median.
+func BenchmarkPutToServed(b *testing.B) {
+	for _, tc := range []struct {
+		path   string
+		pinned bool
+		n      int
+	}{{"natpath", true, 10}, {"natpath", true, 10000}, {"fallback", false, 10}, {"fallback", false, 10000}} {
+		n := tc.n
+		d, echo := kernelRig(b, n, fmt.Sprint(n)+tc.path[:1], tc.pinned)
+		h := d.Handler()
+		call := func(method, path, body string) {
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, httptest.NewRequest(method, path, strings.NewReader(body)))
+			if w.Code != http.StatusOK {
+				b.Fatal(method, path, w.Code, w.Body.String())
+			}
+		}
+		b.Run(fmt.Sprintf("%s/exposures=%d", tc.path, n), func(b *testing.B) {
+			var took []time.Duration
+			for i := 0; i < b.N; i++ {
+				start := time.Now()
+				call("PUT", "/v1/exposures/extra", `{"target": "10.213.0.250", "guestPort": 80, "hostPort": 19999, "mode": "nat"}`)
+				if err := echo("10.99.0.1:19999"); err != nil {
+					b.Fatal("not served after the PUT:", err)
+				}
+				took = append(took, time.Since(start))
+				b.StopTimer()
+				call("DELETE", "/v1/exposures/extra", "")
+				b.StartTimer()
+			}
+			slices.Sort(took)
+			b.ReportMetric(float64(took[len(took)/2].Microseconds())/1000, "ms-p50")
+		})
+	}
+}
