@@ -133,6 +133,9 @@ func (d *Daemon) commitExposure(next *config.Config, pos int, name string, set b
 	if w := budgetWarning(model); w != "" {
 		plan.Warnings = append(plan.Warnings, w)
 	}
+	if set {
+		plan.Warnings = append(plan.Warnings, d.portWarnings(&spec.Desired{Exposures: model.Exposures[pos : pos+1]})...)
+	}
 	if err := saveDesired(d.host.StateDir, next); err != nil {
 		return api.Plan{}, err
 	}
@@ -166,7 +169,13 @@ func (d *Daemon) publishExposure(old *spec.Desired, now *spec.Exposure, name str
 	var remove []string
 	if now != nil {
 		if e, ok := d.kernelCarried(*now); ok {
-			set = []netplane.Exposure{e}
+			if err := d.takePorts(e); err != nil {
+				// A host program holds its port: not published (the pass
+				// reports it failed, naming the holder).
+				d.log.Info("exposure not published: its port is in use", "exposure", name, "err", err)
+			} else {
+				set = []netplane.Exposure{e}
+			}
 		}
 	}
 	if set == nil {

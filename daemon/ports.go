@@ -21,7 +21,17 @@ import (
 // Holds is the seam to package hold.
 type Holds interface {
 	Sync(want map[string][]hold.Side) map[string]error
+	Take(sides []hold.Side) error
 	Check(sd hold.Side) error
+}
+
+// takePorts holds e's host sides before it is published on its own (an API
+// change between passes); an error says why it cannot be.
+func (d *Daemon) takePorts(e spec.Exposure) error {
+	if d.opts.Holds == nil {
+		return nil
+	}
+	return d.opts.Holds.Take(hostSides(e, d.opts.IPv6Loopback, d.sock != nil))
 }
 
 // hostSides are the host sides e holds: none where the proxy listens on

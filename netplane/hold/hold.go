@@ -127,6 +127,31 @@ func (s *Set) Sync(want map[string][]Side) map[string]error {
 	return failed
 }
 
+// Take holds sides besides what is held (one exposure changed on its own,
+// between passes): all of them or none. The next Sync keeps them if it
+// wants them.
+func (s *Set) Take(sides []Side) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var took []Side
+	for _, sd := range sides {
+		if _, ok := s.held[sd]; ok {
+			continue
+		}
+		f, err := s.take(sd)
+		if err != nil {
+			for _, t := range took {
+				s.held[t].Close()
+				delete(s.held, t)
+			}
+			return err
+		}
+		s.held[sd] = f
+		took = append(took, sd)
+	}
+	return nil
+}
+
 // take binds one side: a handed-over socket if there is one, else a new
 // socket.
 func (s *Set) take(sd Side) (*os.File, error) {

@@ -122,6 +122,24 @@ func TestASquattedPortFailsTheExposureWithoutHijackAndHealsWhenItFrees(t *testin
 	require.Equal(t, 0, code, stderr)
 	assert.Contains(t, stdout+stderr, fmt.Sprintf("exposure echo-more: 0.0.0.0:7002/tcp is in use by pid %d (socat)", pid2))
 	assert.NotContains(t, stdout+stderr, "exposure echo-udp", "a port brokkr holds is not in use")
+
+	// One exposure added on its own (the incremental API) is not
+	// published over the program either: warned, failed, no hijack.
+	stdout, stderr, code = e.brokkr("expose", "add", "echo-more", "--target", "10.213.8.200", "--guest-port", "7000", "--host-port", "7002", "--mode", "nat")
+	require.Equal(t, 0, code, stderr)
+	assert.Contains(t, stdout+stderr, fmt.Sprintf("0.0.0.0:7002/tcp is in use by pid %d (socat)", pid2))
+	assert.Equal(t, "squatter\n", callOnce(t, e, hostIP+":7002", "hello"), "the program keeps its callers")
+	require.Eventually(t, func() bool {
+		st, err := api.NewClient(e.sock).Status(context.Background())
+		if err != nil {
+			return false
+		}
+		x, ok := exposure(*st, "echo-more")
+		return ok && x.State == "failed" && strings.Contains(x.Reason, fmt.Sprintf("in use by pid %d (socat)", pid2))
+	}, 10*time.Second, 100*time.Millisecond, "the added exposure failed naming the holder")
+	assert.Equal(t, "squatter\n", callOnce(t, e, hostIP+":7002", "hello"), "after the pass too")
+	_, stderr, code = e.brokkr("expose", "rm", "echo-more")
+	require.Equal(t, 0, code, stderr)
 	stop2()
 
 	stop()
