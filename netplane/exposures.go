@@ -18,6 +18,7 @@ import (
 // published against them, without the pass being run again.
 type passFacts struct {
 	network  Network
+	prefix6  netip.Prefix // the guests' /64 where the bridge carries IPv6; zero: none
 	leases   map[string]ipam.Lease
 	hasAddr  map[string]bool
 	guestErr map[string]string
@@ -30,7 +31,7 @@ func (p *Plane) convergeExposures(d Desired, repaired []string) ([]ExposureStatu
 	f := p.facts
 	n := d.Network
 	rules := nft.Rules{
-		Bridge: n.Bridge, Subnet: n.CIDR.Masked(),
+		Bridge: n.Bridge, Subnet: n.CIDR.Masked(), Subnet6: f.prefix6,
 		Masquerade: n.Masquerade, IsolateGuests: n.IsolateGuests, DHCP: n.DHCP,
 	}
 	// Anti-spoof admits each tap's assigned address from the start, not
@@ -39,7 +40,8 @@ func (p *Plane) convergeExposures(d Desired, repaired []string) ([]ExposureStatu
 	// the only one it could ever lease.
 	for _, g := range d.Guests {
 		if l, ok := f.leases[g.Name]; ok && f.guestErr[g.Name] == "" {
-			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr})
+			rules.Guests = append(rules.Guests, nft.Guest{Name: g.Name, Tap: link.TapName(g.Name), MAC: l.MAC, Addr: l.Addr,
+				Addr6: ipam.SLAAC(f.prefix6, l.MAC)})
 		}
 	}
 	p.chooseCap(n)

@@ -289,7 +289,7 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		rep.Guests = append(rep.Guests, st)
 	}
 
-	p.facts = &passFacts{network: n, leases: leases, hasAddr: hasAddr, guestErr: guestErr, guests: map[string]bool{}}
+	p.facts = &passFacts{network: n, prefix6: prefix6, leases: leases, hasAddr: hasAddr, guestErr: guestErr, guests: map[string]bool{}}
 	for _, g := range d.Guests {
 		p.facts.guests[g.Name] = true
 	}

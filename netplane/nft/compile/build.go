@@ -41,29 +41,30 @@ func connMark(id uint32) []byte { return binaryutil.NativeEndian.PutUint32(id | 
 
 // Names of the fixed objects of table inet brokkr.
 const (
-	chainPrerouting  = "prerouting"  // nat prerouting: DNAT dispatch
-	chainOutput      = "output"      // nat output: DNAT dispatch for host-local callers
-	chainPostrouting = "postrouting" // nat postrouting: hairpin + egress masquerade
-	chainDispatch    = "dispatch"    // the mark, by where the caller dialled
-	chainPublish     = "publish"     // the guest, by the mark
-	chainGuard       = "guard"       // raw prerouting: drop remote packets to 127/8
-	chainInput       = "input"       // filter input: host isolation
-	chainFromGuests  = "from-guests" // what a guest may send to the host itself
-	chainClosePre    = "close-pre"   // FIN/RST bookkeeping for the set-based cap (prerouting)
-	chainCloseOut    = "close-out"   // the same for host-local callers (output)
-	chainClose       = "close"       // the bookkeeping itself
-	MapExpAddr       = "exp-addr"    // ip daddr . l4proto . dport : mark
-	MapExpAny        = "exp-any"     // l4proto . dport : mark
-	MapExpTarget     = "exp-target"  // mark : guest address . guest port
-	MapExpCap        = "exp-cap"     // set-based cap: mark : goto cap-NAME
-	SetCappedTCP     = "capped-tcp"  // set-based cap: mark ids of capped TCP exposures
-	MapOverflow      = "overflow"    // l4proto : port of the cap's slow-path listener
-	setGuestPorts    = "guest-ports" // bridge table: ports under anti-spoof
-	setGuestAddrs    = "guest-addrs" // bridge table: port . mac . ipv4
-	setGuestMACs     = "guest-macs"  // bridge table: port . mac
-	chainBrPre       = "prerouting"  // bridge table: anti-spoof dispatch
-	chainAntiSpoof   = "anti-spoof"  // bridge table: what a guest port may send
-	chainBrForward   = "forward"     // bridge table: guest isolation
+	chainPrerouting  = "prerouting"   // nat prerouting: DNAT dispatch
+	chainOutput      = "output"       // nat output: DNAT dispatch for host-local callers
+	chainPostrouting = "postrouting"  // nat postrouting: hairpin + egress masquerade
+	chainDispatch    = "dispatch"     // the mark, by where the caller dialled
+	chainPublish     = "publish"      // the guest, by the mark
+	chainGuard       = "guard"        // raw prerouting: drop remote packets to 127/8
+	chainInput       = "input"        // filter input: host isolation
+	chainFromGuests  = "from-guests"  // what a guest may send to the host itself
+	chainClosePre    = "close-pre"    // FIN/RST bookkeeping for the set-based cap (prerouting)
+	chainCloseOut    = "close-out"    // the same for host-local callers (output)
+	chainClose       = "close"        // the bookkeeping itself
+	MapExpAddr       = "exp-addr"     // ip daddr . l4proto . dport : mark
+	MapExpAny        = "exp-any"      // l4proto . dport : mark
+	MapExpTarget     = "exp-target"   // mark : guest address . guest port
+	MapExpCap        = "exp-cap"      // set-based cap: mark : goto cap-NAME
+	SetCappedTCP     = "capped-tcp"   // set-based cap: mark ids of capped TCP exposures
+	MapOverflow      = "overflow"     // l4proto : port of the cap's slow-path listener
+	setGuestPorts    = "guest-ports"  // bridge table: ports under anti-spoof
+	setGuestAddrs    = "guest-addrs"  // bridge table: port . mac . ipv4
+	setGuestMACs     = "guest-macs"   // bridge table: port . mac
+	setGuestAddrs6   = "guest-addrs6" // bridge table: port . mac . ipv6 (SLAAC and link-local)
+	chainBrPre       = "prerouting"   // bridge table: anti-spoof dispatch
+	chainAntiSpoof   = "anti-spoof"   // bridge table: what a guest port may send
+	chainBrForward   = "forward"      // bridge table: guest isolation
 )
 
 // Per-exposure object names (the set-based cap's, for capped exposures).
@@ -84,8 +85,7 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 
 	// Remote loopback guard: never let a packet from outside reach 127/8.
 	inet.addChain(&ChainSpec{Name: chainGuard, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -300},
-		Rules: []RuleSpec{rule(fam, "drop remote packets to loopback",
-			append(append(ipDaddrIn(netip.MustParsePrefix("127.0.0.0/8")), ifname(unix.NFT_META_IIFNAME, "lo", expr.CmpOpNeq)...), &expr.Counter{}, drop())...)}})
+		Rules: guardRules(r)})
 
 	// DNAT dispatch: only for local destinations, never for 127/8.
 	entry := func(comment string) RuleSpec {
@@ -121,6 +121,10 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		ipSaddrIn(subnet)...), &expr.Masq{})...)}
 	if r.Masquerade {
 		post = append(post, rule(fam, "egress", append(append(ipSaddrIn(subnet), ifname(unix.NFT_META_OIFNAME, r.Bridge, expr.CmpOpNeq)...), &expr.Masq{})...))
+		if r.Subnet6.IsValid() && ula.Contains(r.Subnet6.Addr()) {
+			// A unique-local /64 is not routed beyond the host: NAT66.
+			post = append(post, rule(fam, "egress ipv6", append(append(ip6SaddrIn(r.Subnet6.Masked()), ifname(unix.NFT_META_OIFNAME, r.Bridge, expr.CmpOpNeq)...), &expr.Masq{})...))
+		}
 	}
 	inet.addChain(&ChainSpec{Name: chainPostrouting, Hook: &HookSpec{nftables.ChainTypeNAT, *nftables.ChainHookPostrouting, 100}, Rules: post})
 
@@ -142,6 +146,14 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		// redirected to the slow-path listener on the host (only brokkr's
 		// redirect makes a connection to the host DNATed).
 		fg = append(fg, rule(fam, "redirected to the cap slow path", append(append(l4proto(unix.IPPROTO_TCP), ctStatusDNAT()...), accept())...))
+	}
+	if r.Subnet6.IsValid() {
+		// IPv6 needs neighbour discovery with the host (the router); the
+		// guests' addresses come from its advertisements, asked for by
+		// their solicitations.
+		fg = append(fg, rule(fam, "router solicitation", append(icmp6Type(133), accept())...),
+			rule(fam, "neighbour solicitation", append(icmp6Type(135), accept())...),
+			rule(fam, "neighbour advertisement", append(icmp6Type(136), accept())...))
 	}
 	fg = append(fg, rule(fam, "nothing else reaches the host", drop()))
 	inet.addChain(&ChainSpec{Name: chainFromGuests, Rules: fg})
@@ -398,10 +410,51 @@ func desiredBridge(r Rules) *TableSpec {
 	t.addSet(ports)
 	t.addSet(addrs)
 	t.addSet(macs)
+	v6 := r.Subnet6.IsValid()
+	if v6 {
+		addrs6 := &SetSpec{Name: setGuestAddrs6, Key: nftables.MustConcatSetType(nftables.TypeIFName, nftables.TypeEtherAddr, nftables.TypeIP6Addr),
+			Comment: "port, mac and ipv6 addresses of each guest", Elems: map[string]ElemSpec{}}
+		for _, g := range r.Guests {
+			pm := append(append([]byte{}, ifnameKey(g.Tap)...), pad4(g.MAC)...)
+			for _, a := range []netip.Addr{g.Addr6, LinkLocal(g.MAC)} {
+				if a.IsValid() {
+					k := append(append([]byte{}, pm...), a.AsSlice()...)
+					addrs6.Elems[string(k)] = ElemSpec{Key: k, Comment: g.Name}
+				}
+			}
+		}
+		t.addSet(addrs6)
+	}
 	t.addChain(&ChainSpec{Name: chainBrPre, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookPrerouting, -200},
 		Rules: []RuleSpec{rule(fam, "guest ports", append(ifnameInSet(unix.NFT_META_IIFNAME, setGuestPorts),
 			&expr.Verdict{Kind: expr.VerdictJump, Chain: chainAntiSpoof})...)}})
-	as := []RuleSpec{
+	var as []RuleSpec
+	if v6 {
+		// IPv6: no router advertisement from a guest (brokkr is the guests'
+		// only router), then only the guest's own addresses (its SLAAC
+		// address and its link-local one), and duplicate address detection
+		// from :: with its own MAC.
+		as = append(as,
+			rule(fam, "router advertisement from a guest", append(append(etherType(0x86dd), icmp6Type(134)...), &expr.Counter{}, drop())...),
+			rule(fam, "own mac and ipv6 address", append(append(etherType(0x86dd),
+				&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
+				&expr.Payload{DestRegister: 12, Base: expr.PayloadBaseLLHeader, Offset: 6, Len: 6},
+				&expr.Payload{DestRegister: 14, Base: expr.PayloadBaseNetworkHeader, Offset: 8, Len: 16},
+				&expr.Lookup{SourceRegister: 1, SetName: setGuestAddrs6}), accept())...),
+			rule(fam, "duplicate address detection from own mac", append(append(append(etherType(0x86dd),
+				&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 8, Len: 16},
+				&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: make([]byte, 16)}),
+				l4proto(unix.IPPROTO_ICMPV6)...),
+				&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
+				&expr.Payload{DestRegister: 12, Base: expr.PayloadBaseLLHeader, Offset: 6, Len: 6},
+				&expr.Lookup{SourceRegister: 1, SetName: setGuestMACs}, accept())...),
+		)
+	}
+	last := "spoofed or not ipv4"
+	if v6 {
+		last = "spoofed, or neither ipv4 nor ipv6"
+	}
+	as = append(as,
 		rule(fam, "own mac and address", append(append(etherType(0x0800),
 			&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
 			&expr.Payload{DestRegister: 12, Base: expr.PayloadBaseLLHeader, Offset: 6, Len: 6},
@@ -425,8 +478,8 @@ func desiredBridge(r Rules) *TableSpec {
 			&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
 			&expr.Payload{DestRegister: 12, Base: expr.PayloadBaseNetworkHeader, Offset: 8, Len: 6},
 			&expr.Lookup{SourceRegister: 1, SetName: setGuestMACs}), accept())...),
-		rule(fam, "spoofed or not ipv4", &expr.Counter{}, drop()),
-	}
+		rule(fam, last, &expr.Counter{}, drop()),
+	)
 	t.addChain(&ChainSpec{Name: chainAntiSpoof, Rules: as})
 	if r.IsolateGuests {
 		t.addChain(&ChainSpec{Name: chainBrForward, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookForward, -200},
@@ -486,6 +539,41 @@ func ipPrefix(offset uint32, p netip.Prefix, op expr.CmpOp) []expr.Any {
 		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: offset, Len: 4},
 		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: mask, Xor: []byte{0, 0, 0, 0}},
 		&expr.Cmp{Op: op, Register: 1, Data: p.Masked().Addr().AsSlice()})
+}
+
+func nfprotoIPv6() []expr.Any {
+	return []expr.Any{&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.NFPROTO_IPV6}}}
+}
+
+// ip6Prefix compares the IPv6 address at offset with p (a /128: no mask).
+func ip6Prefix(offset uint32, p netip.Prefix, op expr.CmpOp) []expr.Any {
+	load := append(nfprotoIPv6(), &expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: offset, Len: 16})
+	if p.Bits() < 128 {
+		mask := make([]byte, 16)
+		for i := 0; i < p.Bits(); i++ {
+			mask[i/8] |= 0x80 >> (i % 8)
+		}
+		load = append(load, &expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 16, Mask: mask, Xor: make([]byte, 16)})
+	}
+	return append(load, &expr.Cmp{Op: op, Register: 1, Data: p.Masked().Addr().AsSlice()})
+}
+
+func ip6SaddrIn(p netip.Prefix) []expr.Any { return ip6Prefix(8, p, expr.CmpOpEq) }
+
+// icmp6Type matches ICMPv6 messages of type t.
+func icmp6Type(t byte) []expr.Any {
+	return append(l4proto(unix.IPPROTO_ICMPV6),
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{t}})
+}
+
+// guardRules drop packets from outside addressed to 127/8. (A packet from
+// outside to ::1 never reaches netfilter: the kernel drops it on receipt,
+// RFC 4291 2.5.3, in ip6_rcv_core.)
+func guardRules(Rules) []RuleSpec {
+	return []RuleSpec{rule(nftables.TableFamilyINet, "drop remote packets to loopback",
+		append(append(ipDaddrIn(netip.MustParsePrefix("127.0.0.0/8")), ifname(unix.NFT_META_IIFNAME, "lo", expr.CmpOpNeq)...), &expr.Counter{}, drop())...)}
 }
 
 func ipDaddrIn(p netip.Prefix) []expr.Any    { return ipPrefix(16, p, expr.CmpOpEq) }

@@ -69,6 +69,15 @@ func goldenCases() []goldenCase {
 	isolated.IsolateGuests = true
 	antiSpoof := baseRules()
 	antiSpoof.Guests = []Guest{g1, g3}
+	// IPv6 on the bridge: g1 with its SLAAC address, g3 not leased (its
+	// link-local address only), masquerade of the unique-local /64.
+	dual := baseRules(tcpTo("web", 8080, g1, 80))
+	dual.Subnet6 = netip.MustParsePrefix("fd00:6272:6b72::1/64")
+	g1v6 := g1
+	g1v6.Addr6 = netip.MustParseAddr("fd00:6272:6b72:0:5054:ff:fe00:1")
+	dual.Guests = []Guest{g1v6, g3}
+	global6 := baseRules()
+	global6.Subnet6 = netip.MustParsePrefix("2001:db8:7::1/64")
 	return []goldenCase{
 		{name: "empty", rules: Rules{Bridge: "brk0", Subnet: netip.MustParsePrefix("10.213.0.1/24"), Cap: SetBasedCap{}}},
 		{name: "wildcard", rules: baseRules(tcpTo("web", 8080, g1, 80))},
@@ -86,6 +95,8 @@ func goldenCases() []goldenCase {
 			tcpTo("ssh", 2201, g1, 22), Exposure{Name: "syslog", Protocol: "udp", HostPort: 5514, GuestAddr: g1.Addr, GuestPort: 514})},
 		{name: "target-address", rules: baseRules(target)},
 		{name: "loopback-only", rules: baseRules(loop)},
+		{name: "ipv6-ula", rules: dual},
+		{name: "ipv6-global-no-nat66", rules: global6},
 	}
 }
 

@@ -132,6 +132,7 @@ func renderSet(b *strings.Builder, s *SetSpec) error {
 var typeLen = map[string]int{
 	nftables.TypeIPAddr.Name: 4, nftables.TypeInetProto.Name: 1, nftables.TypeInetService.Name: 2,
 	nftables.TypeIFName.Name: 16, nftables.TypeEtherAddr.Name: 6, nftables.TypeMark.Name: 4,
+	nftables.TypeIP6Addr.Name: 16,
 }
 
 // renderKey prints a set key: concatenated components are each padded to 4
@@ -167,6 +168,8 @@ func renderValue(typ string, b []byte) (string, error) {
 	switch typ {
 	case nftables.TypeIPAddr.Name:
 		return netip.AddrFrom4([4]byte(b)).String(), nil
+	case nftables.TypeIP6Addr.Name:
+		return netip.AddrFrom16([16]byte(b)).String(), nil
 	case nftables.TypeInetProto.Name:
 		return protoName(b[0]), nil
 	case nftables.TypeInetService.Name:
@@ -187,6 +190,8 @@ func protoName(p byte) string {
 		return "tcp"
 	case unix.IPPROTO_UDP:
 		return "udp"
+	case unix.IPPROTO_ICMPV6:
+		return "ipv6-icmp"
 	}
 	return strconv.Itoa(int(p))
 }
@@ -428,6 +433,10 @@ func (rr *ruleReader) payload(x *expr.Payload) (operand, error) {
 			return operand{text: "ip saddr", kind: "ip", len: 4}, nil
 		case rr.nh == "ip" && x.Offset == 16 && x.Len == 4:
 			return operand{text: "ip daddr", kind: "ip", len: 4}, nil
+		case rr.nh == "ip6" && x.Offset == 8 && x.Len == 16:
+			return operand{text: "ip6 saddr", kind: "ip6", len: 16}, nil
+		case rr.nh == "ip6" && x.Offset == 24 && x.Len == 16:
+			return operand{text: "ip6 daddr", kind: "ip6", len: 16}, nil
 		}
 	case expr.PayloadBaseTransportHeader:
 		th := rr.th
@@ -443,6 +452,8 @@ func (rr *ruleReader) payload(x *expr.Payload) (operand, error) {
 			return operand{text: th + " dport", kind: "port", len: 2}, nil
 		case th == "tcp" && x.Offset == 13 && x.Len == 1:
 			return operand{text: "tcp flags", kind: "tcpflags", len: 1}, nil
+		case th == "icmpv6" && x.Offset == 0 && x.Len == 1:
+			return operand{text: "icmpv6 type", kind: "icmpv6type", len: 1}, nil
 		}
 	}
 	return operand{}, bad
@@ -477,10 +488,11 @@ func (rr *ruleReader) cmp(x *expr.Cmp) error {
 	// A masked address is a prefix.
 	if o.mask != nil {
 		bits, ok := prefixBits(o.mask)
-		if o.kind != "ip" || !ok || !isZero(o.xor) {
+		if o.kind != "ip" && o.kind != "ip6" || !ok || !isZero(o.xor) {
 			return fmt.Errorf("masked compare of %s", o.text)
 		}
-		p := netip.PrefixFrom(netip.AddrFrom4([4]byte(x.Data)), bits)
+		a, _ := netip.AddrFromSlice(x.Data)
+		p := netip.PrefixFrom(a, bits)
 		rr.emit(o.text + " " + op + p.String())
 		return nil
 	}
@@ -495,10 +507,14 @@ func (rr *ruleReader) cmp(x *expr.Cmp) error {
 		switch {
 		case o.kind == "nfproto" && v == "ipv4":
 			tk.dep, rr.nh = "nh", "ip"
-		case o.kind == "ethertype" && (v == "ip" || v == "arp"):
+		case o.kind == "nfproto" && v == "ipv6":
+			tk.dep, rr.nh = "nh", "ip6"
+		case o.kind == "ethertype" && (v == "ip" || v == "arp" || v == "ip6"):
 			tk.dep, rr.nh = "nh", v
 		case o.kind == "proto" && (v == "tcp" || v == "udp"):
 			tk.dep, rr.th = "th", v
+		case o.kind == "proto" && v == "ipv6-icmp":
+			tk.dep, rr.th = "th", "icmpv6"
 		}
 	}
 	rr.toks = append(rr.toks, tk)
@@ -619,6 +635,19 @@ func renderData(kind string, b []byte) (string, error) {
 		return strconv.Quote(strings.TrimRight(string(b), "\x00")), nil
 	case "ip":
 		return netip.AddrFrom4([4]byte(b)).String(), nil
+	case "ip6":
+		return netip.AddrFrom16([16]byte(b)).String(), nil
+	case "icmpv6type":
+		switch b[0] {
+		case 133:
+			return "nd-router-solicit", nil
+		case 134:
+			return "nd-router-advert", nil
+		case 135:
+			return "nd-neighbor-solicit", nil
+		case 136:
+			return "nd-neighbor-advert", nil
+		}
 	case "port":
 		return strconv.Itoa(int(binary.BigEndian.Uint16(b))), nil
 	case "ethertype":
@@ -627,6 +656,8 @@ func renderData(kind string, b []byte) (string, error) {
 			return "ip", nil
 		case 0x0806:
 			return "arp", nil
+		case 0x86dd:
+			return "ip6", nil
 		}
 	case "addrtype":
 		if binaryutil.NativeEndian.Uint32(b) == unix.RTN_LOCAL {
@@ -677,15 +708,19 @@ func flagNames(kind string, mask []byte) (string, bool) {
 }
 
 func prefixBits(mask []byte) (int, bool) {
-	if len(mask) != 4 {
+	if len(mask) != 4 && len(mask) != 16 {
 		return 0, false
 	}
-	m := binary.BigEndian.Uint32(mask)
 	bits := 0
-	for bits < 32 && m&(1<<(31-bits)) != 0 {
+	for bits < 8*len(mask) && mask[bits/8]&(0x80>>(bits%8)) != 0 {
 		bits++
 	}
-	return bits, m == ^uint32(0)<<(32-bits) || bits == 32
+	for i := bits; i < 8*len(mask); i++ {
+		if mask[i/8]&(0x80>>(i%8)) != 0 {
+			return 0, false // not a prefix: a one after a zero
+		}
+	}
+	return bits, true
 }
 
 func isZero(b []byte) bool { return !slices.ContainsFunc(b, func(c byte) bool { return c != 0 }) }

@@ -23,6 +23,9 @@ import (
 type Rules struct {
 	Bridge        string       // the guest bridge (host isolation, anti-spoof, hairpin)
 	Subnet        netip.Prefix // guest subnet: bridge address + prefix, e.g. 10.213.0.1/24
+	// Subnet6 is the guests' /64 with the bridge's address in it; the zero
+	// Prefix: IPv4 only (no IPv6 rule at all, and guests' IPv6 is dropped).
+	Subnet6 netip.Prefix
 	Masquerade    bool         // egress NAT for the subnet leaving through any other interface
 	IsolateGuests bool         // drop guest-to-guest frames across the bridge
 	DHCP          bool         // guests may reach udp/67 on the host
@@ -61,13 +64,28 @@ func (r Rules) setBased() (SetBasedCap, bool) {
 }
 
 // Guest is one bridge port that may only send frames from its own MAC and
-// IPv4 address (plus the DHCP discover/request from 0.0.0.0).
+// IPv4 address (plus the DHCP discover/request from 0.0.0.0), and with
+// Rules.Subnet6 from its own IPv6 addresses: Addr6 and the link-local one of
+// its MAC (plus duplicate address detection from ::).
 type Guest struct {
-	Name string
-	Tap  string // bridge port name (a tap, or a veth in tests)
-	MAC  net.HardwareAddr
-	Addr netip.Addr // invalid = not leased yet: only DHCP and ARP probes pass
+	Name  string
+	Tap   string // bridge port name (a tap, or a veth in tests)
+	MAC   net.HardwareAddr
+	Addr  netip.Addr // invalid = not leased yet: only DHCP and ARP probes pass
+	Addr6 netip.Addr // its SLAAC address in Subnet6; invalid = none
 }
+
+// LinkLocal is the link-local address a NIC with mac forms (fe80::/64 and
+// the modified EUI-64 of the MAC, RFC 4291 appendix A).
+func LinkLocal(mac net.HardwareAddr) netip.Addr {
+	a := [16]byte{0: 0xfe, 1: 0x80}
+	copy(a[8:], []byte{mac[0] ^ 2, mac[1], mac[2], 0xff, 0xfe, mac[3], mac[4], mac[5]})
+	return netip.AddrFrom16(a)
+}
+
+// ula is fc00::/7: the unique-local addresses, which egress masquerades
+// (NAT66) like the IPv4 subnet; a global /64 is routed as it is.
+var ula = netip.MustParsePrefix("fc00::/7")
 
 // Exposure is one published port.
 type Exposure struct {
@@ -123,9 +141,14 @@ func (r Rules) buildable() error {
 	if !r.Subnet.IsValid() || !r.Subnet.Addr().Is4() {
 		return fieldErr("subnet", "%q is not an IPv4 prefix", r.Subnet)
 	}
+	if r.Subnet6.IsValid() && (!r.Subnet6.Addr().Is6() || r.Subnet6.Addr().Is4In6()) {
+		return fieldErr("subnet6", "%q is not an IPv6 prefix", r.Subnet6)
+	}
 	for i, g := range r.Guests {
 		f := "guests[" + strconv.Itoa(i) + "]"
 		switch {
+		case g.Addr6.IsValid() && (!g.Addr6.Is6() || !r.Subnet6.Contains(g.Addr6)):
+			return fieldErr(f+".addr6", "%s is not an IPv6 address in subnet6 %s", g.Addr6, r.Subnet6)
 		case len(g.Tap) == 0 || len(g.Tap) > 15:
 			return fieldErr(f+".tap", "%q is not an interface name", g.Tap)
 		case len(g.MAC) != 6:
