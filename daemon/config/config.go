@@ -137,6 +137,9 @@ type Exposure struct {
 	HostAddress string `yaml:"hostAddress" json:"hostAddress"`
 	Mode        string `yaml:"mode" json:"mode"`
 	MaxConns    *int   `yaml:"maxConns" json:"maxConns"`
+	// AllowFrom: CIDRs (IPv4 or IPv6) whose callers may connect; empty =
+	// everyone.
+	AllowFrom []string `yaml:"allowFrom" json:"allowFrom,omitempty"`
 }
 
 // FieldError is one problem, named by its field path ("vms[1].memory").

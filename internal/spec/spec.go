@@ -175,6 +175,35 @@ type Exposure struct {
 	GuestPort uint16
 	Mode      Mode
 	MaxConns  int // 0 = unlimited
+	// AllowFrom are the only source prefixes whose callers are carried
+	// (IPv4 and IPv6, masked: Compile refuses host bits); nil = everyone.
+	// Callers from elsewhere are dropped before admission and counted as
+	// denied. Host-local callers (the host's own processes) are not
+	// restricted (README, "allowFrom").
+	AllowFrom []netip.Prefix
+}
+
+// MaxAllowFrom bounds one exposure's allowFrom, and MaxAllowFromTotal all
+// exposures' together: the nat path's LPM trie is sized to the total.
+const (
+	MaxAllowFrom      = 65536
+	MaxAllowFromTotal = 1 << 20
+)
+
+// Allows reports whether a caller from src may connect: e has no
+// allowFrom, or one of its prefixes holds src (an IPv4-mapped IPv6
+// address is matched as the IPv4 address it is).
+func (e Exposure) Allows(src netip.Addr) bool {
+	if len(e.AllowFrom) == 0 {
+		return true
+	}
+	src = src.Unmap().WithZone("")
+	for _, p := range e.AllowFrom {
+		if p.Contains(src) {
+			return true
+		}
+	}
+	return false
 }
 
 // UsesKernel reports whether nftables DNAT (and the nat path) carries the
