@@ -16,8 +16,9 @@ import (
 // after it is cleared).
 
 type allowSlot struct {
-	gen uint32
-	set map[netip.Prefix]bool
+	gen     uint32
+	set     map[netip.Prefix]bool
+	flagged bool // allow_restricted holds gen+1, written by this process
 }
 
 func allowKeyOf(slot uint32, p netip.Prefix) natpathAllowKey {
@@ -106,8 +107,13 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 		n.allow[s] = cur
 	}
 	want := make(map[netip.Prefix]bool, len(prefixes))
+	same := cur.gen == gen && cur.flagged
 	for _, p := range prefixes {
 		want[p] = true
+		same = same && cur.set[p]
+	}
+	if same && len(want) == len(cur.set) {
+		return nil
 	}
 	stale := cur.gen != gen
 	for p := range want {
@@ -119,9 +125,12 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 		}
 		cur.set[p] = true
 	}
-	cur.gen = gen
-	if err := n.objs.AllowRestricted.Put(s, gen+1); err != nil {
-		return fmt.Errorf("nat path: allow_restricted: %w", err)
+	if cur.gen != gen || !cur.flagged {
+		cur.gen = gen
+		if err := n.objs.AllowRestricted.Put(s, gen+1); err != nil {
+			return fmt.Errorf("nat path: allow_restricted: %w", err)
+		}
+		cur.flagged = true
 	}
 	for p := range cur.set {
 		if want[p] {
