@@ -24,6 +24,7 @@ func WithLogger(l *slog.Logger) Option { return func(m *Manager) { m.logs.log = 
 // Events the proxy logs.
 const (
 	evRefused  = "refused"
+	evDenied   = "denied"
 	evShortage = "shortage"
 	evRecover  = "recovered"
 	evDeadLoop = "dead-loop"

@@ -129,9 +129,10 @@ type exposure struct {
 	reason    string
 	lost      string // why the serving loop gave its socket back, until rebound
 
-	maxConns atomic.Int64 // 0 = unlimited; updated in place
-	idle     atomic.Int64 // UDP flow idle timeout in ns; updated in place
-	conns    atomic.Int64 // open TCP connections or UDP flows, across rebinds
+	maxConns atomic.Int64              // 0 = unlimited; updated in place
+	idle     atomic.Int64              // UDP flow idle timeout in ns; updated in place
+	conns    atomic.Int64              // open TCP connections or UDP flows, across rebinds
+	allow    atomic.Pointer[allowList] // allowFrom; nil = everyone; updated in place
 
 	ctr *counterRef
 }
@@ -250,6 +251,9 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 	ex.maxConns.Store(int64(c.MaxConns))
 	ex.ctr.slot.SetCap(uint32(c.MaxConns))
 	ex.idle.Store(int64(c.idle))
+	if !ex.allow.Load().same(c.AllowFrom) {
+		ex.allow.Store(newAllowList(c.AllowFrom))
+	}
 
 	if ex.key != c.listenKey() {
 		ex.closeSocket() // a changed spec is a close and a rebind
