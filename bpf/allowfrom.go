@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 )
 
 // allowFrom on the nat path (natpath.c, "allowFrom"): the prefixes of each
@@ -18,7 +19,8 @@ import (
 type allowSlot struct {
 	gen     uint32
 	set     map[netip.Prefix]bool
-	flagged bool // allow_restricted holds gen+1, written by this process
+	flagged bool           // allow_restricted holds gen+1, written by this process
+	last    []netip.Prefix // the list last written in full, to skip a pass with no change cheaply
 }
 
 func allowKeyOf(slot uint32, p netip.Prefix) natpathAllowKey {
@@ -106,6 +108,9 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 		cur = &allowSlot{gen: gen, set: map[netip.Prefix]bool{}}
 		n.allow[s] = cur
 	}
+	if cur.gen == gen && cur.flagged && slices.Equal(cur.last, prefixes) {
+		return nil // the common pass: nothing changed, nothing allocated
+	}
 	want := make(map[netip.Prefix]bool, len(prefixes))
 	same := cur.gen == gen && cur.flagged
 	for _, p := range prefixes {
@@ -113,6 +118,7 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 		same = same && cur.set[p]
 	}
 	if same && len(want) == len(cur.set) {
+		cur.last = slices.Clone(prefixes)
 		return nil
 	}
 	stale := cur.gen != gen
@@ -141,6 +147,7 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 		}
 		delete(cur.set, p)
 	}
+	cur.last = slices.Clone(prefixes)
 	return nil
 }
 
