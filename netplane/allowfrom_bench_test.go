@@ -77,7 +77,7 @@ func envInt(name string, def int) int {
 // close, by ALLOW_CONNECTORS (4) connectors for ALLOW_SECS (2) s per
 // variant per round, ALLOW_ROUNDS (7) rounds. Run it once:
 //
-//	go test ./netplane -run '^$' -bench NatAllowFrom -benchtime 1x
+//	go test ./netplane -run '^$' -bench NatAllowFrom -benchtime 1x -v
 func BenchmarkNatAllowFrom(b *testing.B) {
 	nstest.RequireRoot(b)
 	kernelfeat.Require(b, kernelfeat.NatPath...)
