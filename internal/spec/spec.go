@@ -190,22 +190,6 @@ const (
 	MaxAllowFromTotal = 1 << 20
 )
 
-// Allows reports whether a caller from src may connect: e has no
-// allowFrom, or one of its prefixes holds src (an IPv4-mapped IPv6
-// address is matched as the IPv4 address it is).
-func (e Exposure) Allows(src netip.Addr) bool {
-	if len(e.AllowFrom) == 0 {
-		return true
-	}
-	src = src.Unmap().WithZone("")
-	for _, p := range e.AllowFrom {
-		if p.Contains(src) {
-			return true
-		}
-	}
-	return false
-}
-
 // UsesKernel reports whether nftables DNAT (and the nat path) carries the
 // exposure. auto on a loopback address cannot be: brokkr never sets
 // route_localnet.
