@@ -2,11 +2,15 @@ package config
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/netip"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 func TestAllowFromIsTypedPrefixesOfBothFamilies(t *testing.T) {
@@ -46,4 +50,16 @@ func TestAllowFromSurvivesTheJSONOfDesiredState(t *testing.T) {
 	_, m, err := Load(j)
 	require.NoError(t, err)
 	assert.Equal(t, []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}, m.Exposures[0].AllowFrom)
+}
+
+func TestAllowFromIsBoundedPerExposure(t *testing.T) {
+	var b strings.Builder
+	for i := 0; i <= spec.MaxAllowFrom; i++ {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%d.%d.%d.0/24", 1+i>>16, i>>8&255, i&255)
+	}
+	got := errorsOf(t, "exposures: [{name: a, target: 10.213.0.9, guestPort: 80, hostPort: 8080, allowFrom: ["+b.String()+"]}]")
+	assert.Equal(t, []string{"exposures[0].allowFrom: 65537 prefixes, more than the 65536 an exposure may have"}, got)
 }
