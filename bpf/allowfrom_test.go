@@ -1,12 +1,15 @@
 package bpf
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"net"
 	"net/netip"
 	"os/exec"
 	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -156,4 +159,80 @@ func TestAllowFromOfADeletedExposureDoesNotRestrictTheSlotsNextOwner(t *testing.
 	var k natpathAllowKey
 	var gen uint32
 	assert.False(t, np.objs.AllowFrom.Iterate().Next(&k, &gen), "pruned")
+}
+
+// sendBareACK sends one TCP segment with only ACK set (no connection) from
+// src to dst:port, from inside ns, by a raw socket: what conntrack's loose
+// mode picks up as a new entry mid-stream.
+func sendBareACK(t *testing.T, ns *nstest.NS, src, dst netip.Addr, sport, dport uint16) {
+	t.Helper()
+	pkt := make([]byte, 40)
+	pkt[0] = 0x45
+	binary.BigEndian.PutUint16(pkt[2:], 40)
+	pkt[8] = 64
+	pkt[9] = syscall.IPPROTO_TCP
+	s4, d4 := src.As4(), dst.As4()
+	copy(pkt[12:16], s4[:])
+	copy(pkt[16:20], d4[:])
+	tcp := pkt[20:]
+	binary.BigEndian.PutUint16(tcp[0:], sport)
+	binary.BigEndian.PutUint16(tcp[2:], dport)
+	binary.BigEndian.PutUint32(tcp[4:], 1000)
+	binary.BigEndian.PutUint32(tcp[8:], 2000)
+	tcp[12] = 5 << 4
+	tcp[13] = 0x10 // ACK
+	binary.BigEndian.PutUint16(tcp[14:], 65535)
+	var sum uint32
+	pseudo := append(append(append([]byte{}, s4[:]...), d4[:]...), 0, syscall.IPPROTO_TCP, 0, 20)
+	for _, b := range [][]byte{pseudo, tcp} {
+		for i := 0; i+1 < len(b); i += 2 {
+			sum += uint32(binary.BigEndian.Uint16(b[i:]))
+		}
+	}
+	for sum>>16 != 0 {
+		sum = sum&0xffff + sum>>16
+	}
+	binary.BigEndian.PutUint16(tcp[16:], ^uint16(sum))
+	require.NoError(t, ns.Do(func() error {
+		fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_RAW, syscall.IPPROTO_RAW)
+		if err != nil {
+			return err
+		}
+		defer syscall.Close(fd)
+		return syscall.Sendto(fd, pkt, 0, &syscall.SockaddrInet4{Addr: d4})
+	}))
+}
+
+// A denied source cannot reach the guest with packets of no connection
+// either (a mid-stream ACK, which conntrack takes as a new entry): only an
+// admitted flow's packets pass.
+func TestNatPathAllowFromDropsEveryPacketOfADeniedSourceNotOnlySYNs(t *testing.T) {
+	tp := newNatTopo(t, 0)
+	other := nstest.New(t, "cli2")
+	nstest.Link(t, other, "eth0", "10.98.0.2/24", tp.host, "vh-cli2", "10.98.0.1/24")
+	other.MustRun(t, "ip", "route", "add", "default", "via", "10.98.0.1")
+	np := tp.load(t)
+	defer np.Close()
+	require.NoError(t, np.SetAllow(tp.slot.Index(), tp.slot.Gen(), []netip.Prefix{netip.MustParsePrefix("10.99.0.0/24")}))
+	// The guest counts what reaches its port 7000 that is not a SYN.
+	cmd := tp.guest.Command("nft", "-f", "-")
+	cmd.Stdin = strings.NewReader("table inet brkcount {\n chain in {\n  type filter hook input priority 0;\n  tcp dport 7000 tcp flags & (syn|ack) == ack counter\n }\n}\n")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, string(out))
+	arrived := func() int {
+		out := tp.guest.MustRun(t, "nft", "-j", "list", "table", "inet", "brkcount")
+		i := strings.Index(out, `"packets": `)
+		require.Positive(t, i, out)
+		n, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(out[i+len(`"packets": `):], ",", 2)[0]))
+		require.NoError(t, err, out)
+		return n
+	}
+	host := netip.MustParseAddr("10.99.0.1")
+	sendBareACK(t, tp.client, netip.MustParseAddr("10.99.0.2"), host, 40001, 8080)
+	require.Eventually(t, func() bool { return arrived() == 1 }, 3*time.Second, 20*time.Millisecond,
+		"an allowed source's stray ACK reaches the guest (as without allowFrom)")
+	sendBareACK(t, other, netip.MustParseAddr("10.98.0.2"), host, 40002, 8080)
+	time.Sleep(300 * time.Millisecond)
+	assert.Equal(t, 1, arrived(), "a denied source's stray ACK does not")
+	assert.EqualValues(t, 1, tp.slot.Read().Denied, "and counts once, as a new conntrack entry")
 }

@@ -422,19 +422,22 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	if (!f) {
 		if (reply)
 			return NF_ACCEPT; // a flow that predates the programs
-		int fresh = ctinfo == IP_CT_NEW && (p.proto == IPPROTO_UDP || (p.tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN);
-		if (!fresh)
-			return NF_ACCEPT;
 		// allowFrom, before admission: a caller from elsewhere is dropped
 		// (no RST, a firewall's behaviour), takes no place of the cap and
-		// wakes nothing. Host-local callers (LOCAL_OUT) are the host's own
-		// processes and are not restricted (README, "allowFrom").
+		// wakes nothing; so is any packet of its that no admitted flow
+		// owns (conntrack picks up a mid-stream ACK as a new entry too).
+		// Each new conntrack entry counts once in denied. Host-local
+		// callers (LOCAL_OUT) are the host's own processes and are not
+		// restricted (README, "allowFrom").
 		if (hook == NF_INET_PRE_ROUTING && !allowed(slot, lim->gen, p.saddr)) {
 			struct exposure_deny *dn = bpf_map_lookup_elem(&exposure_denied, &slot);
-			if (dn)
+			if (dn && ctinfo == IP_CT_NEW)
 				__sync_fetch_and_add(&dn->denied, 1);
 			return NF_DROP;
 		}
+		int fresh = ctinfo == IP_CT_NEW && (p.proto == IPPROTO_UDP || (p.tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN);
+		if (!fresh)
+			return NF_ACCEPT;
 		struct nat_flow nf = {.slot = slot, .gen = lim->gen};
 		brk_wake(slot);
 		if (brk_admit(st, lim)) {
