@@ -75,13 +75,18 @@ func envInt(name string, def int) int {
 // interleaved rounds in a rotated order; medians of conns/s and of the
 // per-round ratios to "none". Each connection: connect, 1 byte each way,
 // close, by ALLOW_CONNECTORS (4) connectors for ALLOW_SECS (2) s per
-// variant per round, ALLOW_ROUNDS (7) rounds. Run it once:
+// variant per round, ALLOW_ROUNDS (7) rounds. With ALLOW_MODE=concurrent
+// the four variants run at the same time in each round (ALLOW_CONNECTORS
+// each), so they share the CPU under the same load at the same moment and
+// the ratios do not carry the load's drift from one slot to the next. Run
+// it once:
 //
 //	go test ./netplane -run '^$' -bench NatAllowFrom -benchtime 1x -v
 func BenchmarkNatAllowFrom(b *testing.B) {
 	nstest.RequireRoot(b)
 	kernelfeat.Require(b, kernelfeat.NatPath...)
 	rounds, secs, conns := envInt("ALLOW_ROUNDS", 7), envInt("ALLOW_SECS", 2), envInt("ALLOW_CONNECTORS", 4)
+	concurrent := os.Getenv("ALLOW_MODE") == "concurrent"
 
 	host, client := nstest.New(b, "host"), nstest.New(b, "client")
 	nstest.Link(b, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
@@ -163,10 +168,29 @@ func BenchmarkNatAllowFrom(b *testing.B) {
 	ratio := map[string][]float64{}
 	for r := 0; r < rounds; r++ {
 		got := map[string]float64{}
-		for i := range vs {
-			v := vs[(i+r)%len(vs)]
-			got[v.name] = connRate(b, client, "10.99.0.1:"+strconv.Itoa(int(v.port)), conns, time.Duration(secs)*time.Second)
-			rate[v.name] = append(rate[v.name], got[v.name])
+		if concurrent {
+			var mu sync.Mutex
+			var wg sync.WaitGroup
+			for _, v := range vs {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					n := connRate(b, client, "10.99.0.1:"+strconv.Itoa(int(v.port)), conns, time.Duration(secs)*time.Second)
+					mu.Lock()
+					got[v.name] = n
+					mu.Unlock()
+				}()
+			}
+			wg.Wait()
+			for _, v := range vs {
+				rate[v.name] = append(rate[v.name], got[v.name])
+			}
+		} else {
+			for i := range vs {
+				v := vs[(i+r)%len(vs)]
+				got[v.name] = connRate(b, client, "10.99.0.1:"+strconv.Itoa(int(v.port)), conns, time.Duration(secs)*time.Second)
+				rate[v.name] = append(rate[v.name], got[v.name])
+			}
 		}
 		for _, v := range vs[1:] {
 			ratio[v.name] = append(ratio[v.name], got[v.name]/got["none"])
