@@ -7,5 +7,6 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include "exposure.h"
+#include "denied.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";

@@ -35,6 +35,7 @@
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_endian.h>
 #include "exposure.h"
+#include "denied.h"
 #include "wake.h"
 #include "ctmark.h" // the ct mark's layout, generated from bpf/ctmark
 
@@ -130,6 +131,50 @@ struct {
 	__type(value, struct nat_cfg);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } nat_config SEC(".maps");
+
+// allowFrom (docs/ARCHITECTURE.md, "allowFrom"): an LPM trie of every
+// restricted exposure's prefixes, keyed by the counter slot and the source
+// address (IPv4 as v4-mapped IPv6, so one trie holds both families), and
+// per slot whether the exposure is restricted at all. Both carry the slot's
+// generation (exposure_limits.gen) they were written for: what a deleted
+// exposure left in a slot never restricts, nor admits for, the next owner.
+struct allow_key {
+	__u32 prefixlen; // 32 (the slot) + the prefix's bits in the 128-bit address
+	__u32 slot;
+	__u8 addr[16];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1 << 20);
+	__type(key, struct allow_key);
+	__type(value, __u32); // the slot's generation
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} allow_from SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, EXPOSURE_SLOTS);
+	__type(key, __u32);
+	__type(value, __u32); // the generation + 1 of a restricted slot; 0 = not restricted
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} allow_restricted SEC(".maps");
+
+// allowed reports whether a caller from saddr (IPv4, network order) may
+// reach the exposure at slot of generation gen.
+static __always_inline int allowed(__u32 slot, __u32 gen, __u32 saddr)
+{
+	__u32 *r = bpf_map_lookup_elem(&allow_restricted, &slot);
+	if (!r || *r != gen + 1)
+		return 1;
+	struct allow_key k = {.prefixlen = 32 + 128, .slot = slot};
+	k.addr[10] = 0xff;
+	k.addr[11] = 0xff;
+	__builtin_memcpy(&k.addr[12], &saddr, 4);
+	__u32 *v = bpf_map_lookup_elem(&allow_from, &k);
+	return v && *v == gen;
+}
 
 extern void *bpf_cast_to_kern_ctx(void *) __ksym;
 
@@ -377,6 +422,19 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	if (!f) {
 		if (reply)
 			return NF_ACCEPT; // a flow that predates the programs
+		// allowFrom, before admission: a caller from elsewhere is dropped
+		// (no RST, a firewall's behaviour), takes no place of the cap and
+		// wakes nothing; so is any packet of its that no admitted flow
+		// owns (conntrack picks up a mid-stream ACK as a new entry too).
+		// Each new conntrack entry counts once in denied. Host-local
+		// callers (LOCAL_OUT) are the host's own processes and are not
+		// restricted (README, "allowFrom").
+		if (hook == NF_INET_PRE_ROUTING && !allowed(slot, lim->gen, p.saddr)) {
+			struct exposure_deny *dn = bpf_map_lookup_elem(&exposure_denied, &slot);
+			if (dn && ctinfo == IP_CT_NEW)
+				__sync_fetch_and_add(&dn->denied, 1);
+			return NF_DROP;
+		}
 		int fresh = ctinfo == IP_CT_NEW && (p.proto == IPPROTO_UDP || (p.tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN);
 		if (!fresh)
 			return NF_ACCEPT;

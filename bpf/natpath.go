@@ -45,6 +45,8 @@ type NatPath struct {
 	// earlier brokkrd attached serve on ("" when this binary's run).
 	adopted string
 	pinDir  string
+	// allow is what the allowFrom trie holds, per slot (nil until read).
+	allow map[uint32]*allowSlot
 }
 
 // NatPathConfig says where the programs attach.
@@ -354,10 +356,10 @@ func (nopCloser) Close() error { return nil }
 func (n *NatPath) Remove() error {
 	var err error
 	if n.objs != nil {
-		err = unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatSweep)
+		err = unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatSweep, n.objs.AllowFrom, n.objs.AllowRestricted)
 	} else {
 		err = unpinLinks(n.links)
-		for _, m := range []string{"nat_flows", "nat_config", "nat_sweep"} {
+		for _, m := range []string{"nat_flows", "nat_config", "nat_sweep", "allow_from", "allow_restricted"} {
 			_ = os.Remove(filepath.Join(n.pinDir, m))
 		}
 	}

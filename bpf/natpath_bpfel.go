@@ -13,6 +13,18 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type natpathAllowKey struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Slot      uint32
+	Addr      [16]uint8
+}
+
+type natpathExposureDeny struct {
+	_      structs.HostLayout
+	Denied uint64
+}
+
 type natpathExposureLimit struct {
 	_            structs.HostLayout
 	Cap          uint32
@@ -72,17 +84,20 @@ type natpathNatSweeper struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	natpathMapExposureLimits = "exposure_limits"
-	natpathMapExposureStats  = "exposure_stats"
-	natpathMapExposureWake   = "exposure_wake"
-	natpathMapNatConfig      = "nat_config"
-	natpathMapNatFlows       = "nat_flows"
-	natpathMapNatSweep       = "nat_sweep"
-	natpathMapWakeEvents     = "wake_events"
-	natpathProgBrkNatArm     = "brk_nat_arm"
-	natpathProgBrkNatOut     = "brk_nat_out"
-	natpathProgBrkNatPre     = "brk_nat_pre"
-	natpathProgBrkNatReflect = "brk_nat_reflect"
+	natpathMapAllowFrom       = "allow_from"
+	natpathMapAllowRestricted = "allow_restricted"
+	natpathMapExposureDenied  = "exposure_denied"
+	natpathMapExposureLimits  = "exposure_limits"
+	natpathMapExposureStats   = "exposure_stats"
+	natpathMapExposureWake    = "exposure_wake"
+	natpathMapNatConfig       = "nat_config"
+	natpathMapNatFlows        = "nat_flows"
+	natpathMapNatSweep        = "nat_sweep"
+	natpathMapWakeEvents      = "wake_events"
+	natpathProgBrkNatArm      = "brk_nat_arm"
+	natpathProgBrkNatOut      = "brk_nat_out"
+	natpathProgBrkNatPre      = "brk_nat_pre"
+	natpathProgBrkNatReflect  = "brk_nat_reflect"
 )
 
 // loadNatpath returns the embedded CollectionSpec for natpath.
@@ -137,13 +152,16 @@ type natpathProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type natpathMapSpecs struct {
-	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
-	ExposureWake   *ebpf.MapSpec `ebpf:"exposure_wake"`
-	NatConfig      *ebpf.MapSpec `ebpf:"nat_config"`
-	NatFlows       *ebpf.MapSpec `ebpf:"nat_flows"`
-	NatSweep       *ebpf.MapSpec `ebpf:"nat_sweep"`
-	WakeEvents     *ebpf.MapSpec `ebpf:"wake_events"`
+	AllowFrom       *ebpf.MapSpec `ebpf:"allow_from"`
+	AllowRestricted *ebpf.MapSpec `ebpf:"allow_restricted"`
+	ExposureDenied  *ebpf.MapSpec `ebpf:"exposure_denied"`
+	ExposureLimits  *ebpf.MapSpec `ebpf:"exposure_limits"`
+	ExposureStats   *ebpf.MapSpec `ebpf:"exposure_stats"`
+	ExposureWake    *ebpf.MapSpec `ebpf:"exposure_wake"`
+	NatConfig       *ebpf.MapSpec `ebpf:"nat_config"`
+	NatFlows        *ebpf.MapSpec `ebpf:"nat_flows"`
+	NatSweep        *ebpf.MapSpec `ebpf:"nat_sweep"`
+	WakeEvents      *ebpf.MapSpec `ebpf:"wake_events"`
 }
 
 // natpathVariableSpecs contains global variables before they are loaded into the kernel.
@@ -172,17 +190,23 @@ func (o *natpathObjects) Close() error {
 //
 // It can be passed to loadNatpathObjects or ebpf.CollectionSpec.LoadAndAssign.
 type natpathMaps struct {
-	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
-	ExposureWake   *ebpf.Map `ebpf:"exposure_wake"`
-	NatConfig      *ebpf.Map `ebpf:"nat_config"`
-	NatFlows       *ebpf.Map `ebpf:"nat_flows"`
-	NatSweep       *ebpf.Map `ebpf:"nat_sweep"`
-	WakeEvents     *ebpf.Map `ebpf:"wake_events"`
+	AllowFrom       *ebpf.Map `ebpf:"allow_from"`
+	AllowRestricted *ebpf.Map `ebpf:"allow_restricted"`
+	ExposureDenied  *ebpf.Map `ebpf:"exposure_denied"`
+	ExposureLimits  *ebpf.Map `ebpf:"exposure_limits"`
+	ExposureStats   *ebpf.Map `ebpf:"exposure_stats"`
+	ExposureWake    *ebpf.Map `ebpf:"exposure_wake"`
+	NatConfig       *ebpf.Map `ebpf:"nat_config"`
+	NatFlows        *ebpf.Map `ebpf:"nat_flows"`
+	NatSweep        *ebpf.Map `ebpf:"nat_sweep"`
+	WakeEvents      *ebpf.Map `ebpf:"wake_events"`
 }
 
 func (m *natpathMaps) Close() error {
 	return _NatpathClose(
+		m.AllowFrom,
+		m.AllowRestricted,
+		m.ExposureDenied,
 		m.ExposureLimits,
 		m.ExposureStats,
 		m.ExposureWake,

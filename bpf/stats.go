@@ -112,6 +112,8 @@ type Counters struct {
 	Dropped  uint64 `json:"dropped"`
 	BytesIn  uint64 `json:"bytesIn"`
 	BytesOut uint64 `json:"bytesOut"`
+	// Denied is the callers allowFrom turned away (exposure_denied).
+	Denied uint64 `json:"denied"`
 }
 
 // Entry is one occupied slot, as Dump returns it.
@@ -130,9 +132,11 @@ type Store struct {
 	m      *ebpf.Map // nil in memory mode
 	lm     *ebpf.Map // exposure_limits; nil in memory mode
 	fm     *ebpf.Map // fallback_fed; nil in memory mode
+	dm     *ebpf.Map // exposure_denied; nil in memory mode
 	mem    []byte    // mmapped map values, or heap memory
 	lmem   []byte    // mmapped exposure_limits values, or heap memory
 	fmem   []byte    // mmapped fallback_fed values, or heap memory
+	dmem   []byte    // mmapped exposure_denied values, or heap memory
 	path   string    // pin path; "" in memory mode
 	reason string    // why the store is in memory, if it is
 	byName map[string]int
@@ -173,10 +177,18 @@ func Open(dir string) (*Store, error) {
 		objs.Close()
 		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, LimitsMapName), err)
 	}
+	dmem, err := mmapValues(objs.ExposureDenied, deniedSize)
+	if err != nil {
+		_ = unix.Munmap(mem)
+		_ = unix.Munmap(lmem)
+		objs.Close()
+		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, DeniedMapName), err)
+	}
 	fm, err := ebpf.NewMapWithOptions(fedSpec(), ebpf.MapOptions{PinPath: dir})
 	if err != nil {
 		_ = unix.Munmap(mem)
 		_ = unix.Munmap(lmem)
+		_ = unix.Munmap(dmem)
 		objs.Close()
 		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, FedMapName), err)
 	}
@@ -184,14 +196,21 @@ func Open(dir string) (*Store, error) {
 	if err != nil {
 		_ = unix.Munmap(mem)
 		_ = unix.Munmap(lmem)
+		_ = unix.Munmap(dmem)
 		fm.Close()
 		objs.Close()
 		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, FedMapName), err)
 	}
-	s := &Store{m: m, lm: lm, fm: fm, mem: mem, lmem: lmem, fmem: fmem, path: filepath.Join(dir, MapName)}
+	s := &Store{m: m, lm: lm, fm: fm, dm: objs.ExposureDenied, mem: mem, lmem: lmem, fmem: fmem, dmem: dmem, path: filepath.Join(dir, MapName)}
 	s.index()
 	return s, nil
 }
+
+// DeniedMapName is the pin of the callers allowFrom turned away, per slot
+// (denied.h): a map of its own, so exposure_stats keeps its layout.
+const DeniedMapName = "exposure_denied"
+
+const deniedSize = int(unsafe.Sizeof(statsExposureDeny{}))
 
 // FedMapName is the pin of what the daemon last fed into each slot from
 // kernel counters it reads itself (the event-fed fallback's nft counters):
@@ -236,7 +255,8 @@ func heapWords(n int) []byte {
 // NewInMemory returns a Store that counts in process memory only; reason says
 // why (it is reported in status so an operator knows bpftool will not see it).
 func NewInMemory(reason string) *Store {
-	s := &Store{mem: heapWords(Slots * valueSize), lmem: heapWords(Slots * limitSize), fmem: heapWords(Slots * fedSize), reason: reason}
+	s := &Store{mem: heapWords(Slots * valueSize), lmem: heapWords(Slots * limitSize), fmem: heapWords(Slots * fedSize),
+		dmem: heapWords(Slots * deniedSize), reason: reason}
 	s.index()
 	return s
 }
@@ -272,8 +292,8 @@ func (s *Store) Close() error {
 	if s.m == nil {
 		return nil
 	}
-	err := errors.Join(unix.Munmap(s.mem), unix.Munmap(s.lmem), unix.Munmap(s.fmem))
-	return errors.Join(err, s.m.Close(), s.lm.Close(), s.fm.Close())
+	err := errors.Join(unix.Munmap(s.mem), unix.Munmap(s.lmem), unix.Munmap(s.fmem), unix.Munmap(s.dmem))
+	return errors.Join(err, s.m.Close(), s.lm.Close(), s.fm.Close(), s.dm.Close())
 }
 
 func (s *Store) base(i int) int { return i * valueSize }
@@ -294,6 +314,10 @@ func (s *Store) limit32(i, off int) *atomic.Uint32 {
 	return (*atomic.Uint32)(unsafe.Pointer(&s.lmem[i*limitSize+off]))
 }
 
+func (s *Store) denied(i int) *atomic.Uint64 {
+	return (*atomic.Uint64)(unsafe.Pointer(&s.dmem[i*deniedSize]))
+}
+
 func (s *Store) nameAt(i int) string {
 	b := s.mem[s.base(i) : s.base(i)+NameLen]
 	if n := bytes.IndexByte(b, 0); n >= 0 {
@@ -310,6 +334,7 @@ func (s *Store) read(i int) Counters {
 		Dropped:  s.word(i, offDropped).Load(),
 		BytesIn:  s.word(i, offBytesIn).Load(),
 		BytesOut: s.word(i, offBytesOut).Load(),
+		Denied:   s.denied(i).Load(),
 	}
 }
 
@@ -317,6 +342,7 @@ func (s *Store) zero(i int) {
 	for _, off := range []int{offActive, offAccepted, offRefused, offDropped, offBytesIn, offBytesOut} {
 		s.word(i, off).Store(0)
 	}
+	s.denied(i).Store(0)
 	s.u32(i, offProtocol).Store(0)
 	s.u32(i, offHostPort).Store(0)
 	clear(s.mem[s.base(i) : s.base(i)+NameLen])
@@ -530,6 +556,14 @@ func (sl *Slot) AddAccepted(n uint64) { sl.add(offAccepted, n) }
 func (sl *Slot) AddRefused(n uint64)  { sl.add(offRefused, n) }
 func (sl *Slot) AddDropped(n uint64)  { sl.add(offDropped, n) }
 
+// AddDenied counts callers allowFrom turned away.
+func (sl *Slot) AddDenied(n uint64) { sl.s.denied(sl.i).Add(n) }
+
+// Gen is the slot's generation, bumped whenever it is given to an
+// exposure: what the kernel keeps per slot (the nat path's allowFrom) is
+// written for one generation.
+func (sl *Slot) Gen() uint32 { return sl.s.limit32(sl.i, offGen).Load() }
+
 // AddBytes adds to bytes_in (caller to guest) and bytes_out (guest to caller).
 func (sl *Slot) AddBytes(in, out uint64) {
 	if in != 0 {
@@ -619,6 +653,23 @@ func Dump(pinPath string) ([]Entry, error) {
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("reading %s: %w", pinPath, err)
+	}
+	// denied sits beside, in exposure_denied (absent where an older brokkrd
+	// made the pins: nothing was denied).
+	dm, err := ebpf.LoadPinnedMap(filepath.Join(filepath.Dir(pinPath), DeniedMapName), &ebpf.LoadPinOptions{ReadOnly: true})
+	if errors.Is(err, os.ErrNotExist) {
+		return out, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("opening %s: %w", DeniedMapName, err)
+	}
+	defer dm.Close()
+	for i := range out {
+		var d statsExposureDeny
+		if err := dm.Lookup(uint32(out[i].Slot), &d); err != nil {
+			return nil, fmt.Errorf("reading %s: %w", DeniedMapName, err)
+		}
+		out[i].Denied = d.Denied
 	}
 	return out, nil
 }

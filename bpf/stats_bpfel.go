@@ -13,6 +13,11 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type statsExposureDeny struct {
+	_      structs.HostLayout
+	Denied uint64
+}
+
 type statsExposureLimit struct {
 	_            structs.HostLayout
 	Cap          uint32
@@ -39,6 +44,7 @@ type statsExposureStat struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	statsMapExposureDenied = "exposure_denied"
 	statsMapExposureLimits = "exposure_limits"
 	statsMapExposureStats  = "exposure_stats"
 )
@@ -91,6 +97,7 @@ type statsProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type statsMapSpecs struct {
+	ExposureDenied *ebpf.MapSpec `ebpf:"exposure_denied"`
 	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
 	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
 }
@@ -121,12 +128,14 @@ func (o *statsObjects) Close() error {
 //
 // It can be passed to loadStatsObjects or ebpf.CollectionSpec.LoadAndAssign.
 type statsMaps struct {
+	ExposureDenied *ebpf.Map `ebpf:"exposure_denied"`
 	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
 	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
 }
 
 func (m *statsMaps) Close() error {
 	return _StatsClose(
+		m.ExposureDenied,
 		m.ExposureLimits,
 		m.ExposureStats,
 	)

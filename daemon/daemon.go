@@ -221,7 +221,7 @@ func (d *Daemon) Status() api.Status {
 	for i := range st.Exposures {
 		r := &st.Exposures[i]
 		if c, ok := d.store.Lookup(r.Name); ok {
-			r.Active, r.Accepted, r.Refused, r.Dropped, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.BytesIn, c.BytesOut
+			r.Active, r.Accepted, r.Refused, r.Dropped, r.Denied, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.Denied, c.BytesIn, c.BytesOut
 		}
 	}
 	return st
@@ -270,9 +270,10 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.mu.Unlock()
 	want := &cp
 	var errs []error
-	var moved []string
+	var moved, restricted []string
 	if d.opts.CappedAutoByProxy != "" {
 		model, moved = byProxy(model)
+		model, restricted = restrictedByProxy(model)
 	}
 	// The engines see only the exposures that hold their host side; the
 	// status and the counter slots keep every exposure.
@@ -346,6 +347,9 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	d.kw.sync()
 	st := d.mergeStatus(want, all, srep, nrep, pst, errs)
+	if len(restricted) > 0 {
+		st.Warnings = append(st.Warnings, fmt.Sprintf("exposures %v with allowFrom are carried by the proxy (the nat path's BPF programs enforce allowFrom and do not load here): %s", restricted, d.opts.CappedAutoByProxy))
+	}
 	if len(moved) > 0 {
 		st.Warnings = append(st.Warnings, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", moved, d.opts.CappedAutoByProxy))
 	}
@@ -785,7 +789,7 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		} else if p := ps[e.Name]; len(p) > 0 {
 			c = p[0].Counters
 		}
-		r.Active, r.Accepted, r.Refused, r.Dropped, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.BytesIn, c.BytesOut
+		r.Active, r.Accepted, r.Refused, r.Dropped, r.Denied, r.BytesIn, r.BytesOut = c.Active, c.Accepted, c.Refused, c.Dropped, c.Denied, c.BytesIn, c.BytesOut
 		st.Exposures = append(st.Exposures, r)
 	}
 	markAsleep(&st)

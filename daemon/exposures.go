@@ -206,6 +206,7 @@ func (d *Daemon) kernelCarried(e spec.Exposure) (spec.Exposure, bool) {
 	m := &spec.Desired{Exposures: []spec.Exposure{e}}
 	if d.opts.CappedAutoByProxy != "" {
 		m, _ = byProxy(m)
+		m, _ = restrictedByProxy(m)
 	}
 	return m.Exposures[0], m.Exposures[0].UsesKernel()
 }

@@ -40,6 +40,7 @@ var (
 	descAccepted   = prometheus.NewDesc("brokkr_exposure_accepted_total", "Connections admitted.", exposureLabels, nil)
 	descRefused    = prometheus.NewDesc("brokkr_exposure_refused_total", "Connections refused at the connection cap.", exposureLabels, nil)
 	descDropped    = prometheus.NewDesc("brokkr_exposure_dropped_total", "Connections admitted that could not be carried to the guest.", exposureLabels, nil)
+	descDenied     = prometheus.NewDesc("brokkr_exposure_denied_total", "Callers turned away by the exposure's allowFrom (dropped before admission).", exposureLabels, nil)
 	descBytes      = prometheus.NewDesc("brokkr_exposure_bytes_total", "Payload bytes carried: direction in is callers to the guest, out is the guest to callers.", []string{"exposure", "direction"}, nil)
 	descMaxConns   = prometheus.NewDesc("brokkr_exposure_max_connections", "The exposure's connection cap (0 = unlimited).", exposureLabels, nil)
 	descExpState   = prometheus.NewDesc("brokkr_exposure_state", "1 for the exposure's current state (active, pending, failed).", []string{"exposure", "state"}, nil)
@@ -136,7 +137,7 @@ func (m *metrics) handler() http.Handler {
 type statusCollector struct{ d *Daemon }
 
 func (c statusCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descActive, descAccepted, descRefused, descDropped, descBytes,
+	for _, d := range []*prometheus.Desc{descActive, descAccepted, descRefused, descDropped, descDenied, descBytes,
 		descMaxConns, descExpState, descExpInfo, descVMPhase, descVMRestarts, descVMWakes, descVMResume, descBuild} {
 		ch <- d
 	}
@@ -153,6 +154,7 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descAccepted, prometheus.CounterValue, float64(e.Accepted), n)
 		ch <- prometheus.MustNewConstMetric(descRefused, prometheus.CounterValue, float64(e.Refused), n)
 		ch <- prometheus.MustNewConstMetric(descDropped, prometheus.CounterValue, float64(e.Dropped), n)
+		ch <- prometheus.MustNewConstMetric(descDenied, prometheus.CounterValue, float64(e.Denied), n)
 		ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(e.BytesIn), n, "in")
 		ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(e.BytesOut), n, "out")
 		ch <- prometheus.MustNewConstMetric(descMaxConns, prometheus.GaugeValue, float64(e.MaxConns), n)

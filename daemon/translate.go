@@ -50,6 +50,32 @@ func byProxy(m *spec.Desired) (*spec.Desired, []string) {
 	return &out, moved
 }
 
+// restrictedByProxy is m with the exposures the kernel would carry that
+// have an allowFrom made proxy exposures on the same host side, and their
+// names. Used, like byProxy, where the nat path's fallback runs: allowFrom
+// is enforced by the nat path's BPF programs, which do not load there, so
+// the proxy (which checks it at accept) carries them rather than nobody.
+func restrictedByProxy(m *spec.Desired) (*spec.Desired, []string) {
+	var moved []string
+	var exps []spec.Exposure
+	for i, e := range m.Exposures {
+		if len(e.AllowFrom) == 0 || !e.UsesKernel() {
+			continue
+		}
+		if exps == nil {
+			exps = slices.Clone(m.Exposures)
+		}
+		exps[i].Mode = spec.ModeProxy
+		moved = append(moved, e.Name)
+	}
+	if exps == nil {
+		return m, nil
+	}
+	out := *m
+	out.Exposures = exps
+	return &out, moved
+}
+
 func proxySpecs(m *spec.Desired, ipv6, sock bool) []proxy.Spec {
 	var out []proxy.Spec
 	for _, e := range m.Exposures {

@@ -76,3 +76,24 @@ func TestAnAutoExposureWithAProxyHeaderGoesToTheProxyAlone(t *testing.T) {
 		}
 	}
 }
+
+// On the nat path's fallback the kernel cannot enforce allowFrom: the
+// exposures that have one go to the proxy, which checks it at accept.
+func TestRestrictedByProxyMovesOnlyKernelExposuresWithAllowFrom(t *testing.T) {
+	any4 := netip.IPv4Unspecified()
+	allow := []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}
+	m := &spec.Desired{Exposures: []spec.Exposure{
+		{Name: "nat-allow", Mode: spec.ModeNAT, HostAddr: any4, HostPort: 7000, AllowFrom: allow},
+		{Name: "auto-allow", Mode: spec.ModeAuto, HostAddr: any4, HostPort: 7001, AllowFrom: allow},
+		{Name: "nat-open", Mode: spec.ModeNAT, HostAddr: any4, HostPort: 7002},
+		{Name: "proxy-allow", Mode: spec.ModeProxy, HostAddr: any4, HostPort: 7003, AllowFrom: allow},
+	}}
+	got, moved := restrictedByProxy(m)
+	assert.Equal(t, []string{"nat-allow", "auto-allow"}, moved)
+	assert.Equal(t, spec.ModeProxy, got.Exposures[0].Mode)
+	assert.Equal(t, spec.ModeProxy, got.Exposures[1].Mode)
+	assert.Equal(t, spec.ModeNAT, got.Exposures[2].Mode)
+	assert.Equal(t, allow, got.Exposures[0].AllowFrom, "the proxy enforces the same list")
+	assert.Equal(t, spec.ModeNAT, m.Exposures[0].Mode, "the daemon's model is not changed")
+	assert.Len(t, got.KernelExposures(), 1)
+}

@@ -36,6 +36,13 @@ type capBackend interface {
 	// feed brings the kernel path's counts of the published exposures into
 	// their slots (nothing to do where the programs write the slots).
 	feed(feeds map[string]*slotFeed)
+	// allow restricts the exposure counting into slot to callers from
+	// prefixes (none: everyone) before it is published; an error when the
+	// backend cannot (the exposure is then not published: never open to
+	// everyone by mistake).
+	allow(slot *bpf.Slot, prefixes []netip.Prefix) error
+	// pruneAllow lifts the restrictions of slots keep rejects.
+	pruneAllow(keep func(slot int) bool)
 	// warning is what status says of the backend ("" for nothing).
 	warning() string
 	close() error
@@ -123,7 +130,20 @@ func (b *natPathBackend) follow(n Network) {
 	}
 }
 
-func (b *natPathBackend) beside(*nft.Table) error   { return nil }
+func (b *natPathBackend) beside(*nft.Table) error { return nil }
+
+// allow writes the prefixes into the programs' trie (docs/ARCHITECTURE.md,
+// "allowFrom").
+func (b *natPathBackend) allow(slot *bpf.Slot, prefixes []netip.Prefix) error {
+	return b.np.SetAllow(slot.Index(), slot.Gen(), prefixes)
+}
+
+func (b *natPathBackend) pruneAllow(keep func(int) bool) {
+	if err := b.np.PruneAllow(keep); err != nil {
+		b.log.Warn("netplane: nat path: pruning allowFrom", "err", err)
+	}
+}
+
 func (b *natPathBackend) feed(map[string]*slotFeed) {}
 
 // warning says when the programs serving are an earlier binary's (this
@@ -183,6 +203,18 @@ func (b *setCapBackend) feed(feeds map[string]*slotFeed) {
 		}
 	}
 }
+
+// allow: the set-based cap has no allowFrom (the daemon carries restricted
+// exposures by the proxy where it knows the nat path cannot load; anything
+// else is not published).
+func (b *setCapBackend) allow(_ *bpf.Slot, prefixes []netip.Prefix) error {
+	if len(prefixes) == 0 {
+		return nil
+	}
+	return fmt.Errorf("allowFrom needs the BPF nat path, which is not in use: %s", b.reason)
+}
+
+func (b *setCapBackend) pruneAllow(func(int) bool) {}
 
 func (b *setCapBackend) warning() string { return b.reason }
 

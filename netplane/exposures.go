@@ -61,6 +61,13 @@ func (p *Plane) convergeExposures(d Desired, repaired []string) ([]ExposureStatu
 	if tableErr == nil && len(rules.Exposures) > 0 {
 		p.caps.feed(p.slots.feeds)
 	}
+	if tableErr == nil {
+		live := make(map[int]bool, len(p.slots.feeds))
+		for _, f := range p.slots.feeds {
+			live[f.slot.Index()] = true
+		}
+		p.caps.pruneAllow(func(slot int) bool { return live[slot] })
+	}
 	for i, e := range d.Exposures {
 		p.finishRow(&status[i], e.Name, tableErr)
 	}
@@ -119,6 +126,11 @@ func (p *Plane) UpdateExposures(ctx context.Context, set []Exposure, remove []st
 	tableErr := p.withTable(func(t *nft.Table) (nft.Result, error) { return t.Update(publish, unpublish) }, &rep.Repaired)
 	if tableErr == nil {
 		for _, n := range remove {
+			if f := p.slots.feeds[n]; f != nil {
+				if err := p.caps.allow(f.slot, nil); err != nil {
+					p.log.Warn("netplane: lifting allowFrom", "exposure", n, "err", err)
+				}
+			}
 			p.slots.release(n)
 		}
 	}
@@ -167,6 +179,11 @@ func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, Exposure
 		return nft.Exposure{}, st, false
 	}
 	x.MarkID = ctmark.ID(feed.slot.Index())
+	// allowFrom is in force before the exposure is published.
+	if err := p.caps.allow(feed.slot, e.AllowFrom); err != nil {
+		st.State, st.Reason = spec.StateFailed, err.Error()
+		return nft.Exposure{}, st, false
+	}
 	return x, st, true
 }
 

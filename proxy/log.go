@@ -31,6 +31,7 @@ func WithHolders(f func(proto string, addr netip.AddrPort) string) Option {
 // Events the proxy logs.
 const (
 	evRefused  = "refused"
+	evDenied   = "denied"
 	evShortage = "shortage"
 	evRecover  = "recovered"
 	evDeadLoop = "dead-loop"

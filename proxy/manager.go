@@ -132,10 +132,11 @@ type exposure struct {
 	reason    string
 	lost      string // why the serving loop gave its socket back, until rebound
 
-	maxConns atomic.Int64  // 0 = unlimited; updated in place
-	idle     atomic.Int64  // UDP flow idle timeout in ns; updated in place
-	conns    atomic.Int64  // open TCP connections or UDP flows, across rebinds
-	pp       atomic.Uint32 // the PROXY header written to the guest (ppVersion); updated in place
+	maxConns atomic.Int64              // 0 = unlimited; updated in place
+	idle     atomic.Int64              // UDP flow idle timeout in ns; updated in place
+	conns    atomic.Int64              // open TCP connections or UDP flows, across rebinds
+	pp       atomic.Uint32             // the PROXY header written to the guest (ppVersion); updated in place
+	allow    atomic.Pointer[allowList] // allowFrom; nil = everyone; updated in place
 
 	ctr *counterRef
 }
@@ -255,6 +256,9 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 	ex.ctr.slot.SetCap(uint32(c.MaxConns))
 	ex.idle.Store(int64(c.idle))
 	ex.pp.Store(ppOf(c.ProxyProtocol))
+	if !ex.allow.Load().same(c.AllowFrom) {
+		ex.allow.Store(newAllowList(c.AllowFrom))
+	}
 
 	if ex.key != c.listenKey() {
 		ex.closeSocket() // a changed spec is a close and a rebind

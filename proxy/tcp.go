@@ -106,6 +106,16 @@ func outOfDescriptors(err error) bool {
 // back on refusal, so a burst of simultaneous callers cannot all read a stale
 // count and all pass.
 func (m *Manager) admit(ex *exposure, c net.Conn, to spec.Target, guestPort string, hostPort uint16) {
+	// allowFrom first: a caller from elsewhere is closed at accept and
+	// takes no place of the cap.
+	if a := ex.allow.Load(); a != nil {
+		if src := addrOf(c.RemoteAddr()); !hostLocal(src, addrOf(c.LocalAddr())) && !a.allows(src) {
+			ex.ctr.slot.AddDenied(1)
+			_ = c.Close()
+			m.logs.event(slog.LevelInfo, ex.id, evDenied, "proxy: caller not in allowFrom closed", "from", src)
+			return
+		}
+	}
 	// The place is taken in the exposure's slot, against the one cap every
 	// path of the exposure shares (the kernel's and the other listeners').
 	if !ex.ctr.slot.Reserve() {

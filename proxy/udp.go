@@ -167,6 +167,15 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 		return f
 	}
 	ex, slot := r.ex, r.ex.ctr.slot
+	local := key.local
+	if !local.IsValid() {
+		local = addrOf(r.conn.LocalAddr())
+	}
+	if a := ex.allow.Load(); a != nil && !hostLocal(key.client.Addr(), local) && !a.allows(key.client.Addr()) {
+		slot.AddDenied(1) // each datagram of a source not allowed, as on the nat path
+		r.m.logs.event(slog.LevelInfo, ex.id, evDenied, "proxy: UDP datagram from outside allowFrom dropped", "from", key.client.Addr())
+		return nil
+	}
 	if !slot.Reserve() { // the exposure's one cap, shared by every path
 		slot.AddRefused(1)
 		r.m.logs.event(slog.LevelWarn, ex.id, evRefused, "proxy: UDP flow refused at the connection cap", "maxConns", ex.maxConns.Load())

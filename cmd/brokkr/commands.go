@@ -122,6 +122,8 @@ const counterColumns = `Counters, one set per exposure across every path (nat, s
   ACCEPTED  connections or flows admitted since the exposure was created
   REFUSED   callers turned away at the cap
   DROPPED   callers admitted but not carried to the guest (no address, no answer)
+  DENIED    callers turned away by allowFrom before admission (nat: each
+            dropped first packet, so a retransmitted SYN counts again)
   IN        payload bytes from callers to the guest (no headers; a TCP
             retransmission counts once)
   OUT       payload bytes from the guest back to callers
@@ -465,10 +467,10 @@ bpftool map dump pinned ` + config.DefaultBPFDir + `/exposure_stats prints the s
 				return printJSON(cmd.OutOrStdout(), rows)
 			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "EXPOSURE\tSLOT\tPORT\tACTIVE\tACCEPTED\tREFUSED\tDROPPED\tIN\tOUT")
+			fmt.Fprintln(tw, "EXPOSURE\tSLOT\tPORT\tACTIVE\tACCEPTED\tREFUSED\tDROPPED\tDENIED\tIN\tOUT")
 			for _, e := range entries {
-				fmt.Fprintf(tw, "%s\t%d\t%d/%s\t%d\t%d\t%d\t%d\t%s\t%s\n", e.Name, e.Slot, e.HostPort, bpf.ProtoName(e.Protocol),
-					e.Active, e.Accepted, e.Refused, e.Dropped, human(e.BytesIn), human(e.BytesOut))
+				fmt.Fprintf(tw, "%s\t%d\t%d/%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\n", e.Name, e.Slot, e.HostPort, bpf.ProtoName(e.Protocol),
+					e.Active, e.Accepted, e.Refused, e.Dropped, e.Denied, human(e.BytesIn), human(e.BytesOut))
 			}
 			return tw.Flush()
 		},

@@ -241,7 +241,7 @@ func printVMs(w io.Writer, vms []api.VM) {
 
 func printExposures(w io.Writer, es []api.Exposure) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "EXPOSURE\tSTATE\tMODE\tLISTEN\tTO\tCAP\tACTIVE\tACCEPTED\tREFUSED\tDROPPED\tIN\tOUT\tREASON")
+	fmt.Fprintln(tw, "EXPOSURE\tSTATE\tMODE\tLISTEN\tTO\tCAP\tACTIVE\tACCEPTED\tREFUSED\tDROPPED\tDENIED\tIN\tOUT\tREASON")
 	for _, e := range es {
 		to := e.VM
 		if to == "" {
@@ -251,9 +251,9 @@ func printExposures(w io.Writer, es []api.Exposure) {
 		if e.MaxConns > 0 {
 			capS = fmt.Sprint(e.MaxConns)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s:%d\t%s\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", e.Name, e.State, e.Mode,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s:%d\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", e.Name, e.State, e.Mode,
 			fmt.Sprintf("%s:%d/%s", e.HostAddress, e.HostPort, e.Protocol), to, e.GuestPort, capS,
-			e.Active, e.Accepted, e.Refused, e.Dropped, human(e.BytesIn), human(e.BytesOut), e.Reason)
+			e.Active, e.Accepted, e.Refused, e.Dropped, e.Denied, human(e.BytesIn), human(e.BytesOut), e.Reason)
 	}
 	tw.Flush()
 }

@@ -89,6 +89,7 @@ type Exposure struct {
 	Accepted    uint64 `json:"accepted"`
 	Refused     uint64 `json:"refused"`
 	Dropped     uint64 `json:"dropped"`
+	Denied      uint64 `json:"denied"` // callers allowFrom turned away
 	BytesIn     uint64 `json:"bytesIn"`
 	BytesOut    uint64 `json:"bytesOut"`
 

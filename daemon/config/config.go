@@ -139,6 +139,9 @@ type Exposure struct {
 	MaxConns    *int   `yaml:"maxConns" json:"maxConns"`
 	// ProxyProtocol: "" (none), v1 or v2 (spec.ProxyProtocol).
 	ProxyProtocol string `yaml:"proxyProtocol" json:"proxyProtocol,omitempty"`
+	// AllowFrom: CIDRs (IPv4 or IPv6) whose callers may connect; empty =
+	// everyone.
+	AllowFrom []string `yaml:"allowFrom" json:"allowFrom,omitempty"`
 }
 
 // FieldError is one problem, named by its field path ("vms[1].memory").

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"fmt"
 	"net/netip"
 
 	"github.com/brokkr/brokkr/internal/spec"
@@ -19,6 +20,8 @@ type exposureIndex struct {
 	// only possible within one such list, so a check stays linear in the
 	// exposures on the same port, not in all of them.
 	binds map[portKey][]hostBind
+	// allowTotal counts the allowFrom prefixes of the exposures so far.
+	allowTotal int
 }
 
 type portKey struct {
@@ -103,6 +106,7 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 	} else if *e.MaxConns > spec.MaxConnsLimit {
 		col.add(p+".maxConns", "%d is outside 0 (unlimited)..%d", *e.MaxConns, spec.MaxConnsLimit)
 	}
+	me.AllowFrom = ix.checkAllowFrom(p, e, col)
 	ix.checkBinds(p, e, me, col)
 	return me
 }
@@ -124,6 +128,40 @@ func checkProxyProtocol(p string, e Exposure, me spec.Exposure, col *collector) 
 		return v
 	}
 	return spec.ProxyNone
+}
+
+// checkAllowFrom parses allowFrom. A prefix with host bits set is refused,
+// not masked: 10.1.2.3/16 may well be meant as the one address, and a
+// firewall rule should say what it admits.
+func (ix *exposureIndex) checkAllowFrom(p string, e Exposure, col *collector) []netip.Prefix {
+	if len(e.AllowFrom) == 0 {
+		return nil
+	}
+	if len(e.AllowFrom) > spec.MaxAllowFrom {
+		col.add(p+".allowFrom", "%d prefixes, more than the %d an exposure may have", len(e.AllowFrom), spec.MaxAllowFrom)
+		return nil
+	}
+	ix.allowTotal += len(e.AllowFrom)
+	if ix.allowTotal > spec.MaxAllowFromTotal {
+		col.add(p+".allowFrom", "the exposures' allowFrom lists hold %d prefixes up to here, more than the %d brokkr can carry", ix.allowTotal, spec.MaxAllowFromTotal)
+		return nil
+	}
+	out := make([]netip.Prefix, 0, len(e.AllowFrom))
+	for i, s := range e.AllowFrom {
+		q := fmt.Sprintf("%s.allowFrom[%d]", p, i)
+		pf, err := netip.ParsePrefix(s)
+		switch {
+		case err != nil:
+			col.add(q, "%q is not a CIDR prefix (like 192.0.2.0/24 or 2001:db8::/32)", s)
+		case pf.Addr().Is4In6():
+			col.add(q, "%q is an IPv4-mapped IPv6 prefix; write it as IPv4", s)
+		case pf != pf.Masked():
+			col.add(q, "%q has host bits set; did you mean %s?", s, pf.Masked())
+		default:
+			out = append(out, pf)
+		}
+	}
+	return out
 }
 
 // checkTarget checks vm or target and sets me.Target.Addr.

@@ -193,6 +193,12 @@ type Exposure struct {
 	// is carried wholly by the proxy (UsesKernel, UsesSocketPath, ProxyBinds):
 	// a guest that expects a header must get one on every connection.
 	ProxyProtocol ProxyProtocol
+	// AllowFrom are the only source prefixes whose callers are carried
+	// (IPv4 and IPv6, masked: Compile refuses host bits); nil = everyone.
+	// Callers from elsewhere are dropped before admission and counted as
+	// denied. Host-local callers (the host's own processes) are not
+	// restricted (README, "allowFrom").
+	AllowFrom []netip.Prefix
 }
 
 // proxiedAuto: an auto exposure with a PROXY header, which only the proxy
@@ -200,6 +206,13 @@ type Exposure struct {
 func (e Exposure) proxiedAuto() bool {
 	return e.Mode == ModeAuto && e.ProxyProtocol != ProxyNone
 }
+
+// MaxAllowFrom bounds one exposure's allowFrom, and MaxAllowFromTotal all
+// exposures' together: the nat path's LPM trie is sized to the total.
+const (
+	MaxAllowFrom      = 65536
+	MaxAllowFromTotal = 1 << 20
+)
 
 // UsesKernel reports whether nftables DNAT (and the nat path) carries the
 // exposure. auto on a loopback address cannot be: brokkr never sets
