@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"net"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -75,4 +76,13 @@ func TestTheGuestTakesItsIPv6AddressBySLAAC(t *testing.T) {
 	assert.True(t, e.neighbourAdvert(v.Tap, mac, want, 90*time.Second),
 		"the guest answers for %s from %s on %s", want, mac, v.Tap)
 	assert.Contains(t, e.host.MustRun(t, "ip", "-6", "addr", "show", "dev", "brk-e2e0"), "fd00:6272:6b72::1/64 scope global")
+
+	// Over the bridge the guest talks IPv6 from its own address: the host
+	// (its router) reaches its HTTP service at that address (anti-spoof
+	// lets its answers and its neighbour discovery pass).
+	var body string
+	require.Eventually(t, func() bool {
+		body, err = httpGet(e.host, "["+want.String()+"]:8080")
+		return err == nil && strings.Contains(body, "brokkr-guest")
+	}, 30*time.Second, 500*time.Millisecond, "the guest's HTTP over IPv6 from the host: %v %q", err, body)
 }
