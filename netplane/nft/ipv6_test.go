@@ -18,7 +18,9 @@ import (
 
 var (
 	sub6   = netip.MustParsePrefix("fd00:99::1/64")
-	guest6 = func(i int) netip.Addr { return netip.AddrFrom16([16]byte{0: 0xfd, 1: 0x00, 2: 0x00, 3: 0x99, 15: byte(0x11 + i)}) }
+	guest6 = func(i int) netip.Addr {
+		return netip.AddrFrom16([16]byte{0: 0xfd, 1: 0x00, 2: 0x00, 3: 0x99, 15: byte(0x11 + i)})
+	}
 )
 
 // dual6 gives the topology IPv6: the bridge fd00:99::1/64, each guest

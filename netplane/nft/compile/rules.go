@@ -21,16 +21,16 @@ import (
 
 // Rules is the whole desired state of brokkr's tables.
 type Rules struct {
-	Bridge        string       // the guest bridge (host isolation, anti-spoof, hairpin)
-	Subnet        netip.Prefix // guest subnet: bridge address + prefix, e.g. 10.213.0.1/24
+	Bridge string       // the guest bridge (host isolation, anti-spoof, hairpin)
+	Subnet netip.Prefix // guest subnet: bridge address + prefix, e.g. 10.213.0.1/24
 	// Subnet6 is the guests' /64 with the bridge's address in it; the zero
 	// Prefix: IPv4 only (no IPv6 rule at all, and guests' IPv6 is dropped).
-	Subnet6 netip.Prefix
-	Masquerade    bool         // egress NAT for the subnet leaving through any other interface
-	IsolateGuests bool         // drop guest-to-guest frames across the bridge
-	DHCP          bool         // guests may reach udp/67 on the host
-	DNS           bool         // guests may reach udp+tcp/53 on the host
-	Guests        []Guest      // ports under anti-spoof
+	Subnet6       netip.Prefix
+	Masquerade    bool    // egress NAT for the subnet leaving through any other interface
+	IsolateGuests bool    // drop guest-to-guest frames across the bridge
+	DHCP          bool    // guests may reach udp/67 on the host
+	DNS           bool    // guests may reach udp+tcp/53 on the host
+	Guests        []Guest // ports under anti-spoof
 	Exposures     []Exposure
 	// Cap is the connection cap's part of the table (nil: MarksOnly).
 	Cap Cap
