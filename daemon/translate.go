@@ -23,8 +23,9 @@ func netDesired(m *spec.Desired) netplane.Desired {
 }
 
 // byProxy is m with its capped auto exposures that the kernel would carry
-// made proxy exposures on the same host side, and their names; m itself is
-// not changed. Used where the nat path's fallback runs: its cap is an nft
+// carried wholly by the proxy (AllByProxy: on the host side and, beside
+// 0.0.0.0, on ::1, as auto's loopback listeners), and their names; m
+// itself is not changed. Used where the nat path's fallback runs: its cap is an nft
 // set that the socket path's and the proxy's admissions (an atomic gauge
 // in the exposure's slot) cannot see, so an auto exposure's outside and
 // host-local callers would each have a cap of their own. The proxy admits
@@ -39,7 +40,7 @@ func byProxy(m *spec.Desired) (*spec.Desired, []string) {
 		if exps == nil {
 			exps = slices.Clone(m.Exposures)
 		}
-		exps[i].Mode = spec.ModeProxy
+		exps[i].AllByProxy = true
 		moved = append(moved, e.Name)
 	}
 	if exps == nil {
@@ -65,7 +66,11 @@ func restrictedByProxy(m *spec.Desired) (*spec.Desired, []string) {
 		if exps == nil {
 			exps = slices.Clone(m.Exposures)
 		}
-		exps[i].Mode = spec.ModeProxy
+		if e.Mode == spec.ModeAuto {
+			exps[i].AllByProxy = true // keeps auto's ::1 listener
+		} else {
+			exps[i].Mode = spec.ModeProxy
+		}
 		moved = append(moved, e.Name)
 	}
 	if exps == nil {

@@ -29,15 +29,21 @@ func TestByProxyMovesOnlyCappedAutoExposuresTheKernelCarries(t *testing.T) {
 	modes := map[string]spec.Mode{}
 	for _, e := range got.Exposures {
 		modes[e.Name] = e.Mode
+		assert.Equal(t, e.Name == "capped-auto", e.AllByProxy, e.Name)
 	}
-	assert.Equal(t, map[string]spec.Mode{"capped-auto": spec.ModeProxy, "open-auto": spec.ModeAuto,
-		"capped-loopback": spec.ModeAuto, "capped-nat": spec.ModeNAT}, modes)
-	assert.Equal(t, spec.ModeAuto, m.Exposures[0].Mode, "the daemon's model is not changed")
+	assert.Equal(t, map[string]spec.Mode{"capped-auto": spec.ModeAuto, "open-auto": spec.ModeAuto,
+		"capped-loopback": spec.ModeAuto, "capped-nat": spec.ModeNAT}, modes, "still auto: the status and the proxy's listeners are auto's")
+	assert.False(t, m.Exposures[0].AllByProxy, "the daemon's model is not changed")
+	assert.False(t, got.Exposures[0].UsesSocketPath(), "the proxy carries its host-local callers too")
 	kernel := got.KernelExposures()
 	for _, e := range kernel {
 		assert.NotEqual(t, "capped-auto", e.Name, "nftables no longer carries it")
 	}
-	assert.Equal(t, []netip.Addr{any4}, got.Exposures[0].ProxyBinds(true, true), "the proxy binds its host side, socket path or not")
+	for _, sock := range []bool{false, true} {
+		assert.Equal(t, []netip.Addr{any4, netip.IPv6Loopback()}, got.Exposures[0].ProxyBinds(true, sock),
+			"the proxy binds its host side and ::1 (as auto's loopback proxies), socket path %v", sock)
+		assert.Equal(t, []netip.Addr{any4}, got.Exposures[0].ProxyBinds(false, sock), "no IPv6 loopback: the host side alone")
+	}
 
 	same, none := byProxy(&spec.Desired{Exposures: m.Exposures[1:]})
 	assert.Empty(t, none)
@@ -91,7 +97,9 @@ func TestRestrictedByProxyMovesOnlyKernelExposuresWithAllowFrom(t *testing.T) {
 	got, moved := restrictedByProxy(m)
 	assert.Equal(t, []string{"nat-allow", "auto-allow"}, moved)
 	assert.Equal(t, spec.ModeProxy, got.Exposures[0].Mode)
-	assert.Equal(t, spec.ModeProxy, got.Exposures[1].Mode)
+	assert.Equal(t, spec.ModeAuto, got.Exposures[1].Mode, "auto stays auto, carried wholly by the proxy")
+	assert.True(t, got.Exposures[1].AllByProxy)
+	assert.Equal(t, []netip.Addr{any4, netip.IPv6Loopback()}, got.Exposures[1].ProxyBinds(true, true), "with auto's ::1 listener")
 	assert.Equal(t, spec.ModeNAT, got.Exposures[2].Mode)
 	assert.Equal(t, allow, got.Exposures[0].AllowFrom, "the proxy enforces the same list")
 	assert.Equal(t, spec.ModeNAT, m.Exposures[0].Mode, "the daemon's model is not changed")

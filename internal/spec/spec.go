@@ -199,12 +199,19 @@ type Exposure struct {
 	// denied. Host-local callers (the host's own processes) are not
 	// restricted (README, "allowFrom").
 	AllowFrom []netip.Prefix
+	// AllByProxy is no key of the config: the daemon sets it on an auto
+	// exposure the host's kernel cannot carry as it should (one cap with
+	// the host-local paths, or allowFrom, where the nat path's programs do
+	// not load): the proxy then carries every caller, on what auto listens
+	// on (hostAddress, and ::1 beside 0.0.0.0).
+	AllByProxy bool
 }
 
 // proxiedAuto: an auto exposure with a PROXY header, which only the proxy
-// can write, so the proxy carries every caller of it.
+// can write, or one the host's kernel cannot carry as it should
+// (AllByProxy), so the proxy carries every caller of it.
 func (e Exposure) proxiedAuto() bool {
-	return e.Mode == ModeAuto && e.ProxyProtocol != ProxyNone
+	return e.Mode == ModeAuto && (e.ProxyProtocol != ProxyNone || e.AllByProxy)
 }
 
 // MaxAllowFrom bounds one exposure's allowFrom, and MaxAllowFromTotal all
