@@ -364,7 +364,9 @@ func (r *rig) waitServing() {
 				ok = ok && e.State == "active"
 			}
 			if ok {
-				r.requireHeld()
+				if st.Daemon.Version != previousRelease { // it held no ports
+					r.requireHeld(st)
+				}
 				return
 			}
 		}
@@ -374,12 +376,21 @@ func (r *rig) waitServing() {
 }
 
 // requireHeld: a host program cannot bind the nat and auto exposures'
-// ports (brokkrd holds them, across every hand-over and restart), even
-// with SO_REUSEADDR as servers set it.
-func (r *rig) requireHeld() {
-	for _, port := range []int{7200, 7201, 7210, 7211} {
+// ports (brokkrd holds them, across every hand-over and restart), TCP and
+// UDP, even with SO_REUSEADDR as servers set it.
+func (r *rig) requireHeld(st *api.Status) {
+	n := 0
+	for _, x := range st.Exposures {
+		if x.Mode != "nat" && x.Mode != "auto" {
+			continue
+		}
+		n++
+		typ := unix.SOCK_STREAM
+		if x.Protocol == "udp" {
+			typ = unix.SOCK_DGRAM
+		}
 		err := r.host.Do(func() error {
-			fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+			fd, err := unix.Socket(unix.AF_INET, typ|unix.SOCK_CLOEXEC, 0)
 			if err != nil {
 				return err
 			}
@@ -387,13 +398,17 @@ func (r *rig) requireHeld() {
 			if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
 				return err
 			}
-			if err := unix.Bind(fd, &unix.SockaddrInet4{Port: port}); err != nil {
+			if err := unix.Bind(fd, &unix.SockaddrInet4{Port: x.HostPort}); err != nil {
 				return err
 			}
-			return unix.Listen(fd, 1)
+			if typ == unix.SOCK_STREAM {
+				return unix.Listen(fd, 1)
+			}
+			return nil
 		})
-		require.ErrorIs(r.t, err, unix.EADDRINUSE, "a host program's bind of 0.0.0.0:%d/tcp under an active exposure", port)
+		require.ErrorIs(r.t, err, unix.EADDRINUSE, "a host program's bind of 0.0.0.0:%d/%s under the active exposure %s", x.HostPort, x.Protocol, x.Name)
 	}
+	require.NotZero(r.t, n, "the config has nat or auto exposures")
 }
 
 func tailFile(path string, n int) string {
