@@ -271,7 +271,8 @@ func (d *Daemon) Pass(ctx context.Context) {
 	want := &cp
 	var errs []error
 	var moved, restricted []string
-	if d.opts.CappedAutoByProxy != "" {
+	fallback := d.natFallback()
+	if fallback != "" {
 		model, moved = byProxy(model)
 		model, restricted = restrictedByProxy(model)
 	}
@@ -348,10 +349,10 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.kw.sync()
 	st := d.mergeStatus(want, all, srep, nrep, pst, errs)
 	if len(restricted) > 0 {
-		st.Warnings = append(st.Warnings, fmt.Sprintf("exposures %v with allowFrom are carried by the proxy (the nat path's BPF programs enforce allowFrom and do not load here): %s", restricted, d.opts.CappedAutoByProxy))
+		st.Warnings = append(st.Warnings, fmt.Sprintf("exposures %v with allowFrom are carried by the proxy (the nat path's BPF programs enforce allowFrom and do not load here): %s", restricted, fallback))
 	}
 	if len(moved) > 0 {
-		st.Warnings = append(st.Warnings, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", moved, d.opts.CappedAutoByProxy))
+		st.Warnings = append(st.Warnings, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", moved, fallback))
 	}
 	d.mu.Lock()
 	d.status = st

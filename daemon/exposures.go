@@ -204,7 +204,7 @@ func (d *Daemon) publishExposure(old *spec.Desired, now *spec.Exposure, name str
 // whether it does (translate.go: the kernel's exposures, after byProxy).
 func (d *Daemon) kernelCarried(e spec.Exposure) (spec.Exposure, bool) {
 	m := &spec.Desired{Exposures: []spec.Exposure{e}}
-	if d.opts.CappedAutoByProxy != "" {
+	if d.natFallback() != "" {
 		m, _ = byProxy(m)
 		m, _ = restrictedByProxy(m)
 	}

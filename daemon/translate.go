@@ -22,6 +22,25 @@ func netDesired(m *spec.Desired) netplane.Desired {
 	return d
 }
 
+// natPathReporter is a network plane that says whether its BPF nat path
+// runs (netplane.Plane: the reason it does not, "" when it does or before
+// its first pass chose).
+type natPathReporter interface{ NatPathReason() string }
+
+// natFallback says why the kernel's nat path cannot carry what only its
+// BPF programs do (one cap with the host-local paths, allowFrom), or "":
+// the plane's own word once its first pass chose its cap backend (its
+// programs may fail to load on a kernel that has every feature), else the
+// prediction from the kernel's features that cmd/brokkrd made at start.
+func (d *Daemon) natFallback() string {
+	if n, ok := d.net.(natPathReporter); ok {
+		if why := n.NatPathReason(); why != "" {
+			return why
+		}
+	}
+	return d.opts.CappedAutoByProxy
+}
+
 // byProxy is m with its capped auto exposures that the kernel would carry
 // carried wholly by the proxy (AllByProxy: on the host side and, beside
 // 0.0.0.0, on ::1, as auto's loopback listeners), and their names; m

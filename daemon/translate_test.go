@@ -1,8 +1,11 @@
 package daemon
 
 import (
+	"context"
 	"net/netip"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -104,4 +107,34 @@ func TestRestrictedByProxyMovesOnlyKernelExposuresWithAllowFrom(t *testing.T) {
 	assert.Equal(t, allow, got.Exposures[0].AllowFrom, "the proxy enforces the same list")
 	assert.Equal(t, spec.ModeNAT, m.Exposures[0].Mode, "the daemon's model is not changed")
 	assert.Len(t, got.KernelExposures(), 1)
+}
+
+// natNet is a network plane that says its BPF nat path did not load.
+type natNet struct {
+	*recNet
+	reason string
+}
+
+func (n natNet) NatPathReason() string { return n.reason }
+
+// A plane whose nat path's programs did not load (on a kernel whose
+// features predicted they would: no CappedAutoByProxy) is believed: its
+// capped auto exposures go to the proxy, with the plane's reason in the
+// status; while it says nothing, they stay the kernel's.
+func TestThePlanesOwnNatPathReasonMovesCappedAutoToTheProxy(t *testing.T) {
+	r := newRig(t, `
+exposures:
+  - {name: capped, target: 10.213.0.200, guestPort: 80, hostPort: 8080, maxConns: 2}
+`)
+	nn := natNet{recNet: r.net}
+	d, err := New(Options{Host: r.host, Store: r.store, Supervisor: r.sup, Network: &nn, Proxy: r.px,
+		Logger: r.d.log, Timeout: 200 * time.Millisecond})
+	require.NoError(t, err)
+	d.Pass(context.Background())
+	require.Len(t, r.net.desired().Exposures, 1, "no reason: the kernel carries it")
+
+	nn.reason = "nat path: fallback (the programs did not load)"
+	d.Pass(context.Background())
+	assert.Empty(t, r.net.desired().Exposures, "the proxy carries it now")
+	assert.Contains(t, strings.Join(d.Status().Warnings, "\n"), "capped auto exposures [capped] are carried by the proxy for every caller, so that they keep one cap: nat path: fallback (the programs did not load)")
 }
