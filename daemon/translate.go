@@ -22,10 +22,10 @@ func netDesired(m *spec.Desired) netplane.Desired {
 	return d
 }
 
-// natPathReporter is a network plane that says whether its BPF nat path
-// runs (netplane.Plane: the reason it does not, "" when it does or before
-// its first pass chose).
-type natPathReporter interface{ NatPathReason() string }
+// natPathReporter is a network plane that says whether its nat exposures'
+// caps are the shared slot's (netplane.Plane: why not, "" when they are or
+// before its first pass chose).
+type natPathReporter interface{ NatPathFallback() string }
 
 // natFallback says why the kernel's nat path cannot carry what only its
 // BPF programs do (one cap with the host-local paths, allowFrom), or "":
@@ -34,7 +34,7 @@ type natPathReporter interface{ NatPathReason() string }
 // prediction from the kernel's features that cmd/brokkrd made at start.
 func (d *Daemon) natFallback() string {
 	if n, ok := d.net.(natPathReporter); ok {
-		if why := n.NatPathReason(); why != "" {
+		if why := n.NatPathFallback(); why != "" {
 			return why
 		}
 	}

@@ -115,7 +115,7 @@ type natNet struct {
 	reason string
 }
 
-func (n natNet) NatPathReason() string { return n.reason }
+func (n natNet) NatPathFallback() string { return n.reason }
 
 // A plane whose nat path's programs did not load (on a kernel whose
 // features predicted they would: no CappedAutoByProxy) is believed: its

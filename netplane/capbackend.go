@@ -45,6 +45,9 @@ type capBackend interface {
 	pruneAllow(keep func(slot int) bool)
 	// warning is what status says of the backend ("" for nothing).
 	warning() string
+	// fallback says why nat exposures' caps are not the shared slot's (the
+	// set-based cap), "" when they are.
+	fallback() string
 	close() error
 	// remove takes away what outlives the daemon (a teardown).
 	remove() error
@@ -154,8 +157,9 @@ func (b *natPathBackend) warning() string {
 	}
 	return ""
 }
-func (b *natPathBackend) close() error  { return b.np.Close() }
-func (b *natPathBackend) remove() error { return b.np.Remove() }
+func (b *natPathBackend) fallback() string { return "" } // adopted programs too: they admit against the slot
+func (b *natPathBackend) close() error     { return b.np.Close() }
+func (b *natPathBackend) remove() error    { return b.np.Remove() }
 
 // setCapBackend is the set-based cap: nft's cap sets, fed by conntrack
 // events, with the slow path's connections handed to carrier.
@@ -216,7 +220,8 @@ func (b *setCapBackend) allow(_ *bpf.Slot, prefixes []netip.Prefix) error {
 
 func (b *setCapBackend) pruneAllow(func(int) bool) {}
 
-func (b *setCapBackend) warning() string { return b.reason }
+func (b *setCapBackend) warning() string  { return b.reason }
+func (b *setCapBackend) fallback() string { return b.reason }
 
 func (b *setCapBackend) close() error {
 	if b.sc != nil {
@@ -236,4 +241,16 @@ func (p *Plane) NatPathReason() string {
 		return ""
 	}
 	return p.caps.warning()
+}
+
+// NatPathFallback says why nat exposures' caps are the fallback's nft sets,
+// not the shared slot's ("" when they are the slot's, adopted programs of
+// an earlier binary included, or before the first pass chose).
+func (p *Plane) NatPathFallback() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.caps == nil {
+		return ""
+	}
+	return p.caps.fallback()
 }
