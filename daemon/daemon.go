@@ -92,6 +92,11 @@ type Daemon struct {
 	kw        *kernelWakes // nil: the kernel paths do not wake suspended VMs
 
 	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
+	// journal holds the changes of one exposure since desired.json was
+	// written whole (journal.go); live indexes the desired exposures for
+	// checking one of them (nil: built at the next change). applyMu.
+	journal *journal
+	live    *config.LiveExposures
 	// parseGate lets one API request at a time parse a config: parsing a
 	// hostile body costs a core for tens of milliseconds, and without the
 	// gate a few such callers take every core from status and the passes.
@@ -138,27 +143,36 @@ func New(opts Options) (*Daemon, error) {
 	if opts.Addresses == nil {
 		opts.Addresses = NewAddressBook()
 	}
-	desired, model, err := loadDesired(opts.Host.StateDir)
+	loaded, err := loadDesired(opts.Host.StateDir)
 	if err != nil {
 		return nil, err
 	}
+	desired, model := loaded.c, loaded.model
+	jnl := newJournal(opts.Host.StateDir)
 	if desired == nil {
 		desired = opts.Host
 		var errs config.Errors
 		if model, errs = config.Compile(desired); len(errs) > 0 {
 			return nil, fmt.Errorf("the config does not validate:\n%w", errs)
 		}
-		if err := saveDesired(opts.Host.StateDir, desired); err != nil {
+		b, err := saveDesired(opts.Host.StateDir, desired)
+		if err != nil {
+			return nil, err
+		}
+		if err := jnl.reset(b); err != nil {
 			return nil, err
 		}
 	} else {
 		opts.Logger.Info("resuming from persisted desired state", "file", opts.Host.StateDir+"/"+DesiredFile,
-			"vms", len(desired.VMs), "exposures", len(desired.Exposures))
+			"vms", len(desired.VMs), "exposures", len(desired.Exposures), "journalChanges", len(loaded.j.records))
 		// With a Source the file's state was only the first one; no warning.
 		if p := diff(withHost(desired, opts.Host), withHost(opts.Host, opts.Host)); opts.Source == nil && (p.NetworkChanged || !p.VMs.Empty() || !p.Exposures.Empty()) {
 			opts.Logger.Warn("the config file differs from the persisted desired state (unless the file changed since it was last applied, the persisted state wins until the next apply or reload: brokkr apply -f FILE, or SIGHUP)",
 				"vmsOnlyInFile", p.VMs.Added, "vmsChangedInFile", p.VMs.Changed, "vmsNotInFile", p.VMs.Removed,
 				"exposuresOnlyInFile", p.Exposures.Added, "exposuresChangedInFile", p.Exposures.Changed, "exposuresNotInFile", p.Exposures.Removed)
+		}
+		if err := openJournal(jnl, opts, desired, loaded); err != nil {
+			return nil, err
 		}
 	}
 	// The process-fixed keys are no part of the model.
@@ -166,7 +180,7 @@ func New(opts Options) (*Daemon, error) {
 	d := &Daemon{
 		opts: opts, log: opts.Logger, host: opts.Host, store: opts.Store,
 		sup: opts.Supervisor, net: opts.Network, px: opts.Proxy, addrs: opts.Addresses,
-		desired: desired, model: model,
+		desired: desired, model: model, journal: jnl,
 		facts:  map[string]guestFacts{},
 		wake:   make(chan struct{}, 1),
 		passed: make(chan struct{}, 1),
@@ -522,6 +536,7 @@ func (d *Daemon) Close(ctx context.Context) error {
 	d.pxRun.wait(ctx)
 	d.px.StopAll()
 	d.sup.Stop()
+	d.journal.close()
 	return d.net.Close()
 }
 
@@ -564,9 +579,10 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	if dryRun {
 		return plan, nil
 	}
-	if err := saveDesired(d.host.StateDir, next); err != nil {
+	if err := d.persistWhole(next); err != nil {
 		return api.Plan{}, err
 	}
+	d.live = nil
 	d.mu.Lock()
 	d.desired, d.model = next, model
 	d.gen++
@@ -626,9 +642,10 @@ func (d *Daemon) SetPower(name string, power spec.Power) error {
 	if len(errs) > 0 {
 		return errs
 	}
-	if err := saveDesired(d.host.StateDir, cur); err != nil {
+	if err := d.persistWhole(cur); err != nil {
 		return err
 	}
+	d.live = nil
 	d.mu.Lock()
 	d.desired, d.model = cur, model
 	d.gen++

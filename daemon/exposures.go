@@ -2,12 +2,14 @@ package daemon
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 	"reflect"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/daemon/config"
@@ -18,11 +20,15 @@ import (
 // One exposure at a time: PUT /v1/exposures/{name} creates or replaces one,
 // DELETE /v1/exposures/{name} removes one (brokkr expose add|rm). The change
 // is made on the desired state in memory (no other exposure is read from
-// text again), validated against the whole of it by config.Compile and the
-// network plane's Validate, as an apply is, persisted with it in
-// desired.json, and then published: the kernel part at once through the
-// network plane's UpdateExposures, the rest (proxy, socket path, status) by
-// the pass it wakes.
+// text again) and checked against an index of the others
+// (config.LiveExposures: exactly what a whole config.Compile would accept;
+// what is wrong with a refused one is said by the whole Compile, as an
+// apply says it) and by the network plane's Validate; then one record is
+// appended to the journal beside desired.json (journal.go), and the change
+// is acknowledged once the record is on disk (concurrent changes share one
+// fsync). It is published: the kernel part at once through the network
+// plane's UpdateExposures, the rest (proxy, socket path, status) by the
+// pass it wakes.
 
 // ErrNoSuchExposure is returned for an exposure name not in the desired state.
 var ErrNoSuchExposure = errors.New("no such exposure")
@@ -35,16 +41,17 @@ type exposureUpdater interface {
 }
 
 // PutExposure makes e (named e.Name) one of the desired exposures, in place
-// of the one of that name or added after the others. On any error nothing
-// is changed; a config.Errors names e's own fields without a path prefix
-// ("hostPort: ...").
+// of the one of that name or added after the others. On a validation error
+// nothing is changed; a config.Errors names e's own fields without a path
+// prefix ("hostPort: ...").
 func (d *Daemon) PutExposure(e config.Exposure) (api.Plan, error) {
 	if d.opts.Source != nil {
 		return api.Plan{}, ErrRemoteSource{d.opts.Source.Report()}
 	}
 	d.applyMu.Lock()
-	defer d.applyMu.Unlock()
-	cur := d.Desired()
+	unlock := sync.OnceFunc(d.applyMu.Unlock)
+	defer unlock()
+	cur, curModel := d.current()
 	next, pos, replaced := cur.WithExposure(e)
 	plan := api.Plan{Exposures: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}},
 		VMs: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}}}
@@ -57,11 +64,60 @@ func (d *Daemon) PutExposure(e config.Exposure) (api.Plan, error) {
 		plan.Applied = true // already so: nothing to persist or publish
 		return plan, nil
 	}
-	var explain func() config.Errors
-	if replaced {
-		explain = func() config.Errors { return explainReplace(cur, pos, e) }
+	live := d.liveExposures(cur, curModel)
+	me, ok := live.Check(e)
+	var model *spec.Desired
+	if ok {
+		model = withModelExposure(curModel, pos, me, replaced)
+		// The network plane's checks of one exposure (its target against
+		// the guests' addresses) and of the network, which the change
+		// leaves as it is.
+		if errs := d.validateNet(&spec.Desired{Network: model.Network, VMs: model.VMs, Exposures: []spec.Exposure{me}}); len(errs) > 0 {
+			ok = false
+		}
 	}
-	return d.commitExposure(next, pos, e.Name, true, plan, explain)
+	if !ok {
+		// Refused: the whole state is compiled and validated, as an apply
+		// is, for what is wrong, named by position as an apply names it.
+		var explain func() config.Errors
+		if replaced {
+			explain = func() config.Errors { return explainReplace(cur, pos, e) }
+		}
+		m, err := d.validateWhole(next, pos, explain)
+		if err != nil {
+			return api.Plan{}, err
+		}
+		// Not reached while LiveExposures agrees with Compile (its
+		// property test): go by the whole check.
+		d.log.Error("the exposure index refused a change that the whole desired state accepts; going by the whole", "exposure", e.Name)
+		model, me, d.live = m, m.Exposures[pos], nil
+	}
+	if w := budgetWarning(model); w != "" {
+		plan.Warnings = append(plan.Warnings, w)
+	}
+	plan.Warnings = append(plan.Warnings, d.portWarnings(&spec.Desired{Exposures: []spec.Exposure{me}})...)
+	body, err := json.Marshal(e)
+	if err != nil {
+		return api.Plan{}, err
+	}
+	seq, err := d.record(cur, journalRecord{Put: body})
+	if err != nil {
+		return api.Plan{}, err
+	}
+	d.swap(next, model)
+	if d.live != nil {
+		d.live.Put(e, me)
+	}
+	d.compactIfFull(next)
+	unlock()
+	if err := d.journal.wait(seq); err != nil {
+		return api.Plan{}, notPersisted(err)
+	}
+	plan.Applied = true
+	d.log.Info("exposure set", "exposure", e.Name, "added", len(plan.Exposures.Added) > 0)
+	d.publishExposure(curModel, e.Name)
+	d.Wake()
+	return plan, nil
 }
 
 // explainReplace says what is wrong with cur with e in place of exposure
@@ -88,38 +144,116 @@ func explainReplace(cur *config.Config, pos int, e config.Exposure) config.Error
 }
 
 // DeleteExposure removes the named exposure from the desired state;
-// ErrNoSuchExposure when there is none.
+// ErrNoSuchExposure when there is none. Removing an exposure from a desired
+// state that compiles leaves one that compiles (config.LiveExposures), and
+// frees what it claimed in the network plane: nothing is checked again.
 func (d *Daemon) DeleteExposure(name string) (api.Plan, error) {
 	if d.opts.Source != nil {
 		return api.Plan{}, ErrRemoteSource{d.opts.Source.Report()}
 	}
 	d.applyMu.Lock()
-	defer d.applyMu.Unlock()
-	next, found := d.Desired().WithoutExposure(name)
-	if !found {
+	unlock := sync.OnceFunc(d.applyMu.Unlock)
+	defer unlock()
+	cur, curModel := d.current()
+	pos := slices.IndexFunc(cur.Exposures, func(x config.Exposure) bool { return x.Name == name })
+	if pos < 0 {
 		return api.Plan{}, fmt.Errorf("%w: %q", ErrNoSuchExposure, name)
 	}
-	plan := api.Plan{Exposures: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{name}},
+	next, _ := cur.WithoutExposure(name)
+	model := *curModel
+	model.Exposures = slices.Delete(slices.Clone(curModel.Exposures), pos, pos+1)
+	seq, err := d.record(cur, journalRecord{Remove: name})
+	if err != nil {
+		return api.Plan{}, err
+	}
+	d.swap(next, &model)
+	if d.live != nil {
+		d.live.Remove(name)
+	}
+	d.compactIfFull(next)
+	unlock()
+	if err := d.journal.wait(seq); err != nil {
+		return api.Plan{}, notPersisted(err)
+	}
+	plan := api.Plan{Applied: true, Exposures: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{name}},
 		VMs: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}}}
-	return d.commitExposure(next, -1, name, false, plan, nil)
+	d.log.Info("exposure removed", "exposure", name)
+	d.publishExposure(curModel, name)
+	d.Wake()
+	return plan, nil
 }
 
-// commitExposure validates next (the desired state with exposure name set
-// at pos, or removed), persists it, swaps it in and publishes the change.
-// explain, when set, says what is wrong with a next that does not validate.
-// applyMu is held.
-func (d *Daemon) commitExposure(next *config.Config, pos int, name string, set bool, plan api.Plan, explain func() config.Errors) (api.Plan, error) {
+// current is the desired state and its model. applyMu is held.
+func (d *Daemon) current() (*config.Config, *spec.Desired) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	cp := *d.desired
+	return &cp, d.model
+}
+
+// swap makes next (compiled: model) the desired state. applyMu is held.
+func (d *Daemon) swap(next *config.Config, model *spec.Desired) {
+	d.mu.Lock()
+	d.desired, d.model = next, model
+	d.gen++
+	d.mu.Unlock()
+}
+
+// liveExposures is the index of cur's exposures, built when the desired
+// state was last replaced whole. applyMu is held.
+func (d *Daemon) liveExposures(cur *config.Config, model *spec.Desired) *config.LiveExposures {
+	if d.live == nil {
+		d.live = config.NewLiveExposures(cur, model)
+	}
+	return d.live
+}
+
+// withModelExposure is m with me at pos (replaced) or added at pos (the end).
+func withModelExposure(m *spec.Desired, pos int, me spec.Exposure, replaced bool) *spec.Desired {
+	cp := *m
+	if replaced {
+		cp.Exposures = slices.Clone(m.Exposures)
+		cp.Exposures[pos] = me
+	} else {
+		cp.Exposures = make([]spec.Exposure, len(m.Exposures)+1)
+		copy(cp.Exposures, m.Exposures)
+		cp.Exposures[pos] = me
+	}
+	return &cp
+}
+
+// validateNet is the network plane's Validate of m, as config errors.
+func (d *Daemon) validateNet(m *spec.Desired) config.Errors {
+	if !d.lockNet(d.opts.Timeout) {
+		return config.Errors{{Msg: ErrBusy.Error()}}
+	}
+	errs := d.net.Validate(netDesired(m))
+	d.netMu.Unlock()
+	if len(errs) == 0 {
+		return nil
+	}
+	ce := make(config.Errors, 0, len(errs))
+	for _, e := range errs {
+		ce = append(ce, config.FieldError{Msg: e.Error()})
+	}
+	return ce
+}
+
+// validateWhole compiles and validates next (the desired state with the
+// exposure at pos set) whole, as an apply does. explain, when set, says
+// what is wrong with a next that does not compile.
+func (d *Daemon) validateWhole(next *config.Config, pos int, explain func() config.Errors) (*spec.Desired, error) {
 	model, cerrs := config.Compile(next)
 	if len(cerrs) > 0 {
 		if explain != nil {
 			if errs := explain(); len(errs) > 0 {
-				return api.Plan{}, errs
+				return nil, errs
 			}
 		}
-		return api.Plan{}, ownFields(cerrs, pos)
+		return nil, ownFields(cerrs, pos)
 	}
 	if !d.lockNet(d.opts.Timeout) {
-		return api.Plan{}, ErrBusy
+		return nil, ErrBusy
 	}
 	errs := d.net.Validate(netDesired(model))
 	d.netMu.Unlock()
@@ -128,47 +262,69 @@ func (d *Daemon) commitExposure(next *config.Config, pos int, name string, set b
 		for _, e := range errs {
 			ce = append(ce, config.FieldError{Msg: e.Error()})
 		}
-		return api.Plan{}, ce
+		return nil, ce
 	}
-	if w := budgetWarning(model); w != "" {
-		plan.Warnings = append(plan.Warnings, w)
-	}
-	if set {
-		plan.Warnings = append(plan.Warnings, d.portWarnings(&spec.Desired{Exposures: model.Exposures[pos : pos+1]})...)
-	}
-	if err := saveDesired(d.host.StateDir, next); err != nil {
-		return api.Plan{}, err
-	}
-	d.mu.Lock()
-	old := d.model
-	d.desired, d.model = next, model
-	d.gen++
-	d.mu.Unlock()
-	plan.Applied = true
-	if set {
-		d.log.Info("exposure set", "exposure", name, "added", len(plan.Exposures.Added) > 0)
-		d.publishExposure(old, &model.Exposures[pos], name)
-	} else {
-		d.log.Info("exposure removed", "exposure", name)
-		d.publishExposure(old, nil, name)
-	}
-	d.Wake()
-	return plan, nil
+	return model, nil
 }
 
-// publishExposure hands the one changed exposure (now: nil when removed) to
-// the network plane at once, when it can take one (exposureUpdater). The
+// record appends rec, a change of cur, to the journal; a journal that
+// cannot take it (a write or an fsync failed before) is first replaced by
+// writing cur whole. applyMu is held.
+func (d *Daemon) record(cur *config.Config, rec journalRecord) (uint64, error) {
+	if d.journal.broken() != nil {
+		if err := d.persistWhole(cur); err != nil {
+			return 0, err
+		}
+	}
+	seq, err := d.journal.append(rec)
+	if err != nil {
+		return 0, fmt.Errorf("persisting the change: %w", err)
+	}
+	return seq, nil
+}
+
+// compactIfFull writes the desired state (next, just swapped in) whole
+// when the journal is past its bound, which empties it. A failure is
+// logged: the journal still holds every change. applyMu is held.
+func (d *Daemon) compactIfFull(next *config.Config) {
+	if !d.journal.full() {
+		return
+	}
+	if err := d.persistWhole(next); err != nil {
+		d.log.Warn("compacting the desired-state journal", "err", err)
+	}
+}
+
+// notPersisted is the answer to a change whose record could not be synced:
+// it is made in memory (later changes were checked against it) but may not
+// survive a restart; the next change writes the whole desired state.
+func notPersisted(err error) error {
+	return fmt.Errorf("the change is made but may not survive a restart: %w (the next change writes the whole desired state again)", err)
+}
+
+// publishExposure hands the named exposure, as the desired state has it
+// now (removed, or changed again by a later change), to the network plane
+// at once, when it can take one (exposureUpdater); old is the model before
+// the change. It reads the desired state with netMu held, so of concurrent
+// changes of one exposure the last to publish publishes the latest. The
 // pass woken after it converges the whole state as always, and finds the
 // kernel already so; if this fails, that pass does it.
-func (d *Daemon) publishExposure(old *spec.Desired, now *spec.Exposure, name string) {
+func (d *Daemon) publishExposure(old *spec.Desired, name string) {
 	up, ok := d.net.(exposureUpdater)
 	if !ok {
 		return
 	}
+	if !d.lockNet(d.opts.Timeout) {
+		return // a pass overran; the next one publishes it
+	}
+	defer d.netMu.Unlock()
+	d.mu.Lock()
+	model := d.model
+	d.mu.Unlock()
 	var set []netplane.Exposure
 	var remove []string
-	if now != nil {
-		if e, ok := d.kernelCarried(*now); ok {
+	if i := slices.IndexFunc(model.Exposures, func(e spec.Exposure) bool { return e.Name == name }); i >= 0 {
+		if e, ok := d.kernelCarried(model.Exposures[i]); ok {
 			if err := d.takePorts(e); err != nil {
 				// A host program holds its port: not published (the pass
 				// reports it failed, naming the holder).
@@ -189,10 +345,6 @@ func (d *Daemon) publishExposure(old *spec.Desired, now *spec.Exposure, name str
 		}
 		remove = []string{name}
 	}
-	if !d.lockNet(d.opts.Timeout) {
-		return // a pass overran; the next one publishes it
-	}
-	defer d.netMu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), d.opts.Timeout)
 	defer cancel()
 	if rep := up.UpdateExposures(ctx, set, remove); rep.Err != nil {
