@@ -79,6 +79,8 @@ type journal struct {
 	// compactBytes; smaller in tests).
 	maxRecords int
 	maxBytes   int64
+	// sync is (*os.File).Sync; tests count or fail it.
+	sync func(*os.File) error
 
 	mu      sync.Mutex
 	cond    *sync.Cond
@@ -95,7 +97,8 @@ type journal struct {
 }
 
 func newJournal(stateDir string) *journal {
-	j := &journal{path: stateDir + "/" + JournalFile, maxRecords: compactRecords, maxBytes: compactBytes}
+	j := &journal{path: stateDir + "/" + JournalFile, maxRecords: compactRecords, maxBytes: compactBytes,
+		sync: (*os.File).Sync}
 	j.cond = sync.NewCond(&j.mu)
 	return j
 }
@@ -219,7 +222,7 @@ func (j *journal) wait(seq uint64) error {
 		j.syncing = true
 		f, upto := j.f, j.written
 		j.mu.Unlock()
-		err := f.Sync()
+		err := j.sync(f)
 		j.mu.Lock()
 		j.syncing = false
 		if err != nil {
