@@ -97,6 +97,7 @@ type Daemon struct {
 	// checking one of them (nil: built at the next change). applyMu.
 	journal *journal
 	live    *config.LiveExposures
+	pub     publisher // batches single-exposure changes to the kernel
 	// parseGate lets one API request at a time parse a config: parsing a
 	// hostile body costs a core for tens of milliseconds, and without the
 	// gate a few such callers take every core from status and the passes.

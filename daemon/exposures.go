@@ -302,53 +302,129 @@ func notPersisted(err error) error {
 	return fmt.Errorf("the change is made but may not survive a restart: %w (the next change writes the whole desired state again)", err)
 }
 
+// publisher batches the changes of one exposure on their way to the
+// network plane: a change waits for the next round that starts after it,
+// and one round hands every change pending to one UpdateExposures (one
+// nft commit, one conntrack walk), so concurrent changes share the kernel's
+// cost as they share the journal's fsync.
+type publisher struct {
+	mu   sync.Mutex
+	cond *sync.Cond
+	// pending maps each exposure changed since the last round began to the
+	// model before its first pending change (what the kernel had then).
+	pending map[string]*spec.Desired
+	// started and finished count rounds; busy is a round in flight.
+	started, finished uint64
+	busy              bool
+}
+
 // publishExposure hands the named exposure, as the desired state has it
-// now (removed, or changed again by a later change), to the network plane
-// at once, when it can take one (exposureUpdater); old is the model before
-// the change. It reads the desired state with netMu held, so of concurrent
-// changes of one exposure the last to publish publishes the latest. The
-// pass woken after it converges the whole state as always, and finds the
-// kernel already so; if this fails, that pass does it.
+// when its round runs (removed, or changed again by a later change), to
+// the network plane, when it can take one (exposureUpdater), and returns
+// once that round is done; old is the model before the change. The pass
+// woken after it converges the whole state as always, and finds the kernel
+// already so; if this fails, that pass does it.
 func (d *Daemon) publishExposure(old *spec.Desired, name string) {
-	up, ok := d.net.(exposureUpdater)
-	if !ok {
+	if _, ok := d.net.(exposureUpdater); !ok {
 		return
 	}
+	p := &d.pub
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cond == nil {
+		p.cond = sync.NewCond(&p.mu)
+		p.pending = map[string]*spec.Desired{}
+	}
+	if _, ok := p.pending[name]; !ok {
+		p.pending[name] = old
+	}
+	mine := p.started + 1 // a round in flight began before this change
+	for p.finished < mine {
+		if p.busy {
+			p.cond.Wait()
+			continue
+		}
+		p.busy = true
+		p.started++
+		batch := p.pending
+		p.pending = map[string]*spec.Desired{}
+		p.mu.Unlock()
+		d.publishRound(batch)
+		p.mu.Lock()
+		p.busy = false
+		p.finished = p.started
+		p.cond.Broadcast()
+	}
+}
+
+// publishRound publishes the exposures of batch (name → the model before
+// their first change) as the desired state has them now, in one
+// UpdateExposures; when it refuses them together, one at a time, so one
+// refused does not hold back the others.
+func (d *Daemon) publishRound(batch map[string]*spec.Desired) {
+	up := d.net.(exposureUpdater)
 	if !d.lockNet(d.opts.Timeout) {
-		return // a pass overran; the next one publishes it
+		return // a pass overran; the next one publishes them
 	}
 	defer d.netMu.Unlock()
 	d.mu.Lock()
 	model := d.model
 	d.mu.Unlock()
+	at := make(map[string]int, len(batch))
+	for name := range batch {
+		at[name] = -1
+	}
+	for i, e := range model.Exposures {
+		if _, ok := at[e.Name]; ok {
+			at[e.Name] = i
+		}
+	}
 	var set []netplane.Exposure
 	var remove []string
-	if i := slices.IndexFunc(model.Exposures, func(e spec.Exposure) bool { return e.Name == name }); i >= 0 {
-		if e, ok := d.kernelCarried(model.Exposures[i]); ok {
-			if err := d.takePorts(e); err != nil {
-				// A host program holds its port: not published (the pass
-				// reports it failed, naming the holder).
-				d.log.Info("exposure not published: its port is in use", "exposure", name, "err", err)
-			} else {
-				set = []netplane.Exposure{e}
+	for name, old := range batch {
+		if i := at[name]; i >= 0 {
+			if e, ok := d.kernelCarried(model.Exposures[i]); ok {
+				if err := d.takePorts(e); err != nil {
+					// A host program holds its port: not published (the
+					// pass reports it failed, naming the holder).
+					d.log.Info("exposure not published: its port is in use", "exposure", name, "err", err)
+				} else {
+					set = append(set, e)
+					continue
+				}
+			}
+		}
+		// Gone from the kernel: removed, or now carried by the proxy alone.
+		if i := slices.IndexFunc(old.Exposures, func(e spec.Exposure) bool { return e.Name == name }); i >= 0 {
+			if _, was := d.kernelCarried(old.Exposures[i]); was {
+				remove = append(remove, name)
 			}
 		}
 	}
-	if set == nil {
-		// Gone from the kernel: removed, or now carried by the proxy alone.
-		i := slices.IndexFunc(old.Exposures, func(e spec.Exposure) bool { return e.Name == name })
-		if i < 0 {
-			return
-		}
-		if _, was := d.kernelCarried(old.Exposures[i]); !was {
-			return
-		}
-		remove = []string{name}
+	if len(set) == 0 && len(remove) == 0 {
+		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), d.opts.Timeout)
-	defer cancel()
-	if rep := up.UpdateExposures(ctx, set, remove); rep.Err != nil {
-		d.log.Info("exposure not published at once; the pass will", "exposure", name, "err", rep.Err)
+	update := func(set []netplane.Exposure, remove []string) error {
+		ctx, cancel := context.WithTimeout(context.Background(), d.opts.Timeout)
+		defer cancel()
+		return up.UpdateExposures(ctx, set, remove).Err
+	}
+	err := update(set, remove)
+	if err == nil || len(set)+len(remove) == 1 {
+		if err != nil {
+			d.log.Info("exposure not published at once; the pass will", "exposures", len(set)+len(remove), "err", err)
+		}
+		return
+	}
+	for _, e := range set {
+		if err := update([]netplane.Exposure{e}, nil); err != nil {
+			d.log.Info("exposure not published at once; the pass will", "exposure", e.Name, "err", err)
+		}
+	}
+	for _, name := range remove {
+		if err := update(nil, []string{name}); err != nil {
+			d.log.Info("exposure not withdrawn at once; the pass will", "exposure", name, "err", err)
+		}
 	}
 }
 

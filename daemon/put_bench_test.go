@@ -171,39 +171,46 @@ func BenchmarkPutToServedAtLimit(b *testing.B) {
 
 // BenchmarkChangesPerSecond is changes of one exposure (add, then remove
 // again) through the API from 8 concurrent clients, each acknowledged once
-// persisted (the journal's fsync), on the real network plane at 10,000
-// exposures (natpath), with the control loop running as in brokkrd (each
-// change wakes a pass). changes/s counts PUTs and DELETEs answered.
+// persisted (the journal's fsync) and published to the kernel, on the real
+// network plane at 10,000 exposures (natpath): with the control loop
+// running as in brokkrd (each change wakes a pass; loop=on), and without
+// it (the API's share alone; loop=off). changes/s counts PUTs and DELETEs
+// answered.
 func BenchmarkChangesPerSecond(b *testing.B) {
 	const n, clients = 10000, 8
 	d, _ := kernelRig(b, n, "cps", true)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { d.Run(ctx); close(done) }()
-	b.Cleanup(func() { cancel(); <-done })
 	h := d.Handler()
-	b.Run(fmt.Sprintf("natpath/exposures=%d/clients=%d", n, clients), func(b *testing.B) {
-		var wg sync.WaitGroup
-		var count atomic.Int64
-		start := time.Now()
-		for c := range clients {
-			wg.Go(func() {
-				for i := c; i < b.N; i += clients {
-					name := fmt.Sprintf("x-%d", c)
-					body := fmt.Sprintf(`{"target": "10.213.0.250", "guestPort": 80, "hostPort": %d, "mode": "nat"}`, 40001+c)
-					for _, r := range [][3]string{{"PUT", "/v1/exposures/" + name, body}, {"DELETE", "/v1/exposures/" + name, ""}} {
-						w := httptest.NewRecorder()
-						h.ServeHTTP(w, httptest.NewRequest(r[0], r[1], strings.NewReader(r[2])))
-						if w.Code != http.StatusOK {
-							b.Error(r[0], r[1], w.Code, w.Body.String())
-							return
+	for _, loop := range []bool{false, true} {
+		b.Run(fmt.Sprintf("natpath/exposures=%d/clients=%d/loop=%s", n, clients, map[bool]string{false: "off", true: "on"}[loop]), func(b *testing.B) {
+			if loop {
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan struct{})
+				go func() { d.Run(ctx); close(done) }()
+				defer func() { cancel(); <-done }()
+			}
+			var wg sync.WaitGroup
+			var count atomic.Int64
+			b.ResetTimer()
+			start := time.Now()
+			for c := range clients {
+				wg.Go(func() {
+					for i := c; i < b.N; i += clients {
+						name := fmt.Sprintf("x-%d", c)
+						body := fmt.Sprintf(`{"target": "10.213.0.250", "guestPort": 80, "hostPort": %d, "mode": "nat"}`, 40001+c)
+						for _, r := range [][3]string{{"PUT", "/v1/exposures/" + name, body}, {"DELETE", "/v1/exposures/" + name, ""}} {
+							w := httptest.NewRecorder()
+							h.ServeHTTP(w, httptest.NewRequest(r[0], r[1], strings.NewReader(r[2])))
+							if w.Code != http.StatusOK {
+								b.Error(r[0], r[1], w.Code, w.Body.String())
+								return
+							}
+							count.Add(1)
 						}
-						count.Add(1)
 					}
-				}
-			})
-		}
-		wg.Wait()
-		b.ReportMetric(float64(count.Load())/time.Since(start).Seconds(), "changes/s")
-	})
+				})
+			}
+			wg.Wait()
+			b.ReportMetric(float64(count.Load())/time.Since(start).Seconds(), "changes/s")
+		})
+	}
 }
