@@ -99,6 +99,7 @@ func TestJournalReplaysInOrder(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, want, exposureNamesOf(l))
 	assert.Len(t, readFile(t, journalPath(r)), journalHeaderLen)
+	assert.Equal(t, 103, journalHeaderLen, "tests/e2e/fixture_test.go counts on it")
 }
 
 // A crash in the middle of appending leaves a torn last record, never
@@ -272,8 +273,9 @@ func TestJournalGroupCommit(t *testing.T) {
 					return
 				}
 				b := readFile(t, journalPath(r))
-				end := bytes.Index(b, []byte(`"name":"`+name+`"`))
-				if assert.Positive(t, end, name) {
+				key := []byte(`"name":"` + name + `"`)
+				end := bytes.Index(b, key) + len(key)
+				if assert.Greater(t, end, len(key), name) {
 					assert.LessOrEqual(t, int64(end), durable.Load(), "%s acknowledged before its record was synced", name)
 				}
 			}
