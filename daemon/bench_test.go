@@ -188,17 +188,25 @@ func oneMoreExposure(b *testing.B, n int) {
 // BenchmarkChangesPerSecondAPI is BenchmarkChangesPerSecond with engines
 // that answer at once (no root): the daemon's share of a change alone —
 // checked against the index, journaled with group commit (a real fsync in
-// the test's temp dir) and swapped in — at 10,000 exposures, 8 clients.
+// the test's temp dir) and swapped in — at 10 and 10,000 exposures, 8
+// clients.
 func BenchmarkChangesPerSecondAPI(b *testing.B) {
-	const n, clients = 10000, 8
+	for _, n := range []int{10, 10000} {
+		changesPerSecondAPI(b, n)
+	}
+}
+
+func changesPerSecondAPI(b *testing.B, n int) {
+	const clients = 8
+	vms := max(1, n/10)
 	var y strings.Builder
 	y.WriteString("network: {cidr: 10.0.0.1/16}\nvms:\n")
-	for i := 0; i < n/10; i++ {
+	for i := 0; i < vms; i++ {
 		fmt.Fprintf(&y, "  - {name: vm-%d, kernel: /k}\n", i)
 	}
 	y.WriteString("exposures:\n")
 	for i := 0; i < n; i++ {
-		fmt.Fprintf(&y, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%(n/10), 1+i)
+		fmt.Fprintf(&y, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%vms, 1+i)
 	}
 	host, err := config.Parse([]byte(y.String()))
 	if err != nil {
