@@ -3,6 +3,7 @@ package daemon
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -25,6 +26,7 @@ import (
 
 	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/config"
+	"github.com/brokkr/brokkr/netplane"
 )
 
 func put(t *testing.T, r *rig, name, body string) {
@@ -446,4 +448,76 @@ func TestJournalKilled(t *testing.T) {
 		}
 		t.Logf("round %d: killed after %v acknowledged", round, acked)
 	}
+}
+
+// kernelNet is updNet that keeps what the kernel would hold after each
+// UpdateExposures, and takes its time as an nft commit does.
+type kernelNet struct {
+	*updNet
+	mu    sync.Mutex
+	held  map[string]int // name → host port
+	calls int
+}
+
+func (n *kernelNet) UpdateExposures(ctx context.Context, set []netplane.Exposure, remove []string) netplane.Report {
+	time.Sleep(3 * time.Millisecond)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.calls++
+	for _, name := range remove {
+		delete(n.held, name)
+	}
+	for _, e := range set {
+		n.held[e.Name] = int(e.HostPort)
+	}
+	return netplane.Report{}
+}
+
+// Concurrent changes reach the kernel in rounds, each round one
+// UpdateExposures for every change pending, and the kernel ends as the
+// desired state says, each exposure at its latest (clients change the
+// same exposures: the last round publishes the latest).
+func TestChangesReachTheKernelInRounds(t *testing.T) {
+	var kn *kernelNet
+	r, _ := newUpdRig(t, rigConfig, func(o *Options) {
+		kn = &kernelNet{updNet: o.Network.(*updNet), held: map[string]int{}}
+		o.Network = kn
+	})
+	r.d.Pass(context.Background())
+	const clients, each = 8, 12
+	var wg sync.WaitGroup
+	for c := range clients {
+		wg.Go(func() {
+			for i := range each {
+				// Two clients share each name; every change moves it.
+				name := fmt.Sprintf("r-%d", c%4)
+				w := do(t, r.d.Handler(), "PUT", "/v1/exposures/"+name, natOn(20000+1000*c+i))
+				if !assert.Equal(t, http.StatusOK, w.Code, w.Body.String()) {
+					return
+				}
+				if i%4 == 1 {
+					w = do(t, r.d.Handler(), "DELETE", "/v1/exposures/"+name, "")
+					assert.Contains(t, []int{http.StatusOK, http.StatusNotFound}, w.Code, w.Body.String())
+				}
+			}
+		})
+	}
+	wg.Wait()
+	want := map[string]int{}
+	for _, e := range r.d.Desired().Exposures {
+		if strings.HasPrefix(e.Name, "r-") {
+			want[e.Name] = e.HostPort
+		}
+	}
+	kn.mu.Lock()
+	defer kn.mu.Unlock()
+	for name := range kn.held {
+		if !strings.HasPrefix(name, "r-") {
+			delete(kn.held, name) // the rig's own (only the changes publish here)
+		}
+	}
+	require.Len(t, want, 4, "every name ends set")
+	assert.Equal(t, want, kn.held, "the kernel as the desired state says, each at its latest")
+	t.Logf("%d changes, %d UpdateExposures", clients*each+clients*each/4, kn.calls)
+	assert.Less(t, kn.calls, (clients*each)*3/4, "changes pending together share a round")
 }
