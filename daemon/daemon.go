@@ -110,6 +110,13 @@ type Daemon struct {
 	mu      sync.Mutex
 	desired *config.Config
 	model   *spec.Desired // desired, compiled (config.Compile) when it entered
+	// head and headModel are desired and model as changed one exposure at
+	// a time, in place (exposures.go); dirty says they changed since
+	// desired and model were copied from them. Read desired and model
+	// through snapLocked.
+	head      *config.Config
+	headModel *spec.Desired
+	dirty     bool
 	status  api.Status
 	facts   map[string]guestFacts
 	passes  uint64
@@ -214,7 +221,8 @@ func withHost(c, host *config.Config) *config.Config {
 func (d *Daemon) Desired() *config.Config {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	cp := *d.desired
+	c, _ := d.snapLocked()
+	cp := *c
 	return &cp
 }
 
@@ -281,7 +289,8 @@ func (d *Daemon) Run(ctx context.Context) {
 // runs last so its resolver sees the leases of this pass.
 func (d *Daemon) Pass(ctx context.Context) {
 	d.mu.Lock()
-	cp, model, gen := *d.desired, d.model, d.gen
+	c, model := d.snapLocked()
+	cp, gen := *c, d.gen
 	d.mu.Unlock()
 	want := &cp
 	var errs []error
@@ -583,11 +592,7 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	if err := d.persistWhole(next); err != nil {
 		return api.Plan{}, err
 	}
-	d.live = nil
-	d.mu.Lock()
-	d.desired, d.model = next, model
-	d.gen++
-	d.mu.Unlock()
+	d.setWhole(next, model)
 	plan.Applied = true
 	d.log.Info("desired state applied", "vmsAdded", plan.VMs.Added, "vmsChanged", plan.VMs.Changed,
 		"vmsRemoved", plan.VMs.Removed, "exposuresAdded", plan.Exposures.Added,
@@ -646,11 +651,7 @@ func (d *Daemon) SetPower(name string, power spec.Power) error {
 	if err := d.persistWhole(cur); err != nil {
 		return err
 	}
-	d.live = nil
-	d.mu.Lock()
-	d.desired, d.model = cur, model
-	d.gen++
-	d.mu.Unlock()
+	d.setWhole(cur, model)
 	d.Wake()
 	return nil
 }
@@ -661,7 +662,8 @@ var ErrStopped = errors.New("VM is stopped (start it instead)")
 // Restart asks the supervisor to restart a running VM.
 func (d *Daemon) Restart(name string) error {
 	d.mu.Lock()
-	v, ok := d.model.VM(name)
+	_, m := d.snapLocked()
+	v, ok := m.VM(name)
 	d.mu.Unlock()
 	switch {
 	case !ok:

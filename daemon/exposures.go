@@ -51,71 +51,83 @@ func (d *Daemon) PutExposure(e config.Exposure) (api.Plan, error) {
 	d.applyMu.Lock()
 	unlock := sync.OnceFunc(d.applyMu.Unlock)
 	defer unlock()
-	cur, curModel := d.current()
-	next, pos, replaced := cur.WithExposure(e)
+	head, headModel := d.heads()
+	pos := slices.IndexFunc(head.Exposures, func(x config.Exposure) bool { return x.Name == e.Name })
+	replaced := pos >= 0
 	plan := api.Plan{Exposures: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}},
 		VMs: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}}}
+	var was *spec.Exposure
 	switch {
 	case !replaced:
 		plan.Exposures.Added = []string{e.Name}
-	case !reflect.DeepEqual(cur.Exposures[pos], e):
+	case !reflect.DeepEqual(head.Exposures[pos], e):
 		plan.Exposures.Changed = []string{e.Name}
+		old := headModel.Exposures[pos]
+		was = &old
 	default:
 		plan.Applied = true // already so: nothing to persist or publish
 		return plan, nil
 	}
-	live := d.liveExposures(cur, curModel)
+	live := d.liveExposures(head, headModel)
 	me, ok := live.Check(e)
-	var model *spec.Desired
 	if ok {
-		model = withModelExposure(curModel, pos, me, replaced)
 		// The network plane's checks of one exposure (its target against
 		// the guests' addresses) and of the network, which the change
 		// leaves as it is.
-		if errs := d.validateNet(&spec.Desired{Network: model.Network, VMs: model.VMs, Exposures: []spec.Exposure{me}}); len(errs) > 0 {
+		if errs := d.validateNet(&spec.Desired{Network: headModel.Network, VMs: headModel.VMs, Exposures: []spec.Exposure{me}}); len(errs) > 0 {
 			ok = false
 		}
 	}
 	if !ok {
 		// Refused: the whole state is compiled and validated, as an apply
 		// is, for what is wrong, named by position as an apply names it.
+		cur := d.headCopy()
+		next, npos, _ := cur.WithExposure(e)
 		var explain func() config.Errors
 		if replaced {
-			explain = func() config.Errors { return explainReplace(cur, pos, e) }
+			explain = func() config.Errors { return explainReplace(cur, npos, e) }
 		}
-		m, err := d.validateWhole(next, pos, explain)
+		m, err := d.validateWhole(next, npos, explain)
 		if err != nil {
 			return api.Plan{}, err
 		}
 		// Not reached while LiveExposures agrees with Compile (its
 		// property test): go by the whole check.
 		d.log.Error("the exposure index refused a change that the whole desired state accepts; going by the whole", "exposure", e.Name)
-		model, me, d.live = m, m.Exposures[pos], nil
-	}
-	if w := budgetWarning(model); w != "" {
-		plan.Warnings = append(plan.Warnings, w)
+		me, d.live = m.Exposures[npos], nil
 	}
 	plan.Warnings = append(plan.Warnings, d.portWarnings(&spec.Desired{Exposures: []spec.Exposure{me}})...)
 	body, err := json.Marshal(e)
 	if err != nil {
 		return api.Plan{}, err
 	}
-	seq, err := d.record(cur, journalRecord{Put: body})
+	seq, err := d.record(journalRecord{Put: body})
 	if err != nil {
 		return api.Plan{}, err
 	}
-	d.swap(next, model)
+	d.mu.Lock()
+	if replaced {
+		head.Exposures[pos], headModel.Exposures[pos] = e, me
+	} else {
+		head.Exposures, headModel.Exposures = append(head.Exposures, e), append(headModel.Exposures, me)
+	}
+	d.dirty = true
+	d.gen++
+	d.mu.Unlock()
 	if d.live != nil {
 		d.live.Put(e, me)
 	}
-	d.compactIfFull(next)
+	if w := budgetWarning(headModel); w != "" {
+		plan.Warnings = append(plan.Warnings, w)
+	}
+	d.compactIfFull()
 	unlock()
 	if err := d.journal.wait(seq); err != nil {
 		return api.Plan{}, notPersisted(err)
 	}
 	plan.Applied = true
 	d.log.Info("exposure set", "exposure", e.Name, "added", len(plan.Exposures.Added) > 0)
-	d.publishExposure(curModel, e.Name)
+	d.publishExposure(e.Name, was)
 	d.Wake()
 	return plan, nil
 }
@@ -154,23 +166,26 @@ func (d *Daemon) DeleteExposure(name string) (api.Plan, error) {
 	d.applyMu.Lock()
 	unlock := sync.OnceFunc(d.applyMu.Unlock)
 	defer unlock()
-	cur, curModel := d.current()
-	pos := slices.IndexFunc(cur.Exposures, func(x config.Exposure) bool { return x.Name == name })
+	head, headModel := d.heads()
+	pos := slices.IndexFunc(head.Exposures, func(x config.Exposure) bool { return x.Name == name })
 	if pos < 0 {
 		return api.Plan{}, fmt.Errorf("%w: %q", ErrNoSuchExposure, name)
 	}
-	next, _ := cur.WithoutExposure(name)
-	model := *curModel
-	model.Exposures = slices.Delete(slices.Clone(curModel.Exposures), pos, pos+1)
-	seq, err := d.record(cur, journalRecord{Remove: name})
+	was := headModel.Exposures[pos]
+	seq, err := d.record(journalRecord{Remove: name})
 	if err != nil {
 		return api.Plan{}, err
 	}
-	d.swap(next, &model)
+	d.mu.Lock()
+	head.Exposures = slices.Delete(head.Exposures, pos, pos+1)
+	headModel.Exposures = slices.Delete(headModel.Exposures, pos, pos+1)
+	d.dirty = true
+	d.gen++
+	d.mu.Unlock()
 	if d.live != nil {
 		d.live.Remove(name)
 	}
-	d.compactIfFull(next)
+	d.compactIfFull()
 	unlock()
 	if err := d.journal.wait(seq); err != nil {
 		return api.Plan{}, notPersisted(err)
@@ -178,25 +193,67 @@ func (d *Daemon) DeleteExposure(name string) (api.Plan, error) {
 	plan := api.Plan{Applied: true, Exposures: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{name}},
 		VMs: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}}}
 	d.log.Info("exposure removed", "exposure", name)
-	d.publishExposure(curModel, name)
+	d.publishExposure(name, &was)
 	d.Wake()
 	return plan, nil
 }
 
-// current is the desired state and its model. applyMu is held.
-func (d *Daemon) current() (*config.Config, *spec.Desired) {
+// The desired state as changed one exposure at a time lives in the heads
+// (d.head, d.headModel): lists of their own, changed in place under applyMu
+// (and mu, for the readers copying them), so a change costs what changed.
+// Readers take snapshots (snapLocked), copied from the heads once after
+// any number of changes: a pass copies them once, not every change.
+
+// heads are the desired state and its model to change in place, made from
+// the snapshot after a whole change. applyMu is held.
+func (d *Daemon) heads() (*config.Config, *spec.Desired) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	cp := *d.desired
-	return &cp, d.model
+	if d.head == nil {
+		c, m := *d.desired, *d.model
+		c.Exposures, m.Exposures = slices.Clone(c.Exposures), slices.Clone(m.Exposures)
+		d.head, d.headModel = &c, &m
+	}
+	return d.head, d.headModel
 }
 
-// swap makes next (compiled: model) the desired state. applyMu is held.
-func (d *Daemon) swap(next *config.Config, model *spec.Desired) {
+// headCopy is the desired state as it is now, a copy the caller may keep.
+// applyMu is held.
+func (d *Daemon) headCopy() *config.Config {
+	c, _ := d.snapshot()
+	cp := *c
+	return &cp
+}
+
+// snapshot is the desired state and its model as they are now: immutable,
+// the caller may keep them.
+func (d *Daemon) snapshot() (*config.Config, *spec.Desired) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.snapLocked()
+}
+
+// snapLocked is snapshot with mu held: the heads copied when they changed
+// since the last one.
+func (d *Daemon) snapLocked() (*config.Config, *spec.Desired) {
+	if d.dirty {
+		c, m := *d.head, *d.headModel
+		c.Exposures, m.Exposures = slices.Clone(c.Exposures), slices.Clone(m.Exposures)
+		d.desired, d.model, d.dirty = &c, &m, false
+	}
+	return d.desired, d.model
+}
+
+// setWhole makes next (compiled: model) the desired state, replaced whole
+// (apply, power): the heads are made again from it at the next change.
+// applyMu is held.
+func (d *Daemon) setWhole(next *config.Config, model *spec.Desired) {
 	d.mu.Lock()
 	d.desired, d.model = next, model
+	d.head, d.headModel, d.dirty = nil, nil, false
 	d.gen++
 	d.mu.Unlock()
+	d.live = nil
 }
 
 // liveExposures is the index of cur's exposures, built when the desired
@@ -206,20 +263,6 @@ func (d *Daemon) liveExposures(cur *config.Config, model *spec.Desired) *config.
 		d.live = config.NewLiveExposures(cur, model)
 	}
 	return d.live
-}
-
-// withModelExposure is m with me at pos (replaced) or added at pos (the end).
-func withModelExposure(m *spec.Desired, pos int, me spec.Exposure, replaced bool) *spec.Desired {
-	cp := *m
-	if replaced {
-		cp.Exposures = slices.Clone(m.Exposures)
-		cp.Exposures[pos] = me
-	} else {
-		cp.Exposures = make([]spec.Exposure, len(m.Exposures)+1)
-		copy(cp.Exposures, m.Exposures)
-		cp.Exposures[pos] = me
-	}
-	return &cp
 }
 
 // validateNet is the network plane's Validate of m, as config errors.
@@ -267,12 +310,12 @@ func (d *Daemon) validateWhole(next *config.Config, pos int, explain func() conf
 	return model, nil
 }
 
-// record appends rec, a change of cur, to the journal; a journal that
-// cannot take it (a write or an fsync failed before) is first replaced by
-// writing cur whole. applyMu is held.
-func (d *Daemon) record(cur *config.Config, rec journalRecord) (uint64, error) {
+// record appends rec to the journal; a journal that cannot take it (a
+// write or an fsync failed before) is first replaced by writing the desired
+// state whole. applyMu is held.
+func (d *Daemon) record(rec journalRecord) (uint64, error) {
 	if d.journal.broken() != nil {
-		if err := d.persistWhole(cur); err != nil {
+		if err := d.persistWhole(d.headCopy()); err != nil {
 			return 0, err
 		}
 	}
@@ -283,14 +326,14 @@ func (d *Daemon) record(cur *config.Config, rec journalRecord) (uint64, error) {
 	return seq, nil
 }
 
-// compactIfFull writes the desired state (next, just swapped in) whole
-// when the journal is past its bound, which empties it. A failure is
-// logged: the journal still holds every change. applyMu is held.
-func (d *Daemon) compactIfFull(next *config.Config) {
+// compactIfFull writes the desired state whole when the journal is past
+// its bound, which empties it. A failure is logged: the journal still holds
+// every change. applyMu is held.
+func (d *Daemon) compactIfFull() {
 	if !d.journal.full() {
 		return
 	}
-	if err := d.persistWhole(next); err != nil {
+	if err := d.persistWhole(d.headCopy()); err != nil {
 		d.log.Warn("compacting the desired-state journal", "err", err)
 	}
 }
@@ -310,9 +353,10 @@ func notPersisted(err error) error {
 type publisher struct {
 	mu   sync.Mutex
 	cond *sync.Cond
-	// pending maps each exposure changed since the last round began to the
-	// model before its first pending change (what the kernel had then).
-	pending map[string]*spec.Desired
+	// pending maps each exposure changed since the last round began to
+	// what it was before its first pending change (nil: none), what the
+	// kernel had then.
+	pending map[string]*spec.Exposure
 	// started and finished count rounds; busy is a round in flight.
 	started, finished uint64
 	busy              bool
@@ -321,10 +365,11 @@ type publisher struct {
 // publishExposure hands the named exposure, as the desired state has it
 // when its round runs (removed, or changed again by a later change), to
 // the network plane, when it can take one (exposureUpdater), and returns
-// once that round is done; old is the model before the change. The pass
+// once that round is done; was is the exposure before the change (nil:
+// none). The pass
 // woken after it converges the whole state as always, and finds the kernel
 // already so; if this fails, that pass does it.
-func (d *Daemon) publishExposure(old *spec.Desired, name string) {
+func (d *Daemon) publishExposure(name string, was *spec.Exposure) {
 	if _, ok := d.net.(exposureUpdater); !ok {
 		return
 	}
@@ -333,10 +378,10 @@ func (d *Daemon) publishExposure(old *spec.Desired, name string) {
 	defer p.mu.Unlock()
 	if p.cond == nil {
 		p.cond = sync.NewCond(&p.mu)
-		p.pending = map[string]*spec.Desired{}
+		p.pending = map[string]*spec.Exposure{}
 	}
 	if _, ok := p.pending[name]; !ok {
-		p.pending[name] = old
+		p.pending[name] = was
 	}
 	mine := p.started + 1 // a round in flight began before this change
 	for p.finished < mine {
@@ -347,7 +392,7 @@ func (d *Daemon) publishExposure(old *spec.Desired, name string) {
 		p.busy = true
 		p.started++
 		batch := p.pending
-		p.pending = map[string]*spec.Desired{}
+		p.pending = map[string]*spec.Exposure{}
 		p.mu.Unlock()
 		d.publishRound(batch)
 		p.mu.Lock()
@@ -357,33 +402,33 @@ func (d *Daemon) publishExposure(old *spec.Desired, name string) {
 	}
 }
 
-// publishRound publishes the exposures of batch (name → the model before
-// their first change) as the desired state has them now, in one
+// publishRound publishes the exposures of batch (name → what each was
+// before its first change) as the desired state has them now, in one
 // UpdateExposures; when it refuses them together, one at a time, so one
 // refused does not hold back the others.
-func (d *Daemon) publishRound(batch map[string]*spec.Desired) {
+func (d *Daemon) publishRound(batch map[string]*spec.Exposure) {
 	up := d.net.(exposureUpdater)
 	if !d.lockNet(d.opts.Timeout) {
 		return // a pass overran; the next one publishes them
 	}
 	defer d.netMu.Unlock()
+	now := make(map[string]spec.Exposure, len(batch))
 	d.mu.Lock()
-	model := d.model
-	d.mu.Unlock()
-	at := make(map[string]int, len(batch))
-	for name := range batch {
-		at[name] = -1
+	exps := d.model.Exposures
+	if d.headModel != nil {
+		exps = d.headModel.Exposures // changed in place under mu
 	}
-	for i, e := range model.Exposures {
-		if _, ok := at[e.Name]; ok {
-			at[e.Name] = i
+	for _, e := range exps {
+		if _, ok := batch[e.Name]; ok {
+			now[e.Name] = e
 		}
 	}
+	d.mu.Unlock()
 	var set []netplane.Exposure
 	var remove []string
 	for name, old := range batch {
-		if i := at[name]; i >= 0 {
-			if e, ok := d.kernelCarried(model.Exposures[i]); ok {
+		if cur, ok := now[name]; ok {
+			if e, ok := d.kernelCarried(cur); ok {
 				if err := d.takePorts(e); err != nil {
 					// A host program holds its port: not published (the
 					// pass reports it failed, naming the holder).
@@ -395,8 +440,8 @@ func (d *Daemon) publishRound(batch map[string]*spec.Desired) {
 			}
 		}
 		// Gone from the kernel: removed, or now carried by the proxy alone.
-		if i := slices.IndexFunc(old.Exposures, func(e spec.Exposure) bool { return e.Name == name }); i >= 0 {
-			if _, was := d.kernelCarried(old.Exposures[i]); was {
+		if old != nil {
+			if _, was := d.kernelCarried(*old); was {
 				remove = append(remove, name)
 			}
 		}

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -486,6 +487,20 @@ func TestChangesReachTheKernelInRounds(t *testing.T) {
 	r.d.Pass(context.Background())
 	const clients, each = 8, 12
 	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	passes := make(chan struct{})
+	go func() { // passes read the desired state while it changes
+		defer close(passes)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				r.d.Pass(context.Background())
+			}
+		}
+	}()
+	defer func() { close(stop); <-passes }()
 	for c := range clients {
 		wg.Go(func() {
 			for i := range each {
@@ -520,4 +535,25 @@ func TestChangesReachTheKernelInRounds(t *testing.T) {
 	assert.Equal(t, want, kn.held, "the kernel as the desired state says, each at its latest")
 	t.Logf("%d changes, %d UpdateExposures", clients*each+clients*each/4, kn.calls)
 	assert.Less(t, kn.calls, (clients*each)*3/4, "changes pending together share a round")
+}
+
+// Changes of one exposure are made in place on the daemon's own lists;
+// what a reader was given before (a pass's snapshot, Desired) never changes
+// under it, and a reader after sees every change.
+func TestSnapshotsDoNotChangeUnderTheirReaders(t *testing.T) {
+	r := newRig(t, rigConfig)
+	put(t, r, "a", natOn(9001)) // the lists are the daemon's own from here
+	before := r.d.Desired()
+	kept := slices.Clone(before.Exposures)
+	_, model := r.d.snapshot()
+	keptModel := slices.Clone(model.Exposures)
+	put(t, r, "web-nat", natOn(9002)) // in place
+	rm(t, r, "web-auto")              // shifts the rest
+	put(t, r, "b", natOn(9003))       // appended
+	assert.Equal(t, kept, before.Exposures, "a Desired taken before")
+	assert.Equal(t, keptModel, model.Exposures, "a model taken before")
+	assert.Equal(t, []string{"web-nat", "web-proxy", "lo-auto", "ext", "a", "b"}, exposureNamesOf(r.d.Desired()))
+	_, now := r.d.snapshot()
+	assert.Equal(t, 9002, int(now.Exposures[0].HostPort))
+	assert.Equal(t, "b", now.Exposures[5].Name)
 }
