@@ -117,9 +117,9 @@ type Daemon struct {
 	head      *config.Config
 	headModel *spec.Desired
 	dirty     bool
-	status  api.Status
-	facts   map[string]guestFacts
-	passes  uint64
+	status    api.Status
+	facts     map[string]guestFacts
+	passes    uint64
 	// gen counts changes of desired; statusGen is the gen the current
 	// status was converged from (see Generations).
 	gen, statusGen uint64
