@@ -98,6 +98,10 @@ type Daemon struct {
 	journal *journal
 	live    *config.LiveExposures
 	pub     publisher // batches single-exposure changes to the kernel
+	// budget is the descriptor budget's warning for the heads, when
+	// budgetKnown (exposures.go, budgetAfter). applyMu.
+	budget      string
+	budgetKnown bool
 	// parseGate lets one API request at a time parse a config: parsing a
 	// hostile body costs a core for tens of milliseconds, and without the
 	// gate a few such callers take every core from status and the passes.

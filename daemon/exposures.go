@@ -117,7 +117,7 @@ func (d *Daemon) PutExposure(e config.Exposure) (api.Plan, error) {
 	if d.live != nil {
 		d.live.Put(e, me)
 	}
-	if w := budgetWarning(headModel); w != "" {
+	if w := d.budgetAfter(headModel, was, &me); w != "" {
 		plan.Warnings = append(plan.Warnings, w)
 	}
 	d.compactIfFull()
@@ -184,6 +184,9 @@ func (d *Daemon) DeleteExposure(name string) (api.Plan, error) {
 	d.mu.Unlock()
 	if d.live != nil {
 		d.live.Remove(name)
+	}
+	if len(was.ProxyBinds(false, false)) > 0 {
+		d.budgetKnown = false // its share of the descriptor budget went with it
 	}
 	d.compactIfFull()
 	unlock()
@@ -253,7 +256,7 @@ func (d *Daemon) setWhole(next *config.Config, model *spec.Desired) {
 	d.head, d.headModel, d.dirty = nil, nil, false
 	d.gen++
 	d.mu.Unlock()
-	d.live = nil
+	d.live, d.budgetKnown = nil, false
 }
 
 // liveExposures is the index of cur's exposures, built when the desired
@@ -263,6 +266,18 @@ func (d *Daemon) liveExposures(cur *config.Config, model *spec.Desired) *config.
 		d.live = config.NewLiveExposures(cur, model)
 	}
 	return d.live
+}
+
+// budgetAfter is budgetWarning of model (the heads' model, just changed
+// from was to now): the last one again when neither version is proxied,
+// for the descriptor budget counts the proxied exposures alone. applyMu is
+// held.
+func (d *Daemon) budgetAfter(model *spec.Desired, was, now *spec.Exposure) string {
+	proxied := func(e *spec.Exposure) bool { return e != nil && len(e.ProxyBinds(false, false)) > 0 }
+	if !d.budgetKnown || proxied(was) || proxied(now) {
+		d.budget, d.budgetKnown = budgetWarning(model), true
+	}
+	return d.budget
 }
 
 // validateNet is the network plane's Validate of m, as config errors.
