@@ -92,6 +92,16 @@ type Daemon struct {
 	kw        *kernelWakes // nil: the kernel paths do not wake suspended VMs
 
 	applyMu sync.Mutex // serialises apply/start/stop so each persists a whole state
+	// journal holds the changes of one exposure since desired.json was
+	// written whole (journal.go); live indexes the desired exposures for
+	// checking one of them (nil: built at the next change). applyMu.
+	journal *journal
+	live    *config.LiveExposures
+	pub     publisher // batches single-exposure changes to the kernel
+	// budget is the descriptor budget's warning for the heads, when
+	// budgetKnown (exposures.go, budgetAfter). applyMu.
+	budget      string
+	budgetKnown bool
 	// parseGate lets one API request at a time parse a config: parsing a
 	// hostile body costs a core for tens of milliseconds, and without the
 	// gate a few such callers take every core from status and the passes.
@@ -104,9 +114,16 @@ type Daemon struct {
 	mu      sync.Mutex
 	desired *config.Config
 	model   *spec.Desired // desired, compiled (config.Compile) when it entered
-	status  api.Status
-	facts   map[string]guestFacts
-	passes  uint64
+	// head and headModel are desired and model as changed one exposure at
+	// a time, in place (exposures.go); dirty says they changed since
+	// desired and model were copied from them. Read desired and model
+	// through snapLocked.
+	head      *config.Config
+	headModel *spec.Desired
+	dirty     bool
+	status    api.Status
+	facts     map[string]guestFacts
+	passes    uint64
 	// gen counts changes of desired; statusGen is the gen the current
 	// status was converged from (see Generations).
 	gen, statusGen uint64
@@ -138,27 +155,36 @@ func New(opts Options) (*Daemon, error) {
 	if opts.Addresses == nil {
 		opts.Addresses = NewAddressBook()
 	}
-	desired, model, err := loadDesired(opts.Host.StateDir)
+	loaded, err := loadDesired(opts.Host.StateDir)
 	if err != nil {
 		return nil, err
 	}
+	desired, model := loaded.c, loaded.model
+	jnl := newJournal(opts.Host.StateDir)
 	if desired == nil {
 		desired = opts.Host
 		var errs config.Errors
 		if model, errs = config.Compile(desired); len(errs) > 0 {
 			return nil, fmt.Errorf("the config does not validate:\n%w", errs)
 		}
-		if err := saveDesired(opts.Host.StateDir, desired); err != nil {
+		b, err := saveDesired(opts.Host.StateDir, desired)
+		if err != nil {
+			return nil, err
+		}
+		if err := jnl.reset(b); err != nil {
 			return nil, err
 		}
 	} else {
 		opts.Logger.Info("resuming from persisted desired state", "file", opts.Host.StateDir+"/"+DesiredFile,
-			"vms", len(desired.VMs), "exposures", len(desired.Exposures))
+			"vms", len(desired.VMs), "exposures", len(desired.Exposures), "journalChanges", len(loaded.j.records))
 		// With a Source the file's state was only the first one; no warning.
 		if p := diff(withHost(desired, opts.Host), withHost(opts.Host, opts.Host)); opts.Source == nil && (p.NetworkChanged || !p.VMs.Empty() || !p.Exposures.Empty()) {
 			opts.Logger.Warn("the config file differs from the persisted desired state (unless the file changed since it was last applied, the persisted state wins until the next apply or reload: brokkr apply -f FILE, or SIGHUP)",
 				"vmsOnlyInFile", p.VMs.Added, "vmsChangedInFile", p.VMs.Changed, "vmsNotInFile", p.VMs.Removed,
 				"exposuresOnlyInFile", p.Exposures.Added, "exposuresChangedInFile", p.Exposures.Changed, "exposuresNotInFile", p.Exposures.Removed)
+		}
+		if err := openJournal(jnl, opts, desired, loaded); err != nil {
+			return nil, err
 		}
 	}
 	// The process-fixed keys are no part of the model.
@@ -166,7 +192,7 @@ func New(opts Options) (*Daemon, error) {
 	d := &Daemon{
 		opts: opts, log: opts.Logger, host: opts.Host, store: opts.Store,
 		sup: opts.Supervisor, net: opts.Network, px: opts.Proxy, addrs: opts.Addresses,
-		desired: desired, model: model,
+		desired: desired, model: model, journal: jnl,
 		facts:  map[string]guestFacts{},
 		wake:   make(chan struct{}, 1),
 		passed: make(chan struct{}, 1),
@@ -199,7 +225,8 @@ func withHost(c, host *config.Config) *config.Config {
 func (d *Daemon) Desired() *config.Config {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	cp := *d.desired
+	c, _ := d.snapLocked()
+	cp := *c
 	return &cp
 }
 
@@ -266,7 +293,8 @@ func (d *Daemon) Run(ctx context.Context) {
 // runs last so its resolver sees the leases of this pass.
 func (d *Daemon) Pass(ctx context.Context) {
 	d.mu.Lock()
-	cp, model, gen := *d.desired, d.model, d.gen
+	c, model := d.snapLocked()
+	cp, gen := *c, d.gen
 	d.mu.Unlock()
 	want := &cp
 	var errs []error
@@ -527,6 +555,7 @@ func (d *Daemon) Close(ctx context.Context) error {
 	d.pxRun.wait(ctx)
 	d.px.StopAll()
 	d.sup.Stop()
+	d.journal.close()
 	return d.net.Close()
 }
 
@@ -569,13 +598,10 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	if dryRun {
 		return plan, nil
 	}
-	if err := saveDesired(d.host.StateDir, next); err != nil {
+	if err := d.persistWhole(next); err != nil {
 		return api.Plan{}, err
 	}
-	d.mu.Lock()
-	d.desired, d.model = next, model
-	d.gen++
-	d.mu.Unlock()
+	d.setWhole(next, model)
 	plan.Applied = true
 	d.log.Info("desired state applied", "vmsAdded", plan.VMs.Added, "vmsChanged", plan.VMs.Changed,
 		"vmsRemoved", plan.VMs.Removed, "exposuresAdded", plan.Exposures.Added,
@@ -631,13 +657,10 @@ func (d *Daemon) SetPower(name string, power spec.Power) error {
 	if len(errs) > 0 {
 		return errs
 	}
-	if err := saveDesired(d.host.StateDir, cur); err != nil {
+	if err := d.persistWhole(cur); err != nil {
 		return err
 	}
-	d.mu.Lock()
-	d.desired, d.model = cur, model
-	d.gen++
-	d.mu.Unlock()
+	d.setWhole(cur, model)
 	d.Wake()
 	return nil
 }
@@ -648,7 +671,8 @@ var ErrStopped = errors.New("VM is stopped (start it instead)")
 // Restart asks the supervisor to restart a running VM.
 func (d *Daemon) Restart(name string) error {
 	d.mu.Lock()
-	v, ok := d.model.VM(name)
+	_, m := d.snapLocked()
+	v, ok := m.VM(name)
 	d.mu.Unlock()
 	switch {
 	case !ok:

@@ -16,40 +16,92 @@ import (
 // DesiredFile is the name of the persisted desired state under stateDir.
 const DesiredFile = "desired.json"
 
-// loadDesired reads stateDir/desired.json and its model. It returns nils
-// when there is none yet. The file goes through the same parser and
-// validation as a config file, so a hand-edited or older file is held to the
-// same rules.
-func loadDesired(stateDir string) (*config.Config, *spec.Desired, error) {
+// loadedState is the desired state as loadDesired found it.
+type loadedState struct {
+	c     *config.Config
+	model *spec.Desired
+	base  []byte      // desired.json's bytes
+	j     journalRead // the journal beside it
+}
+
+// loadDesired reads stateDir/desired.json and the journal beside it
+// (JournalFile): the file with the journal's records replayed in order is
+// the desired state. It returns a nil c when there is no desired.json yet.
+// The file, and the state after the replay, go through the same parser and
+// validation as a config file, so a hand-edited or older file is held to
+// the same rules.
+func loadDesired(stateDir string) (loadedState, error) {
 	path := filepath.Join(stateDir, DesiredFile)
 	b, err := os.ReadFile(path)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil, nil
+		return loadedState{}, nil
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("reading desired state: %w", err)
+		return loadedState{}, fmt.Errorf("reading desired state: %w", err)
 	}
 	c, m, err := config.Load(b)
 	if err != nil {
-		return nil, nil, fmt.Errorf("%s is not a valid desired state (fix or remove it; the daemon will not guess):\n%w", path, err)
+		return loadedState{}, fmt.Errorf("%s is not a valid desired state (fix or remove it; the daemon will not guess):\n%w", path, err)
 	}
-	return c, m, nil
+	jpath := filepath.Join(stateDir, JournalFile)
+	jr, err := readJournal(jpath, b)
+	if err != nil {
+		return loadedState{}, err
+	}
+	if len(jr.records) > 0 {
+		if c, err = replay(jpath, c, jr.records); err != nil {
+			return loadedState{}, err
+		}
+		var errs config.Errors
+		if m, errs = config.Compile(c); len(errs) > 0 {
+			return loadedState{}, fmt.Errorf("%s with the %d changes of %s replayed is not a valid desired state (fix or remove the journal, losing its changes; the daemon will not guess):\n%w",
+				path, len(jr.records), jpath, errs)
+		}
+	}
+	return loadedState{c: c, model: m, base: b, j: jr}, nil
+}
+
+// encodeDesired is desired.json's content for c.
+func encodeDesired(c *config.Config) ([]byte, error) {
+	b, err := json.Marshal(c)
+	if err != nil {
+		return nil, fmt.Errorf("persisting desired state: %w", err)
+	}
+	return append(indented(b), '\n'), nil
 }
 
 // saveDesired writes the desired state atomically: a temp file in the same
 // directory, fsynced, renamed over the old one, and the directory fsynced, so
-// a crash leaves either the old file or the new one, never a torn one.
-func saveDesired(stateDir string, c *config.Config) error {
+// a crash leaves either the old file or the new one, never a torn one. It
+// returns the bytes written. Only persistWhole calls it: the journal must
+// be reset after it.
+func saveDesired(stateDir string, c *config.Config) ([]byte, error) {
 	if err := os.MkdirAll(stateDir, 0o700); err != nil {
-		return fmt.Errorf("persisting desired state: %w", err)
+		return nil, fmt.Errorf("persisting desired state: %w", err)
 	}
-	b, err := json.Marshal(c)
+	b, err := encodeDesired(c)
 	if err != nil {
-		return fmt.Errorf("persisting desired state: %w", err)
+		return nil, err
 	}
-	b = append(indented(b), '\n')
 	if err := atomicfile.Write(filepath.Join(stateDir, DesiredFile), b, 0o600); err != nil {
-		return fmt.Errorf("persisting desired state: %w", err)
+		return nil, fmt.Errorf("persisting desired state: %w", err)
+	}
+	return b, nil
+}
+
+// persistWhole writes c as desired.json and then resets the journal to
+// apply to it (see JournalFile for why a crash between the two is safe).
+// An error means desired.json was not written: nothing changed. A journal
+// that cannot be reset after is logged and left broken: the change is
+// persisted (the old journal no longer names desired.json), and the next
+// change of one exposure writes the whole state again.
+func (d *Daemon) persistWhole(c *config.Config) error {
+	b, err := saveDesired(d.host.StateDir, c)
+	if err != nil {
+		return err
+	}
+	if err := d.journal.reset(b); err != nil {
+		d.log.Warn("the desired state is written whole, but its journal could not be reset; the next exposure change writes the whole state again", "err", err)
 	}
 	return nil
 }

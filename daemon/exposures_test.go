@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -79,7 +80,17 @@ func do(t *testing.T, h http.Handler, method, path, body string) *httptest.Respo
 	return w
 }
 
+// persisted is what is on disk of the desired state: desired.json and
+// the journal of changes after it.
 func persisted(t *testing.T, r *rig) []byte {
+	t.Helper()
+	b := desiredFile(t, r)
+	j, err := os.ReadFile(filepath.Join(r.host.StateDir, JournalFile))
+	require.NoError(t, err)
+	return append(b, j...)
+}
+
+func desiredFile(t *testing.T, r *rig) []byte {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join(r.host.StateDir, DesiredFile))
 	require.NoError(t, err)
@@ -148,7 +159,7 @@ func TestPutAndDeleteOneExposure(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, []string{"db-extra"}, plan.Exposures.Removed)
 	assert.Equal(t, []string{"web-auto", "web-nat", "web-proxy", "lo-auto", "ext"}, exposureNamesOf(r.d.Desired()))
-	assert.NotContains(t, string(persisted(t, r)), "db-extra")
+	assert.NotContains(t, exposureNamesOf(newRigWith(t, r.host).d.Desired()), "db-extra", "a daemon started again has it removed")
 	assert.Equal(t, "set  -db-extra", un.got()[2])
 
 	// A proxied exposure removed has nothing in the kernel to withdraw.
@@ -316,7 +327,7 @@ func TestDesiredFileIsIndentedAsBefore(t *testing.T) {
 	require.NoError(t, r.d.SetPower("db", "stopped"))
 	want, err := json.MarshalIndent(r.d.Desired(), "", "  ")
 	require.NoError(t, err)
-	assert.Equal(t, string(want)+"\n", string(persisted(t, r)))
+	assert.Equal(t, string(want)+"\n", string(desiredFile(t, r)))
 	assert.Contains(t, string(want), `"cmdline": "a=\"{[,:]}\" b=\\\\ {}[]"`)
 	for _, v := range []any{map[string]any{}, []any{}, map[string]any{"a": []any{}, "b": map[string]any{}, "c": []any{map[string]any{}, 1, "x\\\""}}} {
 		compact, err := json.Marshal(v)
@@ -327,28 +338,58 @@ func TestDesiredFileIsIndentedAsBefore(t *testing.T) {
 	}
 }
 
-// Changes from many clients at once are each whole: every acknowledged
-// exposure is in desired.json when its answer comes, and all of them are
-// there at the end (a daemon started again has every one).
+// Changes from many clients at once are each persisted before they are
+// acknowledged: every acknowledged exposure (and every acknowledged
+// removal) is in the desired state as a restart would read it
+// (desired.json and the journal) when its answer comes, with the journal
+// compacted many times on the way, and a daemon started again has exactly
+// the acknowledged state.
 func TestConcurrentPutsAreEachPersisted(t *testing.T) {
 	r, _ := newUpdRig(t, rigConfig, nil)
+	r.d.journal.maxRecords = 7 // compacted every few changes, under the clients
 	h := r.d.Handler()
+	restartSees := func() map[string]bool {
+		// As a restart would read it; read again if a compaction ran in
+		// between (desired.json read before it, the journal after).
+		var l loadedState
+		for {
+			b := desiredFile(t, r)
+			var err error
+			l, err = loadDesired(r.host.StateDir)
+			require.NoError(t, err)
+			if bytes.Equal(b, desiredFile(t, r)) {
+				break
+			}
+		}
+		names := map[string]bool{}
+		for _, e := range l.c.Exposures {
+			names[e.Name] = true
+		}
+		return names
+	}
 	var wg sync.WaitGroup
 	for c := range 8 {
 		wg.Go(func() {
-			for i := range 5 {
+			for i := range 12 {
 				name := fmt.Sprintf("c%d-%d", c, i)
-				w := do(t, h, "PUT", "/v1/exposures/"+name, fmt.Sprintf(`{"vm": "db", "guestPort": 80, "hostPort": %d, "mode": "nat"}`, 10000+10*c+i))
+				w := do(t, h, "PUT", "/v1/exposures/"+name, fmt.Sprintf(`{"vm": "db", "guestPort": 80, "hostPort": %d, "mode": "nat"}`, 10000+100*c+i))
 				if !assert.Equal(t, http.StatusOK, w.Code, w.Body.String()) {
 					return
 				}
-				b, err := os.ReadFile(filepath.Join(r.host.StateDir, DesiredFile))
-				assert.NoError(t, err)
-				assert.Contains(t, string(b), `"name": "`+name+`"`, "persisted before it is acknowledged")
+				assert.True(t, restartSees()[name], "%s persisted before it is acknowledged", name)
+				if i%3 == 0 {
+					w := do(t, h, "DELETE", "/v1/exposures/"+name, "")
+					if !assert.Equal(t, http.StatusOK, w.Code, w.Body.String()) {
+						return
+					}
+					assert.False(t, restartSees()[name], "%s's removal persisted before it is acknowledged", name)
+				}
 			}
 		})
 	}
 	wg.Wait()
+	want := exposureNamesOf(r.d.Desired())
+	assert.Len(t, want, 5+8*8)
 	again := newRigWith(t, r.host)
-	assert.Len(t, again.d.Desired().Exposures, 5+8*5)
+	assert.Equal(t, want, exposureNamesOf(again.d.Desired()), "the acknowledged state, in its order")
 }

@@ -127,7 +127,8 @@ func (w *Wakes) Route(route func(vm string)) {
 // resumes a VM its idleSuspend suspended).
 func (d *Daemon) WakeVM(vm string) {
 	d.mu.Lock()
-	v, ok := d.model.VM(vm)
+	_, m := d.snapLocked()
+	v, ok := m.VM(vm)
 	d.mu.Unlock()
 	if !ok {
 		return
@@ -164,9 +165,7 @@ func (d *Daemon) VMTraffic(vm string) (supervisor.Traffic, bool) {
 	if d.store == nil {
 		return supervisor.Traffic{}, false
 	}
-	d.mu.Lock()
-	model := d.model
-	d.mu.Unlock()
+	_, model := d.snapshot()
 	var t supervisor.Traffic
 	for _, e := range model.Exposures {
 		if e.Target.VM != vm {
@@ -296,9 +295,7 @@ func (k *kernelWakes) sync() {
 	if k == nil {
 		return
 	}
-	k.d.mu.Lock()
-	model := k.d.model
-	k.d.mu.Unlock()
+	_, model := k.d.snapshot()
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	for _, e := range model.Exposures {
@@ -345,9 +342,7 @@ func (k *kernelWakes) serve(ctx context.Context) {
 			continue
 		}
 		name := k.d.store.NameOf(slot)
-		k.d.mu.Lock()
-		model := k.d.model
-		k.d.mu.Unlock()
+		_, model := k.d.snapshot()
 		for _, e := range model.Exposures {
 			if e.Name == name && e.Target.IsVM() {
 				k.mu.Lock()

@@ -30,7 +30,8 @@ name, without a config file. The flags are the keys of one entry of exposures: i
 config file (vm or target, guestPort, hostPort, mode, protocol, hostAddress, maxConns),
 and a key not given takes its default as in a file. brokkrd validates the change
 against the whole desired state (a host port another exposure holds, a VM that does
-not exist, the limits), persists it with the rest in desired.json and publishes it;
+not exist, the limits), persists it (one record in desired.journal, beside desired.json)
+and publishes it;
 nothing changes unless it is valid.
 
 Refused in fleet mode (the node's desired state is the document in etcd), as a local
@@ -136,7 +137,7 @@ func exposeRmCmd(client func() *api.Client) *cobra.Command {
 	c := &cobra.Command{
 		Use:   "rm NAME",
 		Short: "Remove one exposure (persisted)",
-		Long: `rm removes the exposure NAME from the desired state (persisted in desired.json) and
+		Long: `rm removes the exposure NAME from the desired state (persisted in desired.journal) and
 withdraws it: its port is no longer published and its counters go. Refused in fleet
 mode, as a local apply is. Exit status: 0 done, 1 no such exposure (or refused),
 2 a daemon error.`,
