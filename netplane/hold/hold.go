@@ -9,8 +9,9 @@
 // socket's tiny receive buffer drops what reaches it. They are bound without
 // SO_REUSEADDR, so even a program that sets it cannot bind the port; only
 // where the port is busy with nothing but TIME_WAIT connections (a listener
-// that just went) is the hold taken with SO_REUSEADDR, which still makes
-// such a program's listen() fail.
+// that just went) is the hold taken with SO_REUSEADDR, cleared right after
+// the bind: such a program's bind then passes the port's fast path, but its
+// listen() fails.
 package hold
 
 import (
@@ -319,6 +320,13 @@ func bindSide(sd Side, reuse bool) (*os.File, error) {
 		if err = unix.Bind(fd, sa); err != nil {
 			err = fmt.Errorf("binding %s: %w", sd, err)
 		}
+	}
+	if err == nil && reuse {
+		// Bound past the TIME_WAIT connections; from now on the socket
+		// counts as one without SO_REUSEADDR in the kernel's conflict
+		// checks, so a program's listen() on the port fails (its bind
+		// still passes the bucket's fast path).
+		err = opt(unix.SOL_SOCKET, unix.SO_REUSEADDR, 0)
 	}
 	if err != nil {
 		unix.Close(fd)

@@ -215,6 +215,8 @@ func TestAPortInTimeWaitOnlyIsTaken(t *testing.T) {
 	}))
 	require.True(t, tw, "the server's side is in TIME_WAIT")
 	assert.Empty(t, s.Sync(map[string][]Side{"web": {side("127.0.0.1:9300", "tcp")}}))
+	// Held so, a server (SO_REUSEADDR, then listen) still cannot serve it.
+	assert.ErrorIs(t, bindIn(ns, "tcp4", "127.0.0.1:9300"), unix.EADDRINUSE)
 }
 
 // The held sockets pass to the next process (Files → New) and are claimed

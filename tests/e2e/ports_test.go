@@ -166,7 +166,8 @@ func callOnce(t *testing.T, e *env, addr, msg string) string {
 	defer c.Close()
 	_, err = io.WriteString(c, msg)
 	require.NoError(t, err)
-	_ = c.SetReadDeadline(time.Now().Add(time.Second))
+	// socat forks a shell per caller: seconds on a loaded machine.
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	b, _ := bufio.NewReader(c).ReadString('\n')
 	if b == "" {
 		buf := make([]byte, len(msg))
