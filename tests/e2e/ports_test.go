@@ -37,7 +37,9 @@ exposures:
 // socat answering every caller "squatter".
 func squatter(t *testing.T, ns *nstest.NS, spec string) (pid int, stop func()) {
 	t.Helper()
-	cmd := ns.Command("socat", spec, "SYSTEM:echo squatter")
+	// The shell reads what the caller sends: one that exited first would
+	// make socat's write to it fail and the answer be lost.
+	cmd := ns.Command("socat", spec, "SYSTEM:echo squatter; exec cat >/dev/null")
 	require.NoError(t, cmd.Start())
 	var once bool
 	stop = func() {
