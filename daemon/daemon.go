@@ -576,15 +576,9 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	if !d.lockNet(d.opts.Timeout) {
 		return api.Plan{}, ErrBusy
 	}
-	errs := d.net.Validate(netDesired(model))
+	ce := netErrors(d.net.Validate(netDesired(model)))
 	d.netMu.Unlock()
-	if len(errs) > 0 {
-		// The namespace's facts (foreign links, clashing subnets): netplane's
-		// errors name their field in their text.
-		ce := make(config.Errors, 0, len(errs))
-		for _, e := range errs {
-			ce = append(ce, config.FieldError{Msg: e.Error()})
-		}
+	if len(ce) > 0 {
 		return api.Plan{}, ce
 	}
 	cur := d.Desired()

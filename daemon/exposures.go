@@ -285,8 +285,14 @@ func (d *Daemon) validateNet(m *spec.Desired) config.Errors {
 	if !d.lockNet(d.opts.Timeout) {
 		return config.Errors{{Msg: ErrBusy.Error()}}
 	}
-	errs := d.net.Validate(netDesired(m))
-	d.netMu.Unlock()
+	defer d.netMu.Unlock()
+	return netErrors(d.net.Validate(netDesired(m)))
+}
+
+// netErrors are the network plane's Validate errors as config errors: the
+// namespace's facts (foreign links, clashing subnets), whose text names
+// their field.
+func netErrors(errs []error) config.Errors {
 	if len(errs) == 0 {
 		return nil
 	}
@@ -313,13 +319,9 @@ func (d *Daemon) validateWhole(next *config.Config, pos int, explain func() conf
 	if !d.lockNet(d.opts.Timeout) {
 		return nil, ErrBusy
 	}
-	errs := d.net.Validate(netDesired(model))
+	ce := netErrors(d.net.Validate(netDesired(model)))
 	d.netMu.Unlock()
-	if len(errs) > 0 {
-		ce := make(config.Errors, 0, len(errs))
-		for _, e := range errs {
-			ce = append(ce, config.FieldError{Msg: e.Error()})
-		}
+	if len(ce) > 0 {
 		return nil, ce
 	}
 	return model, nil
