@@ -1,14 +1,17 @@
 // Package procfs reads what brokkr needs of /proc: a process's state,
-// session and start time, and the processes whose command line matches.
-// The supervisor uses it to find and identify VMMs, the tests to find the
-// processes a daemon started.
+// session and start time, the processes whose command line matches, and
+// the processes that hold given sockets. The supervisor uses it to find and
+// identify VMMs, netplane/hold to name who holds a port, the tests to find
+// the processes a daemon started.
 package procfs
 
 import (
 	"bytes"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
+	"strings"
 	"unicode"
 )
 
@@ -89,3 +92,48 @@ func FindProcs(match func(cmdline []byte) bool) []Proc {
 
 // Exited says the process has ended and only waits to be reaped.
 func (s ProcStat) Exited() bool { return s.State == 'Z' || s.State == 'X' }
+
+// Owner is a process that has one of the sockets SocketOwners looked for
+// open, and its command name.
+type Owner struct {
+	PID  int
+	Comm string
+}
+
+// SocketOwners lists, in pid order, the processes that have one of the
+// sockets with the given inodes open (a "socket:[N]" link in
+// /proc/<pid>/fd). It reads every process's descriptors: callers keep what
+// it found rather than ask again each time. A process that goes while it
+// is read is left out.
+func SocketOwners(inodes map[uint64]bool) []Owner {
+	if len(inodes) == 0 {
+		return nil
+	}
+	ents, _ := os.ReadDir("/proc")
+	var out []Owner
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		dir := fmt.Sprintf("/proc/%d/fd/", pid)
+		fds, err := os.ReadDir(dir)
+		if err != nil {
+			continue
+		}
+		for _, fd := range fds {
+			l, err := os.Readlink(dir + fd.Name())
+			if err != nil || !strings.HasPrefix(l, "socket:[") {
+				continue
+			}
+			ino, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimPrefix(l, "socket:["), "]"), 10, 64)
+			if err == nil && inodes[ino] {
+				comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+				out = append(out, Owner{PID: pid, Comm: strings.TrimSpace(string(comm))})
+				break
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b Owner) int { return a.PID - b.PID })
+	return out
+}

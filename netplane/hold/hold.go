@@ -17,6 +17,7 @@ package hold
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"os"
 	"slices"
@@ -26,6 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/brokkr/brokkr/internal/nlsafe"
+	"github.com/brokkr/brokkr/internal/procfs"
 )
 
 // Side is one host side of an exposure.
@@ -67,6 +69,16 @@ type Set struct {
 	// claimed by the first Sync that wants them; the rest are closed by
 	// DropUnclaimed.
 	inherited map[string]*os.File
+	// named is the last InUseError of each side a bind found in use, with
+	// the sockets it was found for: a squatted side is tried every pass,
+	// and naming its holder reads every process's descriptors, which is
+	// done again only when the sockets on the port change.
+	named map[Side]namedErr
+}
+
+type namedErr struct {
+	sockets string // the inodes, in order
+	err     error
 }
 
 // New makes a Set for the namespace at netns ("" = the caller's) with the
@@ -75,7 +87,7 @@ func New(netns string, inherited map[string]*os.File) *Set {
 	if inherited == nil {
 		inherited = map[string]*os.File{}
 	}
-	return &Set{netns: netns, held: map[Side]*os.File{}, inherited: inherited}
+	return &Set{netns: netns, held: map[Side]*os.File{}, inherited: inherited, named: map[Side]namedErr{}}
 }
 
 // Sync holds exactly the sides of want (an exposure's name → its sides) and
@@ -105,24 +117,8 @@ func (s *Set) Sync(want map[string][]Side) map[string]error {
 	slices.Sort(names)
 	failed := map[string]error{}
 	for _, n := range names {
-		var took []Side
-		for _, sd := range want[n] {
-			if _, ok := s.held[sd]; ok {
-				continue
-			}
-			f, err := s.take(sd)
-			if err != nil {
-				failed[n] = err
-				break
-			}
-			s.held[sd] = f
-			took = append(took, sd)
-		}
-		if failed[n] != nil {
-			for _, sd := range took {
-				s.held[sd].Close()
-				delete(s.held, sd)
-			}
+		if err := s.takeAll(want[n]); err != nil {
+			failed[n] = err
 		}
 	}
 	return failed
@@ -134,6 +130,12 @@ func (s *Set) Sync(want map[string][]Side) map[string]error {
 func (s *Set) Take(sides []Side) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.takeAll(sides)
+}
+
+// takeAll holds every side of sides not held yet, or none of them (s.mu
+// held).
+func (s *Set) takeAll(sides []Side) error {
 	var took []Side
 	for _, sd := range sides {
 		if _, ok := s.held[sd]; ok {
@@ -165,29 +167,37 @@ func (s *Set) take(sd Side) (*os.File, error) {
 		var err error
 		f, err = bindSide(sd, false)
 		if !errors.Is(err, unix.EADDRINUSE) {
+			delete(s.named, sd)
 			return err
 		}
-		holders, only := findHolders(sd)
-		if len(holders) == 0 && only {
+		inodes, only := socketsOn(sd)
+		if only {
 			// Nothing but TIME_WAIT: take it with SO_REUSEADDR (see the
 			// package comment).
 			if f, err = bindSide(sd, true); err == nil {
+				delete(s.named, sd)
 				return nil
 			}
-			holders, _ = findHolders(sd)
+			inodes, _ = socketsOn(sd)
 		}
-		return inUse(sd, holders)
+		key := fmt.Sprint(slices.Sorted(maps.Keys(inodes)))
+		if n, ok := s.named[sd]; ok && n.sockets == key {
+			return n.err // the same sockets: the same holders
+		}
+		err = inUse(sd, procfs.SocketOwners(inodes))
+		s.named[sd] = namedErr{key, err}
+		return err
 	})
 	return f, err
 }
 
-func inUse(sd Side, holders []holder) error {
+func inUse(sd Side, holders []procfs.Owner) error {
 	e := &InUseError{Side: sd}
 	var names []string
 	self := len(holders) > 0
 	for _, h := range holders {
-		names = append(names, h.String())
-		self = self && h.pid == os.Getpid()
+		names = append(names, named(h))
+		self = self && h.PID == os.Getpid()
 	}
 	e.Holder, e.Self = strings.Join(names, ", "), self
 	return e
@@ -343,7 +353,7 @@ func Holders(netns string, sd Side) string {
 	_ = nlsafe.Do(netns, func() error {
 		hs, _ := findHolders(sd)
 		for _, h := range hs {
-			names = append(names, h.String())
+			names = append(names, named(h))
 		}
 		return nil
 	})

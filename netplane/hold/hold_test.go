@@ -105,6 +105,10 @@ func TestASquattedSideNamesItsHolderAndIsTakenWhenItGoes(t *testing.T) {
 			var iu *InUseError
 			require.ErrorAs(t, failed["web"], &iu)
 			assert.Equal(t, fmt.Sprintf("%s is in use by pid %d (%s)", sd, pid, comm), iu.Error())
+			// Tried again (every pass): the same sockets, the same holder
+			// (named from what was found, /proc/*/fd not read again).
+			require.ErrorAs(t, s.Sync(map[string][]Side{"web": {sd}})["web"], &iu)
+			assert.Equal(t, fmt.Sprintf("%s is in use by pid %d (%s)", sd, pid, comm), iu.Error())
 			assert.False(t, iu.Self)
 			assert.False(t, s.Holds(sd))
 			assert.Error(t, s.Check(sd), "Check sees the squatter too")

@@ -6,19 +6,14 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/brokkr/brokkr/internal/procfs"
 )
 
-// holder is a process with a socket on a side.
-type holder struct {
-	pid  int
-	comm string
-}
-
-func (h holder) String() string { return fmt.Sprintf("pid %d (%s)", h.pid, h.comm) }
+// named is how a reason names a holder: "pid 812 (nginx)".
+func named(h procfs.Owner) string { return fmt.Sprintf("pid %d (%s)", h.PID, h.Comm) }
 
 // The states of /proc/net/tcp that matter here (include/net/tcp_states.h).
 const tcpTimeWait = 0x06
@@ -32,10 +27,17 @@ type entry struct {
 }
 
 // findHolders finds the processes whose sockets hold sd's port in the
-// calling thread's namespace (/proc/thread-self/net is per namespace) and
-// reports whether everything found there is in TIME_WAIT (no process
-// holds those).
-func findHolders(sd Side) ([]holder, bool) {
+// calling thread's namespace and reports whether everything on the port is
+// in TIME_WAIT (no process holds those).
+func findHolders(sd Side) ([]procfs.Owner, bool) {
+	inodes, only := socketsOn(sd)
+	return procfs.SocketOwners(inodes), only
+}
+
+// socketsOn lists the inodes of the sockets on sd's port in the calling
+// thread's namespace (/proc/thread-self/net is per namespace), and reports
+// whether everything found there is in TIME_WAIT.
+func socketsOn(sd Side) (map[uint64]bool, bool) {
 	var es []entry
 	for _, f := range []string{sd.Proto, sd.Proto + "6"} {
 		es = append(es, readTable("/proc/thread-self/net/"+f)...)
@@ -55,7 +57,7 @@ func findHolders(sd Side) ([]holder, bool) {
 			inodes[e.inode] = true
 		}
 	}
-	return processesWith(inodes), tw > 0 && other == 0
+	return inodes, tw > 0 && other == 0
 }
 
 // overlaps reports whether a bind of a conflicts with a socket bound to b:
@@ -133,38 +135,4 @@ func parseHexAddrPort(s string) (netip.AddrPort, bool) {
 	}
 	addr, _ := netip.AddrFromSlice(b)
 	return netip.AddrPortFrom(addr, uint16(port)), true
-}
-
-// processesWith finds the processes that have one of the socket inodes
-// open, in pid order. A process that goes while it is read is skipped.
-func processesWith(inodes map[uint64]bool) []holder {
-	if len(inodes) == 0 {
-		return nil
-	}
-	dirs, _ := filepath.Glob("/proc/[0-9]*")
-	var out []holder
-	for _, d := range dirs {
-		pid, err := strconv.Atoi(filepath.Base(d))
-		if err != nil {
-			continue
-		}
-		fds, err := os.ReadDir(d + "/fd")
-		if err != nil {
-			continue
-		}
-		for _, fd := range fds {
-			l, err := os.Readlink(d + "/fd/" + fd.Name())
-			if err != nil || !strings.HasPrefix(l, "socket:[") {
-				continue
-			}
-			ino, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimPrefix(l, "socket:["), "]"), 10, 64)
-			if err == nil && inodes[ino] {
-				comm, _ := os.ReadFile(d + "/comm")
-				out = append(out, holder{pid: pid, comm: strings.TrimSpace(string(comm))})
-				break
-			}
-		}
-	}
-	slices.SortFunc(out, func(a, b holder) int { return a.pid - b.pid })
-	return out
 }
