@@ -50,24 +50,7 @@ func (d *Daemon) natFallback() string {
 // host-local callers would each have a cap of their own. The proxy admits
 // every caller against the slot: one cap, exact, at the proxy's cost.
 func byProxy(m *spec.Desired) (*spec.Desired, []string) {
-	var moved []string
-	var exps []spec.Exposure
-	for i, e := range m.Exposures {
-		if e.Mode != spec.ModeAuto || e.MaxConns == 0 || !e.UsesKernel() {
-			continue
-		}
-		if exps == nil {
-			exps = slices.Clone(m.Exposures)
-		}
-		exps[i].AllByProxy = true
-		moved = append(moved, e.Name)
-	}
-	if exps == nil {
-		return m, nil
-	}
-	out := *m
-	out.Exposures = exps
-	return &out, moved
+	return toProxy(m, func(e spec.Exposure) bool { return e.Mode == spec.ModeAuto && e.MaxConns != 0 && e.UsesKernel() })
 }
 
 // restrictedByProxy is m with the exposures the kernel would carry that
@@ -76,17 +59,26 @@ func byProxy(m *spec.Desired) (*spec.Desired, []string) {
 // is enforced by the nat path's BPF programs, which do not load there, so
 // the proxy (which checks it at accept) carries them rather than nobody.
 func restrictedByProxy(m *spec.Desired) (*spec.Desired, []string) {
+	return toProxy(m, func(e spec.Exposure) bool { return len(e.AllowFrom) != 0 && e.UsesKernel() })
+}
+
+// toProxy is m with the exposures move picks carried by the proxy, and
+// their names; m itself is not changed (cloned at the first one moved). An
+// auto exposure stays auto, carried wholly by the proxy (AllByProxy keeps
+// auto's listeners: the host side and ::1 beside 0.0.0.0); any other
+// becomes a proxy exposure on its host side.
+func toProxy(m *spec.Desired, move func(spec.Exposure) bool) (*spec.Desired, []string) {
 	var moved []string
 	var exps []spec.Exposure
 	for i, e := range m.Exposures {
-		if len(e.AllowFrom) == 0 || !e.UsesKernel() {
+		if !move(e) {
 			continue
 		}
 		if exps == nil {
 			exps = slices.Clone(m.Exposures)
 		}
 		if e.Mode == spec.ModeAuto {
-			exps[i].AllByProxy = true // keeps auto's ::1 listener
+			exps[i].AllByProxy = true
 		} else {
 			exps[i].Mode = spec.ModeProxy
 		}

@@ -167,11 +167,7 @@ func (r *udpRelay) flow(key flowKey) *udpFlow {
 		return f
 	}
 	ex, slot := r.ex, r.ex.ctr.slot
-	local := key.local
-	if !local.IsValid() {
-		local = addrOf(r.conn.LocalAddr())
-	}
-	if a := ex.allow.Load(); a != nil && !hostLocal(key.client.Addr(), local) && !a.allows(key.client.Addr()) {
+	if a := ex.allow.Load(); a != nil && !hostLocal(key.client.Addr(), r.localAddr(key)) && !a.allows(key.client.Addr()) {
 		slot.AddDenied(1) // each datagram of a source not allowed, as on the nat path
 		r.m.logs.event(slog.LevelInfo, ex.id, evDenied, "proxy: UDP datagram from outside allowFrom dropped", "from", key.client.Addr())
 		return nil
@@ -330,4 +326,14 @@ func pktinfoCmsg(local netip.Addr) []byte {
 	pi := (*unix.Inet6Pktinfo)(unsafe.Pointer(&b[unix.CmsgLen(0)]))
 	pi.Addr = local.As16()
 	return b
+}
+
+// localAddr is the address a flow's datagrams were sent to: the one the
+// wildcard socket's pktinfo gave, else the socket's own (asked only for a
+// restricted exposure's new flow).
+func (r *udpRelay) localAddr(key flowKey) netip.Addr {
+	if key.local.IsValid() {
+		return key.local
+	}
+	return addrOf(r.conn.LocalAddr())
 }
