@@ -125,41 +125,11 @@ func BenchmarkOneMoreExposure(b *testing.B) {
 }
 
 func oneMoreExposure(b *testing.B, n int) {
-	vms := max(1, n/10)
-	var y strings.Builder
-	y.WriteString("network: {cidr: 10.0.0.1/16}\nvms:\n")
-	for i := 0; i < vms; i++ {
-		fmt.Fprintf(&y, "  - {name: vm-%d, kernel: /k}\n", i)
-	}
-	y.WriteString("exposures:\n")
-	for i := 0; i < n; i++ {
-		fmt.Fprintf(&y, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%vms, 1+i)
-	}
-	doc := y.String()
+	doc := natDoc(n)
 	more := doc + "  - {name: extra, vm: vm-0, guestPort: 80, hostPort: 65000, mode: nat}\n"
 	for _, path := range []string{"put", "apply"} {
 		b.Run(fmt.Sprintf("%s/exposures=%d", path, n), func(b *testing.B) {
-			host, err := config.Parse([]byte(doc))
-			if err != nil {
-				b.Fatal(err)
-			}
-			run, err := os.MkdirTemp("", "brk-b-")
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer os.RemoveAll(run)
-			host.StateDir, host.RunDir = b.TempDir(), run
-			addrs := NewAddressBook()
-			store := bpf.NewInMemory("bench")
-			defer store.Close()
-			un := &updNet{recNet: &recNet{calls: &calls{}, leased: true}}
-			d, err := New(Options{Host: host, Store: store, Supervisor: &recSup{calls: &calls{}}, Network: un,
-				Proxy: &recProxy{calls: &calls{}, resolve: addrs.Resolve}, Addresses: addrs,
-				Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-			if err != nil {
-				b.Fatal(err)
-			}
-			d.Pass(context.Background())
+			d := benchDaemon(b, doc)
 			h := d.Handler()
 			call := func(method, path, body string) {
 				w := httptest.NewRecorder()
@@ -198,37 +168,7 @@ func BenchmarkChangesPerSecondAPI(b *testing.B) {
 
 func changesPerSecondAPI(b *testing.B, n int) {
 	const clients = 8
-	vms := max(1, n/10)
-	var y strings.Builder
-	y.WriteString("network: {cidr: 10.0.0.1/16}\nvms:\n")
-	for i := 0; i < vms; i++ {
-		fmt.Fprintf(&y, "  - {name: vm-%d, kernel: /k}\n", i)
-	}
-	y.WriteString("exposures:\n")
-	for i := 0; i < n; i++ {
-		fmt.Fprintf(&y, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%vms, 1+i)
-	}
-	host, err := config.Parse([]byte(y.String()))
-	if err != nil {
-		b.Fatal(err)
-	}
-	run, err := os.MkdirTemp("", "brk-b-")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer os.RemoveAll(run)
-	host.StateDir, host.RunDir = b.TempDir(), run
-	addrs := NewAddressBook()
-	store := bpf.NewInMemory("bench")
-	defer store.Close()
-	un := &updNet{recNet: &recNet{calls: &calls{}, leased: true}}
-	d, err := New(Options{Host: host, Store: store, Supervisor: &recSup{calls: &calls{}}, Network: un,
-		Proxy: &recProxy{calls: &calls{}, resolve: addrs.Resolve}, Addresses: addrs,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		b.Fatal(err)
-	}
-	d.Pass(context.Background())
+	d := benchDaemon(b, natDoc(n))
 	h := d.Handler()
 	b.Run(fmt.Sprintf("exposures=%d/clients=%d", n, clients), func(b *testing.B) {
 		var wg sync.WaitGroup
@@ -254,4 +194,48 @@ func changesPerSecondAPI(b *testing.B, n int) {
 		wg.Wait()
 		b.ReportMetric(float64(count.Load())/time.Since(start).Seconds(), "changes/s")
 	})
+}
+
+// natDoc is a config of n nat exposures over n/10 VMs (at least one), on
+// host ports 1.. .
+func natDoc(n int) string {
+	vms := max(1, n/10)
+	var y strings.Builder
+	y.WriteString("network: {cidr: 10.0.0.1/16}\nvms:\n")
+	for i := 0; i < vms; i++ {
+		fmt.Fprintf(&y, "  - {name: vm-%d, kernel: /k}\n", i)
+	}
+	y.WriteString("exposures:\n")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&y, "  - {name: e-%d, vm: vm-%d, guestPort: 80, hostPort: %d, mode: nat}\n", i, i%vms, 1+i)
+	}
+	return y.String()
+}
+
+// benchDaemon is a daemon on doc with engines that answer at once (an
+// updater network plane), after its first pass.
+func benchDaemon(b *testing.B, doc string) *Daemon {
+	b.Helper()
+	host, err := config.Parse([]byte(doc))
+	if err != nil {
+		b.Fatal(err)
+	}
+	run, err := os.MkdirTemp("", "brk-b-")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { os.RemoveAll(run) })
+	host.StateDir, host.RunDir = b.TempDir(), run
+	addrs := NewAddressBook()
+	store := bpf.NewInMemory("bench")
+	b.Cleanup(func() { store.Close() })
+	un := &updNet{recNet: &recNet{calls: &calls{}, leased: true}}
+	d, err := New(Options{Host: host, Store: store, Supervisor: &recSup{calls: &calls{}}, Network: un,
+		Proxy: &recProxy{calls: &calls{}, resolve: addrs.Resolve}, Addresses: addrs,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		b.Fatal(err)
+	}
+	d.Pass(context.Background())
+	return d
 }
