@@ -93,9 +93,13 @@ func validateAll(desired []Spec) (checks []checked, errs []error, owners []bool)
 
 // guestAddr is where a connection for t goes now ("" = nowhere yet): for
 // an IPv6 caller (v6) the guest's IPv6 address where it has one, else its
-// IPv4 address, as for every IPv4 caller.
+// IPv4 address, as for every IPv4 caller; a fixed target the same way
+// (its one address when it has one family only).
 func (m *Manager) guestAddr(t spec.Target, v6 bool) string {
 	if !t.IsVM() {
+		if (v6 || !t.Addr.IsValid()) && t.Addr6.IsValid() {
+			return t.Addr6.String()
+		}
 		return t.Addr.String()
 	}
 	if v6 && m.resolve6 != nil {

@@ -21,11 +21,25 @@ func TestRulesOnceCheckedByTheEnginesNameTheirField(t *testing.T) {
 		{"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, maxConns: 1048577}]",
 			"exposures[0].maxConns: 1048577 is outside 0 (unlimited)..1048576"},
 		{"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::'}]",
-			"exposures[0].hostAddress: :: is not IPv4 (guests are IPv4-only)"},
+			"exposures[0].hostAddress: :: is IPv6 and the exposure has no target6; give target6, or mode proxy"},
 		{"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '2001:db8::1', mode: nat}]",
-			"exposures[0].hostAddress: 2001:db8::1 is not IPv4 (guests are IPv4-only)"},
+			"exposures[0].hostAddress: 2001:db8::1 is IPv6 and the exposure has no target6; give target6, or mode proxy"},
 		{"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::ffff:192.0.2.1'}]",
-			"exposures[0].hostAddress: ::ffff:192.0.2.1 is not IPv4 (guests are IPv4-only)"},
+			`exposures[0].hostAddress: "::ffff:192.0.2.1" is an IPv4-mapped IPv6 address; write it as IPv4`},
+		{"network: {cidr6: ''}\nvms: [{name: a, kernel: /k}]\nexposures: [{name: e, vm: a, guestPort: 1, hostPort: 2, hostAddress: '::'}]",
+			`exposures[0].hostAddress: :: is IPv6 and network.cidr6 is "" (the guests have no IPv6); use "" or an IPv4 address, or mode proxy`},
+		{"exposures: [{name: e, target6: 'fd00:6272:6b72::c8', guestPort: 1, hostPort: 2, hostAddress: 0.0.0.0}]",
+			`exposures[0].hostAddress: 0.0.0.0 is IPv4 and the exposure has only target6; give target, or use "" or an IPv6 address`},
+		{"exposures: [{name: e, target6: '2001:db8::c8', guestPort: 1, hostPort: 2}]",
+			`exposures[0].target6: "2001:db8::c8" is not inside network.cidr6 fd00:6272:6b72::1/64`},
+		{"exposures: [{name: e, target6: 10.213.0.9, guestPort: 1, hostPort: 2}]",
+			`exposures[0].target6: "10.213.0.9" is not an IPv6 address`},
+		{"exposures: [{name: e, target6: 'fd00:6272:6b72::1', guestPort: 1, hostPort: 2}]",
+			`exposures[0].target6: "fd00:6272:6b72::1" is the bridge's or the subnet-router anycast address of network.cidr6`},
+		{"network: {cidr6: ''}\nexposures: [{name: e, target6: 'fd00:6272:6b72::c8', guestPort: 1, hostPort: 2}]",
+			`exposures[0].target6: "fd00:6272:6b72::c8": network.cidr6 is "" (no IPv6 on the bridge)`},
+		{"vms: [{name: a, kernel: /k}]\nexposures: [{name: e, vm: a, target6: 'fd00:6272:6b72::c8', guestPort: 1, hostPort: 2}]",
+			`exposures[0]: vm "a" and target "fd00:6272:6b72::c8" are both set; give exactly one`},
 	}
 	for _, c := range cases {
 		assert.Equal(t, []string{c.want}, errorsOf(t, c.in), c.in)
@@ -35,6 +49,11 @@ func TestRulesOnceCheckedByTheEnginesNameTheirField(t *testing.T) {
 		"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::', mode: proxy}]",
 		"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::1'}]",
 		"exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, maxConns: 1048576}]",
+		// Both families: each is published where the exposure has a guest
+		// address of it.
+		"exposures: [{name: e, target: 10.213.0.9, target6: 'fd00:6272:6b72::c8', guestPort: 1, hostPort: 2, hostAddress: '::', mode: nat}]",
+		"exposures: [{name: e, target6: 'fd00:6272:6b72::c8', guestPort: 1, hostPort: 2}]",
+		"vms: [{name: a, kernel: /k}]\nexposures: [{name: e, vm: a, guestPort: 1, hostPort: 2, hostAddress: '::'}]",
 	} {
 		_, err := Parse([]byte(ok))
 		assert.NoError(t, err, ok)
@@ -59,7 +78,7 @@ exposures:
 		Disk:  &spec.Disk{Source: spec.Source{Location: "/d"}, Size: 2 << 30},
 		Power: spec.PowerStopped, Restart: spec.RestartNever}}, m.VMs)
 	assert.Equal(t, []spec.Exposure{
-		{Name: "a", Target: spec.Target{VM: "web"}, Proto: spec.TCP, HostAddr: netip.IPv4Unspecified(),
+		{Name: "a", Target: spec.Target{VM: "web"}, Proto: spec.TCP,
 			HostPort: 8080, GuestPort: 80, Mode: spec.ModeAuto, MaxConns: DefaultMaxConns},
 		{Name: "b", Target: spec.Target{Addr: netip.MustParseAddr("10.9.3.4")}, Proto: spec.UDP,
 			HostAddr: netip.MustParseAddr("127.0.0.1"), HostPort: 5353, GuestPort: 53, Mode: spec.ModeProxy},
@@ -117,24 +136,30 @@ func FuzzCompile(f *testing.F) {
 			}
 			names[e.Name] = true
 			if (e.Proto != spec.TCP && e.Proto != spec.UDP) || e.HostPort == 0 || e.GuestPort == 0 ||
-				e.MaxConns < 0 || e.MaxConns > spec.MaxConnsLimit || !e.HostAddr.IsValid() {
+				e.MaxConns < 0 || e.MaxConns > spec.MaxConnsLimit || (e.HostAddr.IsValid() && e.HostAddr.Zone() != "") {
 				t.Fatalf("accepted exposure %+v", e)
 			}
 			switch {
-			case e.Target.IsVM() == e.Target.Addr.IsValid():
-				t.Fatalf("target is not exactly one of a VM and an address: %+v", e.Target)
+			case e.Target.IsVM() == (e.Target.Addr.IsValid() || e.Target.Addr6.IsValid()):
+				t.Fatalf("target is not exactly one of a VM and addresses: %+v", e.Target)
 			case e.Target.IsVM() && !vms[e.Target.VM]:
 				t.Fatalf("accepted target VM %q that is not in vms", e.Target.VM)
-			case !e.Target.IsVM() && (!p.Masked().Contains(e.Target.Addr) || e.Target.Addr == p.Addr()):
+			case e.Target.Addr.IsValid() && (!p.Masked().Contains(e.Target.Addr) || e.Target.Addr == p.Addr()):
 				t.Fatalf("accepted target %s for %s", e.Target.Addr, p)
 			}
-			if e.UsesKernel() && (!e.HostAddr.Is4() || e.HostAddr.IsLoopback()) {
+			v4, v6 := e.HostFamilies()
+			switch {
+			case e.UsesKernel() && e.HostAddr.IsLoopback():
 				t.Fatalf("the kernel path was given host address %s", e.HostAddr)
+			case e.UsesKernel() && !e.Target.IsVM() && ((v4 && !v6 && !e.Target.Addr.IsValid()) || (v6 && !v4 && !e.Target.Addr6.IsValid())):
+				t.Fatalf("the kernel path was given host address %s with no guest address of its family: %+v", e.HostAddr, e.Target)
 			}
 			// One bind per (protocol, address, port) across every path.
 			claims := e.ProxyBinds(true, false)
-			if e.UsesKernel() {
+			if e.UsesKernel() && e.HostAddr.IsValid() {
 				claims = append(claims, e.HostAddr)
+			} else if e.UsesKernel() {
+				claims = append(claims, netip.IPv4Unspecified(), netip.IPv6Unspecified())
 			}
 			for _, a := range claims {
 				k := bind{e.Proto, a.Unmap(), e.HostPort}

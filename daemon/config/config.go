@@ -33,7 +33,7 @@ const (
 	DefaultPower           = string(spec.PowerRunning)
 	DefaultRestart         = string(spec.RestartAlways)
 	DefaultProtocol        = string(spec.TCP)
-	DefaultHostAddress     = "0.0.0.0"
+	DefaultHostAddress     = "" // every host address of both families
 	DefaultMode            = string(spec.ModeAuto)
 	DefaultMaxConns        = 256
 	MaxExposureNameLen     = 63
@@ -131,6 +131,7 @@ type Exposure struct {
 	Name        string `yaml:"name" json:"name"`
 	VM          string `yaml:"vm" json:"vm,omitempty"`
 	Target      string `yaml:"target" json:"target,omitempty"`
+	Target6     string `yaml:"target6" json:"target6,omitempty"`
 	Protocol    string `yaml:"protocol" json:"protocol"`
 	GuestPort   int    `yaml:"guestPort" json:"guestPort"`
 	HostPort    int    `yaml:"hostPort" json:"hostPort"`

@@ -67,7 +67,7 @@ func TestDesignExampleParses(t *testing.T) {
 	assert.Equal(t, "tcp", c.Exposures[1].Protocol, "protocol defaults to tcp")
 	assert.Equal(t, "auto", c.Exposures[1].Mode)
 	assert.Equal(t, 256, *c.Exposures[1].MaxConns, "maxConns defaults to 256")
-	assert.Equal(t, "0.0.0.0", c.Exposures[1].HostAddress)
+	assert.Equal(t, "", c.Exposures[1].HostAddress, "hostAddress defaults to every address of both families")
 }
 
 func TestEmptyIsDefaults(t *testing.T) {
@@ -221,7 +221,11 @@ func TestHostPortOverlap(t *testing.T) {
 		{"same address and port", ex("x", "127.0.0.1", "tcp", 80) + ex("y", "127.0.0.1", "tcp", 80), false},
 		{"wildcard overlaps a specific address", ex("x", "0.0.0.0", "tcp", 80) + ex("y", "127.0.0.1", "tcp", 80), false},
 		{"specific then wildcard", ex("x", "10.0.0.1", "tcp", 80) + ex("y", "0.0.0.0", "tcp", 80), false},
-		{"ipv6 wildcard overlaps ipv4", ex("x", "10.0.0.1", "tcp", 80) + ex("y", "'::'", "tcp", 80), false},
+		{"ipv6 wildcard overlaps ipv6", ex("x", "'::1'", "tcp", 80) + ex("y", "'::'", "tcp", 80), false},
+		{"ipv6 wildcard leaves ipv4 alone (IPV6_V6ONLY)", ex("x", "10.0.0.1", "tcp", 80) + ex("y", "'::'", "tcp", 80), true},
+		{"every address overlaps ipv4", ex("x", "10.0.0.1", "tcp", 80) + ex("y", "''", "tcp", 80), false},
+		{"every address overlaps ipv6", ex("x", "'::1'", "tcp", 80) + ex("y", "''", "tcp", 80), false},
+		{"every address by default", ex("x", "'::'", "tcp", 80) + "  - {name: y, vm: a, guestPort: 1, hostPort: 80, mode: proxy}\n", false},
 		{"auto on 0.0.0.0 also takes ::1", ex("x", "'::1'", "tcp", 80) + "  - {name: y, vm: a, guestPort: 1, hostPort: 80, mode: auto}\n", false},
 		{"different protocols", ex("x", "0.0.0.0", "tcp", 80) + ex("y", "0.0.0.0", "udp", 80), true},
 		{"different addresses", ex("x", "127.0.0.1", "tcp", 80) + ex("y", "127.0.0.2", "tcp", 80), true},

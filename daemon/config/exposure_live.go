@@ -29,9 +29,9 @@ type LiveExposures struct {
 // returned no errors), whose exposures are c's in the same order.
 func NewLiveExposures(c *Config, model *spec.Desired) *LiveExposures {
 	var col collector // c compiled: nothing is reported
-	_, cidr := compileNetwork(c.Network, &col)
+	network, cidr := compileNetwork(c.Network, &col)
 	_, vms := compileVMs(c.VMs, &col)
-	l := &LiveExposures{ix: newExposureIndex(cidr, c.Network.CIDR, vms), keys: make(map[string]portKey, len(c.Exposures))}
+	l := &LiveExposures{ix: newExposureIndex(cidr, c.Network.CIDR, network.CIDR6, vms), keys: make(map[string]portKey, len(c.Exposures))}
 	for i, e := range c.Exposures {
 		l.ix.insert(e, model.Exposures[i], i)
 		l.keys[e.Name] = portKey{e.Protocol, e.HostPort}

@@ -14,6 +14,7 @@ import (
 type exposureIndex struct {
 	cidr     netip.Prefix // the valid network.cidr, or the zero Prefix
 	cidrText string       // network.cidr as written, for messages
+	cidr6    netip.Prefix // the valid network.cidr6; the zero Prefix: IPv4 only
 	vms      map[string]int
 	names    map[string]int // name → position in the exposures list
 	// binds are the host sides claimed, by (protocol, port): an overlap is
@@ -37,15 +38,19 @@ type hostBind struct {
 	addrText string // hostAddress as written
 }
 
-func newExposureIndex(cidr netip.Prefix, cidrText string, vms map[string]int) *exposureIndex {
-	return &exposureIndex{cidr: cidr, cidrText: cidrText, vms: vms, names: map[string]int{}, binds: map[portKey][]hostBind{}}
+func newExposureIndex(cidr netip.Prefix, cidrText string, cidr6 netip.Prefix, vms map[string]int) *exposureIndex {
+	return &exposureIndex{cidr: cidr, cidrText: cidrText, cidr6: cidr6, vms: vms, names: map[string]int{}, binds: map[portKey][]hostBind{}}
 }
 
-// claims are the host addresses e takes on its port (auto on 0.0.0.0 also
-// takes ::1 for IPv6 loopback callers); nil when e's host side is invalid.
+// claims are the host addresses e takes on its port ("" both unspecified
+// ones; auto on 0.0.0.0 also takes ::1 for IPv6 loopback callers); nil
+// when e's host side is invalid.
 func claims(e Exposure, me spec.Exposure) []netip.Addr {
-	if !me.HostAddr.IsValid() || e.HostPort < 1 || e.HostPort > 65535 || (e.Protocol != "tcp" && e.Protocol != "udp") {
+	if (!me.HostAddr.IsValid() && e.HostAddress != "") || e.HostPort < 1 || e.HostPort > 65535 || (e.Protocol != "tcp" && e.Protocol != "udp") {
 		return nil
+	}
+	if !me.HostAddr.IsValid() {
+		return []netip.Addr{netip.IPv4Unspecified(), netip.IPv6Unspecified()}
 	}
 	ha := me.HostAddr.Unmap()
 	out := []netip.Addr{ha}
@@ -82,11 +87,17 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 	if e.HostPort < 1 || e.HostPort > 65535 {
 		col.add(p+".hostPort", "%d is out of range (1..65535)", e.HostPort)
 	}
-	ha, err := netip.ParseAddr(e.HostAddress)
+	var ha netip.Addr // "": every host address of both families
+	var err error
+	if e.HostAddress != "" {
+		ha, err = netip.ParseAddr(e.HostAddress)
+	}
 	if err != nil || ha.Zone() != "" {
 		col.add(p+".hostAddress", "%q is not an IP address", e.HostAddress)
 	} else if ha.IsMulticast() {
 		col.add(p+".hostAddress", "%q is a multicast address", e.HostAddress)
+	} else if ha.Is4In6() {
+		col.add(p+".hostAddress", "%q is an IPv4-mapped IPv6 address; write it as IPv4", e.HostAddress)
 	} else {
 		me.HostAddr = ha
 	}
@@ -94,9 +105,8 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 		col.add(p+".mode", "%q is not one of auto, nat, proxy", e.Mode)
 	} else if me.Mode == spec.ModeNAT && err == nil && ha.IsLoopback() {
 		col.add(p+".mode", "nat cannot publish on loopback %s (brokkr never sets route_localnet); use proxy or auto", e.HostAddress)
-	} else if me.HostAddr.IsValid() && me.UsesKernel() && !me.HostAddr.Is4() {
-		// The kernel path publishes IPv4 only: the guests have no IPv6.
-		col.add(p+".hostAddress", "%s is not IPv4 (guests are IPv4-only)", me.HostAddr)
+	} else if me.HostAddr.IsValid() && me.UsesKernel() {
+		ix.checkFamilies(p, e, me, col)
 	}
 	// Set after the mode's checks: auto's address rules are auto's, with a
 	// header or without (removing one must not make a config invalid).
@@ -164,18 +174,41 @@ func (ix *exposureIndex) checkAllowFrom(p string, e Exposure, col *collector) []
 	return out
 }
 
-// checkTarget checks vm or target and sets me.Target.Addr.
+// checkFamilies checks that the kernel path, which cannot translate
+// between families, has a guest address of the family hostAddress names.
+// ("" publishes each family the exposure has a guest address of.)
+func (ix *exposureIndex) checkFamilies(p string, e Exposure, me spec.Exposure, col *collector) {
+	a := me.HostAddr
+	switch {
+	case a.Is6() && e.VM != "" && !ix.cidr6.IsValid():
+		col.add(p+".hostAddress", `%s is IPv6 and network.cidr6 is "" (the guests have no IPv6); use "" or an IPv4 address, or mode proxy`, e.HostAddress)
+	case a.Is6() && e.VM == "" && e.Target6 == "":
+		col.add(p+".hostAddress", "%s is IPv6 and the exposure has no target6; give target6, or mode proxy", e.HostAddress)
+	case a.Is4() && e.VM == "" && e.Target == "" && e.Target6 != "":
+		col.add(p+".hostAddress", "%s is IPv4 and the exposure has only target6; give target, or use \"\" or an IPv6 address", e.HostAddress)
+	}
+}
+
+// checkTarget checks vm or target/target6 and sets me.Target's addresses.
 func (ix *exposureIndex) checkTarget(p string, e Exposure, me *spec.Exposure, col *collector) {
 	switch {
-	case e.VM == "" && e.Target == "":
-		col.add(p, "one of vm or target is required")
-	case e.VM != "" && e.Target != "":
-		col.add(p, "vm %q and target %q are both set; give exactly one", e.VM, e.Target)
+	case e.VM == "" && e.Target == "" && e.Target6 == "":
+		col.add(p, "one of vm or target (or target6) is required")
+	case e.VM != "" && (e.Target != "" || e.Target6 != ""):
+		t := e.Target
+		if t == "" {
+			t = e.Target6
+		}
+		col.add(p, "vm %q and target %q are both set; give exactly one", e.VM, t)
 	case e.VM != "":
 		if _, ok := ix.vms[e.VM]; !ok {
 			col.add(p+".vm", "%q is not a VM in vms", e.VM)
 		}
 	default:
+		ix.checkTarget6(p, e, me, col)
+		if e.Target == "" {
+			return
+		}
 		t, err := netip.ParseAddr(e.Target)
 		cidr := ix.cidr
 		switch {
@@ -188,6 +221,28 @@ func (ix *exposureIndex) checkTarget(p string, e Exposure, me *spec.Exposure, co
 		default:
 			me.Target.Addr = t
 		}
+	}
+}
+
+// checkTarget6 checks target6: an IPv6 address in network.cidr6 that is
+// not the bridge's nor the subnet-router anycast address.
+func (ix *exposureIndex) checkTarget6(p string, e Exposure, me *spec.Exposure, col *collector) {
+	if e.Target6 == "" {
+		return
+	}
+	t, err := netip.ParseAddr(e.Target6)
+	c := ix.cidr6
+	switch {
+	case err != nil || t.Zone() != "" || !t.Is6() || t.Is4In6():
+		col.add(p+".target6", "%q is not an IPv6 address", e.Target6)
+	case !c.IsValid():
+		col.add(p+".target6", `%q: network.cidr6 is "" (no IPv6 on the bridge)`, e.Target6)
+	case !c.Masked().Contains(t):
+		col.add(p+".target6", "%q is not inside network.cidr6 %s", e.Target6, c)
+	case t == c.Addr() || t == c.Masked().Addr():
+		col.add(p+".target6", "%q is the bridge's or the subnet-router anycast address of network.cidr6", e.Target6)
+	default:
+		me.Target.Addr6 = t
 	}
 }
 

@@ -66,6 +66,6 @@ exposures:
 	require.NoError(t, err)
 	assert.NotContains(t, string(b), "proxyProtocol")
 
-	assert.Equal(t, []string{"exposures[0].hostAddress: :: is not IPv4 (guests are IPv4-only)"},
+	assert.Equal(t, []string{"exposures[0].hostAddress: :: is IPv6 and the exposure has no target6; give target6, or mode proxy"},
 		errorsOf(t, "exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::', proxyProtocol: v1}]"))
 }

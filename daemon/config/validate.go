@@ -51,7 +51,7 @@ func Compile(c *Config) (*spec.Desired, Errors) {
 	network, cidr := compileNetwork(c.Network, &col)
 	compileHypervisor(c.Hypervisor, &col)
 	vms, vmIndex := compileVMs(c.VMs, &col)
-	ix := newExposureIndex(cidr, c.Network.CIDR, vmIndex)
+	ix := newExposureIndex(cidr, c.Network.CIDR, network.CIDR6, vmIndex)
 	exps := make([]spec.Exposure, 0, len(c.Exposures))
 	for i, e := range c.Exposures {
 		me := ix.check(fmt.Sprintf("exposures[%d]", i), e, &col)
@@ -241,13 +241,9 @@ func addrsOverlap(a, b netip.Addr) bool {
 	if a == b {
 		return true
 	}
-	if a.IsUnspecified() && (b.Is4() == a.Is4() || a.Is6()) {
-		return true
-	}
-	if b.IsUnspecified() && (a.Is4() == b.Is4() || b.Is6()) {
-		return true
-	}
-	return false
+	// An unspecified address covers its own family: brokkr binds :: with
+	// IPV6_V6ONLY ("" claims both unspecified addresses).
+	return (a.IsUnspecified() || b.IsUnspecified()) && a.Is4() == b.Is4()
 }
 
 func broadcast(p netip.Prefix) netip.Addr {

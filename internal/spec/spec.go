@@ -161,21 +161,29 @@ type VM struct {
 }
 
 // Target is where an exposure sends callers: a VM brokkr runs (its leased
-// address) or a fixed address on the bridge's subnet. Exactly one is set.
+// address, and its SLAAC address where the guests have IPv6) or fixed
+// addresses on the bridge's subnets, Addr and Addr6, either or both. A VM
+// and a fixed address are never both set.
 type Target struct {
-	VM   string
-	Addr netip.Addr
+	VM    string
+	Addr  netip.Addr // IPv4; the zero Addr: none
+	Addr6 netip.Addr // IPv6; the zero Addr: none
 }
 
 // IsVM reports whether the target is a VM (its address comes from a lease).
 func (t Target) IsVM() bool { return t.VM != "" }
 
-// String is the VM name or the address.
+// String is the VM name or the addresses.
 func (t Target) String() string {
-	if t.IsVM() {
+	switch {
+	case t.IsVM():
 		return t.VM
+	case !t.Addr6.IsValid():
+		return t.Addr.String()
+	case !t.Addr.IsValid():
+		return t.Addr6.String()
 	}
-	return t.Addr.String()
+	return t.Addr.String() + "," + t.Addr6.String()
 }
 
 // Exposure is one published guest port.
@@ -183,7 +191,10 @@ type Exposure struct {
 	Name      string
 	Target    Target
 	Proto     Proto
-	HostAddr  netip.Addr // as given; the unspecified address of a family is every address
+	// HostAddr is where callers dial: the zero Addr is every host address
+	// of both families (hostAddress ""), the unspecified address of a
+	// family every address of that family, else one host address.
+	HostAddr  netip.Addr
 	HostPort  uint16
 	GuestPort uint16
 	Mode      Mode
@@ -206,6 +217,19 @@ type Exposure struct {
 	// on (hostAddress, and ::1 beside 0.0.0.0).
 	AllByProxy bool
 }
+
+// HostFamilies reports which address families the exposure's callers may
+// dial it on.
+func (e Exposure) HostFamilies() (v4, v6 bool) {
+	if !e.HostAddr.IsValid() {
+		return true, true
+	}
+	return e.HostAddr.Is4(), e.HostAddr.Is6()
+}
+
+// Wildcard reports whether the exposure answers on every host address of
+// its families.
+func (e Exposure) Wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
 
 // proxiedAuto: an auto exposure with a PROXY header, which only the proxy
 // can write, or one the host's kernel cannot carry as it should
@@ -241,32 +265,44 @@ func (e Exposure) UsesKernel() bool {
 func (e Exposure) UsesSocketPath() bool { return e.Mode == ModeAuto && !e.proxiedAuto() }
 
 // ProxyBinds lists the addresses the userspace proxy binds for the
-// exposure: proxy mode binds hostAddress; auto binds the loopback that DNAT
-// cannot serve when hostAddress covers it: 127.0.0.1, and ::1 when the host
-// has IPv6 loopback (ipv6). With the socket path attached (sock) auto binds
-// nothing: the socket path serves loopback callers. An auto exposure with a
-// PROXY header binds what auto claims, socket path or not: hostAddress, and
-// ::1 beside 0.0.0.0 when the host has IPv6 loopback.
+// exposure (an IPv6 one with IPV6_V6ONLY): proxy mode binds hostAddress,
+// both unspecified addresses for "" (:: only when the host has IPv6,
+// ipv6); auto binds the loopback that DNAT cannot serve when hostAddress
+// covers it: 127.0.0.1 for IPv4, and ::1 for IPv6 or beside 0.0.0.0 when
+// the host has IPv6 loopback. With the socket path attached (sock) auto
+// binds nothing: the socket path serves loopback callers. An auto exposure
+// with a PROXY header binds what auto claims, socket path or not:
+// hostAddress (both families for ""), and ::1 beside 0.0.0.0.
 func (e Exposure) ProxyBinds(ipv6, sock bool) []netip.Addr {
+	a := e.HostAddr
+	v4any, v6any := netip.IPv4Unspecified(), netip.IPv6Unspecified()
+	lo4, lo6 := netip.AddrFrom4([4]byte{127, 0, 0, 1}), netip.IPv6Loopback()
 	switch {
-	case e.proxiedAuto():
-		if e.HostAddr == netip.IPv4Unspecified() && ipv6 {
-			return []netip.Addr{e.HostAddr, netip.IPv6Loopback()}
+	case e.proxiedAuto() || e.Mode == ModeProxy:
+		switch {
+		case !a.IsValid() && ipv6:
+			return []netip.Addr{v4any, v6any}
+		case !a.IsValid():
+			return []netip.Addr{v4any}
+		case e.Mode == ModeAuto && a == v4any && ipv6:
+			return []netip.Addr{a, lo6}
 		}
-		return []netip.Addr{e.HostAddr}
-	case e.Mode == ModeProxy:
-		return []netip.Addr{e.HostAddr}
+		return []netip.Addr{a}
 	case e.Mode == ModeAuto:
-		a := e.HostAddr
 		switch {
 		case sock:
 			return nil
 		case a.IsLoopback():
 			return []netip.Addr{a}
-		case a.IsUnspecified() && ipv6:
-			return []netip.Addr{netip.AddrFrom4([4]byte{127, 0, 0, 1}), netip.IPv6Loopback()}
-		case a.IsUnspecified():
-			return []netip.Addr{netip.AddrFrom4([4]byte{127, 0, 0, 1})}
+		case a == v6any && ipv6:
+			return []netip.Addr{lo6}
+		case a == v6any:
+			return nil
+		case !a.IsValid() || a == v4any:
+			if ipv6 {
+				return []netip.Addr{lo4, lo6}
+			}
+			return []netip.Addr{lo4}
 		}
 	}
 	return nil

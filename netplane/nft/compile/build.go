@@ -46,6 +46,8 @@ const (
 	chainPostrouting = "postrouting"  // nat postrouting: hairpin + egress masquerade
 	chainDispatch    = "dispatch"     // the mark, by where the caller dialled
 	chainPublish     = "publish"      // the guest, by the mark
+	chainDispatch6   = "dispatch6"    // IPv6: the mark, by where the caller dialled
+	chainPublish6    = "publish6"     // IPv6: the guest, by the mark
 	chainGuard       = "guard"        // raw prerouting: drop remote packets to 127/8
 	chainInput       = "input"        // filter input: host isolation
 	chainFromGuests  = "from-guests"  // what a guest may send to the host itself
@@ -55,6 +57,9 @@ const (
 	MapExpAddr       = "exp-addr"     // ip daddr . l4proto . dport : mark
 	MapExpAny        = "exp-any"      // l4proto . dport : mark
 	MapExpTarget     = "exp-target"   // mark : guest address . guest port
+	MapExpAddr6      = "exp-addr6"    // ip6 daddr . l4proto . dport : mark
+	MapExpAny6       = "exp-any6"     // l4proto . dport : mark, IPv6 callers
+	MapExpTarget6    = "exp-target6"  // mark : guest IPv6 address . guest port
 	MapExpCap        = "exp-cap"      // set-based cap: mark : goto cap-NAME
 	SetCappedTCP     = "capped-tcp"   // set-based cap: mark ids of capped TCP exposures
 	MapOverflow      = "overflow"     // l4proto : port of the cap's slow-path listener
@@ -110,6 +115,28 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 	publish = append(publish, rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnatToTarget()...)...),
 		rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnatToTarget()...)...))
 	inet.addChain(&ChainSpec{Name: chainPublish, Rules: publish})
+	if !setBased {
+		// IPv6 callers: the same marks, one slot and one cap per exposure
+		// whatever the family (the nat path's programs run on both). The
+		// set-based cap's sets are keyed by IPv4 tuples: it publishes
+		// IPv4 only.
+		entry6 := func(comment string) RuleSpec {
+			return rule(fam, comment, append(append(ip6Prefix(24, netip.MustParsePrefix("::1/128"), expr.CmpOpNeq), fibDaddrLocal()...),
+				&expr.Verdict{Kind: expr.VerdictJump, Chain: chainDispatch6})...)
+		}
+		pre, out := inet.Chains[chainPrerouting], inet.Chains[chainOutput]
+		pre.Rules = append(pre.Rules, entry6("published ports, ipv6"))
+		out.Rules = append(out.Rules, entry6("published ports, ipv6 host-local callers"))
+		toPublish6 := &expr.Verdict{Kind: expr.VerdictGoto, Chain: chainPublish6}
+		inet.addChain(&ChainSpec{Name: chainDispatch6, Rules: []RuleSpec{
+			rule(fam, "exposures bound to one ipv6 address", append(append(loadAddr6ProtoPort(), markFrom(MapExpAddr6)...), toPublish6)...),
+			rule(fam, "exposures bound to every local ipv6 address", append(append(loadProtoPort(), markFrom(MapExpAny6)...), toPublish6)...),
+		}})
+		inet.addChain(&ChainSpec{Name: chainPublish6, Rules: []RuleSpec{
+			rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnat6ToTarget()...)...),
+			rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnat6ToTarget()...)...),
+		}})
+	}
 	addSharedMaps(inet, setBased)
 	if setBased {
 		desiredSetCap(inet, setCap.OverflowPort)
@@ -119,6 +146,10 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 	// host) and egress.
 	post := []RuleSpec{rule(fam, "hairpin", append(append(append(ctStatusDNAT(), ifname(unix.NFT_META_OIFNAME, r.Bridge, expr.CmpOpEq)...),
 		ipSaddrIn(subnet)...), &expr.Masq{})...)}
+	if r.Subnet6.IsValid() && !setBased {
+		post = append(post, rule(fam, "hairpin ipv6", append(append(append(ctStatusDNAT(), ifname(unix.NFT_META_OIFNAME, r.Bridge, expr.CmpOpEq)...),
+			ip6SaddrIn(r.Subnet6.Masked())...), &expr.Masq{})...))
+	}
 	if r.Masquerade {
 		post = append(post, rule(fam, "egress", append(append(ipSaddrIn(subnet), ifname(unix.NFT_META_OIFNAME, r.Bridge, expr.CmpOpNeq)...), &expr.Masq{})...))
 		if r.Subnet6.IsValid() && ula.Contains(r.Subnet6.Addr()) {
@@ -206,6 +237,8 @@ var (
 	expAddrKey = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService)
 	expAnyKey  = nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService)
 	targetData = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService)
+	expAddr6Key = nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetProto, nftables.TypeInetService)
+	target6Data = nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetService)
 )
 
 // addSharedMaps adds the maps every exposure has elements in. With the
@@ -219,6 +252,12 @@ func addSharedMaps(inet *TableSpec, setBased bool) {
 	inet.addSet(&SetSpec{Name: MapExpTarget, Key: nftables.TypeMark, Data: targetData, IsMap: true, PerExposure: true,
 		Counter: setBased, Comment: "each exposure's guest, by its mark", Elems: map[string]ElemSpec{}})
 	if !setBased {
+		inet.addSet(&SetSpec{Name: MapExpAddr6, Key: expAddr6Key, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
+			Comment: "exposures bound to one ipv6 address: their mark", Elems: map[string]ElemSpec{}})
+		inet.addSet(&SetSpec{Name: MapExpAny6, Key: expAnyKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
+			Comment: "exposures bound to every local ipv6 address: their mark", Elems: map[string]ElemSpec{}})
+		inet.addSet(&SetSpec{Name: MapExpTarget6, Key: nftables.TypeMark, Data: target6Data, IsMap: true, PerExposure: true,
+			Comment: "each exposure's guest ipv6 address, by its mark", Elems: map[string]ElemSpec{}})
 		return
 	}
 	inet.addSet(&SetSpec{Name: MapExpCap, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,
@@ -235,7 +274,7 @@ func addSharedMaps(inet *TableSpec, setBased bool) {
 type unit struct {
 	elems []unitElem
 	own   *TableSpec
-	arr   [2]unitElem
+	arr   [4]unitElem
 }
 
 type unitElem struct {
@@ -260,31 +299,55 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 		u.elems = append(u.elems, unitElem{set, el})
 	}
 	proto := ProtoNum(e.Protocol)
-	// mark (4) . dispatch key (8 or 12) . guest address . port (8)
-	buf := make([]byte, 0, 32)
+	v4, v6 := e.families(setBased)
+	// mark (4) . dispatch key (8, 12 or 24) . guest address . port (8 or
+	// 20), for each family published
+	buf := make([]byte, 0, 4+(12+8)*2+24+20)
 	buf = binary.NativeEndian.AppendUint32(buf, e.MarkID|ctmark.Owned)
 	mark := buf[0:4:4]
-	at := len(buf)
-	if !e.Wildcard() {
-		a := e.HostAddr.As4()
-		buf = append(buf, a[:]...)
+	side := func(addr []byte, guest []byte) (dispatch, target []byte) {
+		at := len(buf)
+		buf = append(buf, addr...)
+		buf = append(buf, proto, 0, 0, 0)
+		buf = binary.BigEndian.AppendUint16(buf, e.HostPort)
+		buf = append(buf, 0, 0)
+		dispatch = buf[at:len(buf):len(buf)]
+		at = len(buf)
+		buf = append(buf, guest...)
+		buf = binary.BigEndian.AppendUint16(buf, e.GuestPort)
+		buf = append(buf, 0, 0)
+		return dispatch, buf[at:len(buf):len(buf)]
 	}
-	buf = append(buf, proto, 0, 0, 0)
-	buf = binary.BigEndian.AppendUint16(buf, e.HostPort)
-	buf = append(buf, 0, 0)
-	dispatch := buf[at:len(buf):len(buf)]
-	at = len(buf)
-	g := e.GuestAddr.As4()
-	buf = append(buf, g[:]...)
-	buf = binary.BigEndian.AppendUint16(buf, e.GuestPort)
-	buf = append(buf, 0, 0)
-	target := buf[at:len(buf):len(buf)]
-	if e.Wildcard() {
-		add(MapExpAny, ElemSpec{Key: dispatch, Val: mark})
-	} else {
-		add(MapExpAddr, ElemSpec{Key: dispatch, Val: mark})
+	if v4 {
+		var addr []byte
+		if !e.Wildcard() {
+			a := e.HostAddr.As4()
+			addr = a[:]
+		}
+		g := e.GuestAddr.As4()
+		dispatch, target := side(addr, g[:])
+		if e.Wildcard() {
+			add(MapExpAny, ElemSpec{Key: dispatch, Val: mark})
+		} else {
+			add(MapExpAddr, ElemSpec{Key: dispatch, Val: mark})
+		}
+		add(MapExpTarget, ElemSpec{Key: mark, Val: target})
 	}
-	add(MapExpTarget, ElemSpec{Key: mark, Val: target})
+	if v6 {
+		var addr []byte
+		if !e.Wildcard() {
+			a := e.HostAddr.As16()
+			addr = a[:]
+		}
+		g := e.GuestAddr6.As16()
+		dispatch, target := side(addr, g[:])
+		if e.Wildcard() {
+			add(MapExpAny6, ElemSpec{Key: dispatch, Val: mark})
+		} else {
+			add(MapExpAddr6, ElemSpec{Key: dispatch, Val: mark})
+		}
+		add(MapExpTarget6, ElemSpec{Key: mark, Val: target})
+	}
 	if !setBased || e.MaxConns <= 0 {
 		return u, nil
 	}
@@ -384,6 +447,10 @@ func dispatchSide(set string, k []byte) (HostSide, bool) {
 		return HostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
 	case set == MapExpAddr && len(k) == 12:
 		return HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
+	case set == MapExpAny6 && len(k) == 8:
+		return HostSide{k[0], netip.IPv6Unspecified(), binary.BigEndian.Uint16(k[4:6])}, true
+	case set == MapExpAddr6 && len(k) == 24:
+		return HostSide{k[16], netip.AddrFrom16([16]byte(k[0:16])), binary.BigEndian.Uint16(k[20:22])}, true
 	}
 	return HostSide{}, false
 }
@@ -656,6 +723,15 @@ func loadAddrProtoPort() []expr.Any {
 		&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2})
 }
 
+// ip6 daddr . meta l4proto . th dport: the address fills NFT_REG_1 (reg32
+// 00-03), the protocol reg32 04 (NFT_REG_2's first word), the port reg32 05.
+func loadAddr6ProtoPort() []expr.Any {
+	return append(nfprotoIPv6(),
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 24, Len: 16},
+		&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 2},
+		&expr.Payload{DestRegister: 13, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2})
+}
+
 func loadProtoPort() []expr.Any {
 	return []expr.Any{&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
 		&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2}}
@@ -679,4 +755,12 @@ func dnatToTarget() []expr.Any {
 	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
 		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapExpTarget},
 		&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegAddrMax: 1, RegProtoMin: 9, RegProtoMax: 9, Specified: true}}
+}
+
+// dnat6ToTarget: dnat ip6 to ct mark map @exp-target6. The data is an IPv6
+// address (NFT_REG_1) and the port after it (reg32 04, NFT_REG_2).
+func dnat6ToTarget() []expr.Any {
+	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
+		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapExpTarget6},
+		&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV6, RegAddrMin: 1, RegAddrMax: 1, RegProtoMin: 2, RegProtoMax: 2, Specified: true}}
 }

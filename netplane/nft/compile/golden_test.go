@@ -76,6 +76,23 @@ func goldenCases() []goldenCase {
 	g1v6 := g1
 	g1v6.Addr6 = netip.MustParseAddr("fd00:6272:6b72:0:5054:ff:fe00:1")
 	dual.Guests = []Guest{g1v6, g3}
+	// Both families on the nat path: "" publishes each family the
+	// exposure has a guest address of, :: and an IPv6 address IPv6 only,
+	// 0.0.0.0 IPv4 only; one mark (slot) per exposure either way.
+	web6 := tcpTo("web", 8080, g1, 80)
+	web6.GuestAddr6, web6.MaxConns = g1v6.Addr6, 3
+	only6 := tcpTo("v6only", 8443, g1, 443)
+	only6.HostAddr, only6.GuestAddr6 = netip.IPv6Unspecified(), g1v6.Addr6
+	only4 := tcpTo("v4only", 8444, g1, 443)
+	only4.HostAddr, only4.GuestAddr6 = netip.IPv4Unspecified(), g1v6.Addr6
+	bound6 := Exposure{Name: "admin6", Protocol: "udp", HostAddr: netip.MustParseAddr("2001:db8::1"), HostPort: 5353,
+		GuestAddr6: g1v6.Addr6, GuestPort: 53}
+	target6 := Exposure{Name: "db6", Protocol: "tcp", HostPort: 15432, GuestAddr6: netip.MustParseAddr("fd00:6272:6b72::c8"), GuestPort: 5432}
+	dualNat := baseRules(web6, only6, only4, bound6, target6)
+	dualNat.Cap, dualNat.Subnet6, dualNat.Guests = MarksOnly{}, dual.Subnet6, []Guest{g1v6}
+	// The set-based cap publishes IPv4 only.
+	dualSet := baseRules(web6)
+	dualSet.Subnet6, dualSet.Guests = dual.Subnet6, []Guest{g1v6}
 	global6 := baseRules()
 	global6.Subnet6 = netip.MustParsePrefix("2001:db8:7::1/64")
 	return []goldenCase{
@@ -97,6 +114,8 @@ func goldenCases() []goldenCase {
 		{name: "loopback-only", rules: baseRules(loop)},
 		{name: "ipv6-ula", rules: dual},
 		{name: "ipv6-global-no-nat66", rules: global6},
+		{name: "dual-stack-nat", rules: dualNat},
+		{name: "dual-stack-set-cap", rules: dualSet},
 	}
 }
 

@@ -576,10 +576,14 @@ func (rr *ruleReader) lookup(x *expr.Lookup) error {
 }
 
 func (rr *ruleReader) nat(x *expr.NAT) error {
-	if x.Type != expr.NATTypeDestNAT || x.Family != unix.NFPROTO_IPV4 || !x.Specified ||
+	fam := "ip"
+	if x.Family == unix.NFPROTO_IPV6 {
+		fam = "ip6"
+	}
+	if x.Type != expr.NATTypeDestNAT || (x.Family != unix.NFPROTO_IPV4 && x.Family != unix.NFPROTO_IPV6) || !x.Specified ||
 		x.RegAddrMax != 0 && x.RegAddrMax != x.RegAddrMin || x.RegProtoMax != 0 && x.RegProtoMax != x.RegProtoMin ||
 		x.Random || x.FullyRandom || x.Persistent || x.Prefix {
-		return fmt.Errorf("nat other than dnat ip to addr:port")
+		return fmt.Errorf("nat other than dnat ip|ip6 to addr:port")
 	}
 	a, err := rr.get(x.RegAddrMin)
 	if err != nil {
@@ -590,11 +594,14 @@ func (rr *ruleReader) nat(x *expr.NAT) error {
 		return err
 	}
 	switch {
-	case len(a.imm) == 4 && len(p.imm) == 2:
+	case fam == "ip" && len(a.imm) == 4 && len(p.imm) == 2:
 		rr.emit(fmt.Sprintf("dnat ip to %s:%d", netip.AddrFrom4([4]byte(a.imm)), binary.BigEndian.Uint16(p.imm)))
-	case a.kind == "mapped" && a.len == 8 && p.kind == "mapped-cont" && p.text == a.text && reg32(x.RegProtoMin) == reg32(x.RegAddrMin)+1:
+	case fam == "ip" && a.kind == "mapped" && a.len == 8 && p.kind == "mapped-cont" && p.text == a.text && reg32(x.RegProtoMin) == reg32(x.RegAddrMin)+1:
 		// One map lookup whose data is address . port.
 		rr.emit("dnat ip to " + a.text)
+	case fam == "ip6" && a.kind == "mapped" && a.len == 20 && p.kind == "mapped-cont" && p.text == a.text && reg32(x.RegProtoMin) == reg32(x.RegAddrMin)+4:
+		// The IPv6 address fills four 32-bit registers, the port the next.
+		rr.emit("dnat ip6 to " + a.text)
 	default:
 		return fmt.Errorf("dnat to %q:%q", a.text, p.text)
 	}

@@ -91,10 +91,15 @@ var ula = netip.MustParsePrefix("fc00::/7")
 type Exposure struct {
 	Name      string
 	Protocol  string     // tcp | udp
-	HostAddr  netip.Addr // unspecified (0.0.0.0) or invalid = every local address
+	// HostAddr: the zero Addr is every local address of both families, an
+	// unspecified one every local address of its family.
+	HostAddr  netip.Addr
 	HostPort  uint16
-	GuestAddr netip.Addr
-	GuestPort uint16
+	GuestAddr netip.Addr // IPv4; the zero Addr: IPv4 callers are not published
+	// GuestAddr6 is the guest's IPv6 address; the zero Addr: IPv6 callers
+	// are not published (nor are they under the set-based cap).
+	GuestAddr6 netip.Addr
+	GuestPort  uint16
 	MaxConns  int    // 0 = unlimited
 	MarkID    uint32 // the ct mark id: the exposure's counter slot + 1, unique
 }
@@ -106,6 +111,16 @@ func (e Exposure) LoopbackOnly() bool { return e.HostAddr.IsValid() && e.HostAdd
 
 // wildcard reports whether the exposure answers on every local address.
 func (e Exposure) Wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
+
+// families are the address families the table publishes e on: those of
+// its host address that it has a guest address of (IPv6 not under the
+// set-based cap).
+func (e Exposure) families(setBased bool) (v4, v6 bool) {
+	any := !e.HostAddr.IsValid()
+	v4 = (any || e.HostAddr.Is4()) && e.GuestAddr.IsValid()
+	v6 = (any || e.HostAddr.Is6()) && e.GuestAddr6.IsValid() && !setBased
+	return v4, v6
+}
 
 // fieldErr names the field of Rules the builder cannot express. The
 // desired state was validated where it entered (config.Compile); this only
@@ -173,10 +188,18 @@ func (e Exposure) buildable() error {
 		return fieldErr(f+".name", "%q is not a valid name", e.Name)
 	case e.Protocol != "tcp" && e.Protocol != "udp":
 		return fieldErr(f+".protocol", "%q must be tcp or udp", e.Protocol)
-	case !e.GuestAddr.Is4():
+	case e.GuestAddr.IsValid() && !e.GuestAddr.Is4():
 		return fieldErr(f+".guestAddr", "%q is not an IPv4 address", e.GuestAddr)
-	case !e.Wildcard() && !e.HostAddr.Is4():
-		return fieldErr(f+".hostAddr", "%s is not an IPv4 address", e.HostAddr)
+	case e.GuestAddr6.IsValid() && (!e.GuestAddr6.Is6() || e.GuestAddr6.Is4In6()):
+		return fieldErr(f+".guestAddr6", "%q is not an IPv6 address", e.GuestAddr6)
+	case !e.GuestAddr.IsValid() && !e.GuestAddr6.IsValid():
+		return fieldErr(f+".guestAddr", "the exposure has no guest address")
+	case e.HostAddr.Is4In6():
+		return fieldErr(f+".hostAddr", "%s is an IPv4-mapped address", e.HostAddr)
+	case e.HostAddr.Is4() && !e.GuestAddr.IsValid():
+		return fieldErr(f+".hostAddr", "%s is IPv4 and the exposure has no IPv4 guest address", e.HostAddr)
+	case e.HostAddr.Is6() && !e.GuestAddr6.IsValid():
+		return fieldErr(f+".hostAddr", "%s is IPv6 and the exposure has no IPv6 guest address", e.HostAddr)
 	case e.MaxConns < 0 || e.MaxConns > MaxConnsLimit:
 		return fieldErr(f+".maxConns", "%d is outside 0..%d", e.MaxConns, MaxConnsLimit)
 	case id == 0 || id > ctmark.IDMask:
