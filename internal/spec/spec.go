@@ -188,9 +188,9 @@ func (t Target) String() string {
 
 // Exposure is one published guest port.
 type Exposure struct {
-	Name      string
-	Target    Target
-	Proto     Proto
+	Name   string
+	Target Target
+	Proto  Proto
 	// HostAddr is where callers dial: the zero Addr is every host address
 	// of both families (hostAddress ""), the unspecified address of a
 	// family every address of that family, else one host address.

@@ -234,9 +234,9 @@ func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 
 // Key and data types of the exposure maps (built once).
 var (
-	expAddrKey = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService)
-	expAnyKey  = nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService)
-	targetData = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService)
+	expAddrKey  = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService)
+	expAnyKey   = nftables.MustConcatSetType(nftables.TypeInetProto, nftables.TypeInetService)
+	targetData  = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService)
 	expAddr6Key = nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetProto, nftables.TypeInetService)
 	target6Data = nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetService)
 )

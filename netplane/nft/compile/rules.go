@@ -89,8 +89,8 @@ var ula = netip.MustParsePrefix("fc00::/7")
 
 // Exposure is one published port.
 type Exposure struct {
-	Name      string
-	Protocol  string     // tcp | udp
+	Name     string
+	Protocol string // tcp | udp
 	// HostAddr: the zero Addr is every local address of both families, an
 	// unspecified one every local address of its family.
 	HostAddr  netip.Addr
@@ -100,8 +100,8 @@ type Exposure struct {
 	// are not published (nor are they under the set-based cap).
 	GuestAddr6 netip.Addr
 	GuestPort  uint16
-	MaxConns  int    // 0 = unlimited
-	MarkID    uint32 // the ct mark id: the exposure's counter slot + 1, unique
+	MaxConns   int    // 0 = unlimited
+	MarkID     uint32 // the ct mark id: the exposure's counter slot + 1, unique
 }
 
 // loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
