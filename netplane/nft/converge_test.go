@@ -219,7 +219,7 @@ func TestDriftAndChangeTogether(t *testing.T) {
 	res, err := tb.Converge(r)
 	require.NoError(t, err)
 	assert.Contains(t, repaired(res), "chain dispatch missing")
-	assert.Equal(t, []string{"tcp *:10002"}, flushed(k))
+	assert.Equal(t, []string{"tcp 0.0.0.0:10002"}, flushed(k), "an element of exp-any: IPv4 callers")
 }
 
 // A new process finds its tables as the last one left them: it reads
@@ -248,7 +248,7 @@ func TestLeftoverOfAnExposureDeletedWhileDownIsFlushed(t *testing.T) {
 	again := newTable(k, slog.New(slog.DiscardHandler))
 	_, err = again.Converge(unitRules(many(2)...))
 	require.NoError(t, err)
-	assert.Equal(t, []string{"tcp *:10002"}, flushed(k))
+	assert.Equal(t, []string{"tcp 0.0.0.0:10002"}, flushed(k), "an element of exp-any: IPv4 callers")
 }
 
 // When the batch fails, both tables are replaced in one batch that carries

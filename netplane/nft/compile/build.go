@@ -444,7 +444,7 @@ func Whole(r Rules) (inet, bridge *TableSpec, err error) {
 func dispatchSide(set string, k []byte) (HostSide, bool) {
 	switch {
 	case set == MapExpAny && len(k) == 8:
-		return HostSide{k[0], netip.Addr{}, binary.BigEndian.Uint16(k[4:6])}, true
+		return HostSide{k[0], netip.IPv4Unspecified(), binary.BigEndian.Uint16(k[4:6])}, true
 	case set == MapExpAddr && len(k) == 12:
 		return HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
 	case set == MapExpAny6 && len(k) == 8:

@@ -223,7 +223,7 @@ func TestPlanOrphanElementIsDeletedAndFlushed(t *testing.T) {
 	r.Exposures = r.Exposures[:1] // dns went while the daemon was down
 	p, err := NewState().Plan(r, obs)
 	require.NoError(t, err)
-	assert.Equal(t, []string{"dns removed flush udp *:5353", "web created"}, changesOf(p))
+	assert.Equal(t, []string{"dns removed flush udp 0.0.0.0:5353", "web created"}, changesOf(p), "an orphan of exp-any is an IPv4 wildcard")
 }
 
 func TestPlanCapChangeRecreatesSetAndRewritesChainButKeepsFlows(t *testing.T) {

@@ -20,19 +20,37 @@ type HostSide struct {
 	Port  uint16
 }
 
-// HostSide of e (a wildcard's address is the invalid one).
+// HostSide of e: its host address as given (the invalid one for every
+// address of both families, a family's unspecified one for every address
+// of that family).
 func (e Exposure) HostSide() HostSide {
-	a := e.HostAddr
-	if e.Wildcard() {
-		a = netip.Addr{}
+	return HostSide{ProtoNum(e.Protocol), e.HostAddr, e.HostPort}
+}
+
+// clashes are the host sides another exposure may not have beside e's:
+// e's own, and where e is a wildcard, the wildcards it overlaps (the same
+// element of exp-any or exp-any6).
+func (h HostSide) clashes() []HostSide {
+	any4, any6 := h, h
+	any4.Addr, any6.Addr = netip.IPv4Unspecified(), netip.IPv6Unspecified()
+	both := h
+	both.Addr = netip.Addr{}
+	switch {
+	case !h.Addr.IsValid():
+		return []HostSide{h, any4, any6}
+	case h.Addr.IsUnspecified():
+		return []HostSide{h, both}
 	}
-	return HostSide{ProtoNum(e.Protocol), a, e.HostPort}
+	return []HostSide{h}
 }
 
 func (h HostSide) String() string {
 	a := "*"
 	if h.Addr.IsValid() {
 		a = h.Addr.String()
+	}
+	if h.Addr.Is6() {
+		a = "[" + a + "]"
 	}
 	return protoName(h.Proto) + " " + a + ":" + strconv.Itoa(int(h.Port))
 }
@@ -342,12 +360,14 @@ func (w *want) check(s *State) error {
 		}
 		marks[e.MarkID] = n
 		hs := e.HostSide()
-		if o, ok := sides[hs]; ok {
-			return fieldErr("exposures["+n+"].hostPort", "%s is exposure %s's too", hs, o)
-		}
-		if o, ok := s.sides[hs]; ok {
-			if _, moved := w.changed[o]; !moved {
+		for _, c := range hs.clashes() {
+			if o, ok := sides[c]; ok {
 				return fieldErr("exposures["+n+"].hostPort", "%s is exposure %s's too", hs, o)
+			}
+			if o, ok := s.sides[c]; ok {
+				if _, moved := w.changed[o]; !moved {
+					return fieldErr("exposures["+n+"].hostPort", "%s is exposure %s's too", hs, o)
+				}
 			}
 		}
 		sides[hs] = n
