@@ -48,6 +48,10 @@ type capBackend interface {
 	// fallback says why nat exposures' caps are not the shared slot's (the
 	// set-based cap), "" when they are.
 	fallback() string
+	// ipv6 says why the backend cannot carry IPv6 callers ("" when it
+	// does): the table then publishes IPv4 only, since an IPv6 connection
+	// the cap does not see would be neither capped nor counted.
+	ipv6() string
 	close() error
 	// remove takes away what outlives the daemon (a teardown).
 	remove() error
@@ -158,6 +162,7 @@ func (b *natPathBackend) warning() string {
 	return ""
 }
 func (b *natPathBackend) fallback() string { return "" } // adopted programs too: they admit against the slot
+func (b *natPathBackend) ipv6() string     { return "the nat path's programs run for IPv4 only" }
 func (b *natPathBackend) close() error     { return b.np.Close() }
 func (b *natPathBackend) remove() error    { return b.np.Remove() }
 
@@ -222,6 +227,9 @@ func (b *setCapBackend) pruneAllow(func(int) bool) {}
 
 func (b *setCapBackend) warning() string  { return b.reason }
 func (b *setCapBackend) fallback() string { return b.reason }
+func (b *setCapBackend) ipv6() string {
+	return "the nat path's fallback (nft sets keyed by IPv4 connections) carries IPv4 only"
+}
 
 func (b *setCapBackend) close() error {
 	if b.sc != nil {

@@ -46,6 +46,7 @@ func (p *Plane) convergeExposures(d Desired, repaired []string) ([]ExposureStatu
 	}
 	p.chooseCap(n)
 	rules.Cap = p.caps.tableCap()
+	repaired = append(repaired, p.forward6(f.prefix6)...)
 	p.slots.attachAll(d.Exposures)
 	status := make([]ExposureStatus, len(d.Exposures))
 	rules.Exposures = make([]nft.Exposure, 0, len(d.Exposures))
@@ -138,8 +139,8 @@ func (p *Plane) UpdateExposures(ctx context.Context, set []Exposure, remove []st
 		p.finishRow(&rows[i], e.Name, tableErr)
 	}
 	rep.Exposures = rows
-	if w := p.caps.warning(); w != "" && len(set) > 0 {
-		rep.Warnings = append(rep.Warnings, w)
+	if len(set) > 0 {
+		rep.Warnings = append(rep.Warnings, p.capWarnings()...)
 	}
 	return rep
 }
@@ -149,7 +150,7 @@ func (p *Plane) UpdateExposures(ctx context.Context, set []Exposure, remove []st
 // element in the table).
 func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, ExposureStatus, bool) {
 	st := ExposureStatus{Name: e.Name, State: spec.StateActive}
-	target := e.Target.Addr
+	target, target6 := e.Target.Addr, e.Target.Addr6
 	if vm := e.Target.VM; vm != "" {
 		l, ok := f.leases[vm]
 		switch {
@@ -166,10 +167,26 @@ func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, Exposure
 			st.State, st.Reason = spec.StatePending, fmt.Sprintf("guest %s has not taken its address %s yet", vm, l.Addr)
 		}
 		target = l.Addr
+		if f.prefix6.IsValid() {
+			target6 = ipam.SLAAC(f.prefix6, l.MAC)
+		}
+	}
+	// IPv6 callers only where the cap backend sees their connections: an
+	// exposure of IPv6 alone fails, one of both families serves IPv4 (the
+	// plane's warning says why).
+	if why := p.caps.ipv6(); why != "" || !f.prefix6.IsValid() {
+		if why == "" {
+			why = "the bridge has no IPv6"
+		}
+		if e.HostAddr.Is6() || !target.IsValid() {
+			st.State, st.Reason = spec.StateFailed, "ipv6: "+why
+			return nft.Exposure{}, st, false
+		}
+		target6 = netip.Addr{}
 	}
 	x := nft.Exposure{
 		Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort,
-		GuestPort: e.GuestPort, GuestAddr: target, MaxConns: e.MaxConns,
+		GuestPort: e.GuestPort, GuestAddr: target, GuestAddr6: target6, MaxConns: e.MaxConns,
 	}
 	// The mark is the counter slot: the nat path's programs write it, the
 	// set-based cap's watcher reads it.
@@ -185,6 +202,42 @@ func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, Exposure
 		return nft.Exposure{}, st, false
 	}
 	return x, st, true
+}
+
+// forward6 turns IPv6 forwarding on where IPv6 callers are published (the
+// bridge has IPv6 and the cap backend carries it), and reports a repair.
+func (p *Plane) forward6(prefix6 netip.Prefix) []string {
+	if !prefix6.IsValid() || p.caps.ipv6() != "" {
+		return nil
+	}
+	changed, err := p.links.EnableForwarding6()
+	if err != nil {
+		p.log.Warn("netplane: IPv6 callers of published ports cannot be forwarded", "err", err)
+		return nil
+	}
+	var out []string
+	if len(changed) > 0 {
+		p.log.Info("netplane: IPv6 forwarding on, for IPv6 callers of published ports", "set", changed)
+		if p.made.forwarding6 {
+			out = append(out, "net.ipv6.conf.all.forwarding was 0")
+		}
+	}
+	p.made.forwarding6 = true
+	return out
+}
+
+// capWarnings are what status says of the cap backend while exposures are
+// published: its own warning, and that IPv6 callers are not published
+// where the guests have IPv6 and the backend cannot carry it.
+func (p *Plane) capWarnings() []string {
+	var out []string
+	if w := p.caps.warning(); w != "" {
+		out = append(out, w)
+	}
+	if why := p.caps.ipv6(); why != "" && p.facts != nil && p.facts.prefix6.IsValid() {
+		out = append(out, "nat path: IPv6 callers are not published ("+why+"); IPv6 exposures on the kernel path fail, those of both families serve IPv4")
+	}
+	return out
 }
 
 // finishRow fails a row the table could not take and fills its counters.

@@ -96,9 +96,10 @@ type Plane struct {
 // madeLinks is what earlier passes of this process made: one missing now
 // was removed behind brokkr's back, and its re-making is reported as drift.
 type madeLinks struct {
-	bridge     bool
-	taps       map[string]bool
-	forwarding bool
+	bridge      bool
+	taps        map[string]bool
+	forwarding  bool
+	forwarding6 bool
 }
 
 // macIndex maps guest MACs to their VMs.
@@ -224,7 +225,7 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	}
 	var reserved []netip.Addr
 	for _, e := range d.Exposures {
-		if !e.Target.IsVM() {
+		if !e.Target.IsVM() && e.Target.Addr.IsValid() {
 			reserved = append(reserved, e.Target.Addr)
 		}
 	}
@@ -294,8 +295,8 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		p.facts.guests[g.Name] = true
 	}
 	rep.Exposures, rep.Repaired = p.convergeExposures(d, rep.Repaired)
-	if w := p.caps.warning(); w != "" && len(d.Exposures) > 0 {
-		rep.Warnings = append(rep.Warnings, w)
+	if len(d.Exposures) > 0 {
+		rep.Warnings = append(rep.Warnings, p.capWarnings()...)
 	}
 	return rep
 }

@@ -152,6 +152,48 @@ func (m *Manager) EnableForwarding() (changed bool, err error) {
 	return changed, nil
 }
 
+// EnableForwarding6 sets net.ipv6.conf.all.forwarding=1 in the managed
+// namespace, which DNAT of IPv6 callers to the guests needs. Forwarding
+// makes the kernel ignore router advertisements on an interface whose
+// accept_ra is 1, so a host that configures its own IPv6 by SLAAC would
+// lose its address and default route when they expire: every interface
+// (and default, for those to come) with accept_ra 1 is set to 2 first,
+// which accepts them while forwarding. It reports what it changed.
+func (m *Manager) EnableForwarding6() (changed []string, err error) {
+	err = nlsafe.Do(m.ns, func() error {
+		const dir = "/proc/sys/net/ipv6/conf/"
+		fwd := dir + "all/forwarding"
+		cur, err := os.ReadFile(fwd)
+		if err != nil {
+			return err
+		}
+		if strings.TrimSpace(string(cur)) == "1" {
+			return nil
+		}
+		ifs, err := os.ReadDir(dir)
+		if err != nil {
+			return err
+		}
+		for _, i := range ifs {
+			p := dir + i.Name() + "/accept_ra"
+			v, err := os.ReadFile(p)
+			if err != nil || strings.TrimSpace(string(v)) != "1" {
+				continue
+			}
+			if err := os.WriteFile(p, []byte("2\n"), 0o644); err != nil {
+				return err
+			}
+			changed = append(changed, "net.ipv6.conf."+i.Name()+".accept_ra=2")
+		}
+		changed = append(changed, "net.ipv6.conf.all.forwarding=1")
+		return os.WriteFile(fwd, []byte("1\n"), 0o644)
+	})
+	if err != nil {
+		return changed, fmt.Errorf("enabling IPv6 forwarding: %w", err)
+	}
+	return changed, nil
+}
+
 // InterfacePrefix is an IPv4 or IPv6 prefix on a link brokkr does not own.
 type InterfacePrefix struct {
 	Link   string
