@@ -756,7 +756,7 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		if !ok {
 			continue
 		}
-		r := api.Exposure{Name: ce.Name, VM: ce.VM, Target: ce.Target, Mode: ce.Mode, HostAddress: ce.HostAddress,
+		r := api.Exposure{Name: ce.Name, VM: ce.VM, Target: ce.Target, Target6: ce.Target6, Mode: ce.Mode, HostAddress: ce.HostAddress,
 			HostPort: ce.HostPort, Protocol: ce.Protocol, GuestPort: ce.GuestPort, MaxConns: *ce.MaxConns,
 			ProxyProtocol: ce.ProxyProtocol}
 		var parts []part

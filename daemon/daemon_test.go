@@ -401,8 +401,8 @@ func TestAutoAlsoListensOnIPv6LoopbackUnderTheSameName(t *testing.T) {
 	for _, s := range specs {
 		got = append(got, s.Name+"@"+s.Listen.String())
 	}
-	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-auto@::1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0"}, got,
-		"only auto on an unspecified address adds ::1, to the one Manager, under the exposure's name")
+	assert.Equal(t, []string{"web-auto@127.0.0.1", "web-auto@::1", "web-proxy@0.0.0.0", "lo-auto@127.0.0.1", "ext@0.0.0.0", "ext@::"}, got,
+		"only auto on an unspecified address adds ::1, proxy on every address binds both families, to the one Manager, under the exposure's name")
 	assert.Equal(t, "active", expo(d.Status(), "web-auto").State, "the two listeners merge into one row")
 }
 

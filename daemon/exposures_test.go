@@ -216,11 +216,11 @@ func TestPutOfAnInvalidExposureNamesTheFieldAndChangesNothing(t *testing.T) {
 		{"a bad name in the URL", "/v1/exposures/-x", `{"vm": "web", "guestPort": 80, "hostPort": 9000}`,
 			[]string{`name: "-x" must start with a letter or digit and hold only A-Z a-z 0-9 . _ -`}},
 		{"neither vm nor target", "/v1/exposures/x", `{"guestPort": 80, "hostPort": 9000}`,
-			[]string{"one of vm or target is required"}},
+			[]string{"one of vm or target (or target6) is required"}},
 		{"the host port of another exposure", "/v1/exposures/x", `{"target": "10.213.0.201", "guestPort": 80, "hostPort": 8081, "mode": "nat"}`,
-			[]string{"hostPort: 8081/tcp on 0.0.0.0 overlaps exposures[1] (8081/tcp on 0.0.0.0)"}},
+			[]string{"hostPort: 8081/tcp on every address overlaps exposures[1] (8081/tcp on every address)"}},
 		{"a replaced exposure onto another's port", "/v1/exposures/web-nat", `{"vm": "web", "guestPort": 80, "hostPort": 8082}`,
-			[]string{"hostPort: 8082/tcp on 0.0.0.0 overlaps exposures[2] (8082/tcp on 0.0.0.0)"}}, // reported at web-nat, not at web-proxy
+			[]string{"hostPort: 8082/tcp on every address overlaps exposures[2] (8082/tcp on 0.0.0.0)"}}, // reported at web-nat, not at web-proxy
 		{"no body", "/v1/exposures/x", "",
 			[]string{"no exposure given (one entry of exposures:, like {vm: web, guestPort: 80, hostPort: 8080})"}},
 		{"a list", "/v1/exposures/x", "[1, 2]",

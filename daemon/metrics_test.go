@@ -56,7 +56,7 @@ func TestMetricsNamesOnlyAndInfo(t *testing.T) {
 	for _, want := range []string{
 		`brokkr_exposure_bytes_total{direction="in",exposure="ext"} 10`,
 		`brokkr_exposure_bytes_total{direction="out",exposure="ext"} 20`,
-		`brokkr_exposure_info{exposure="ext",host_address="0.0.0.0",host_port="2222",mode="proxy",protocol="tcp"} 1`,
+		`brokkr_exposure_info{exposure="ext",host_address="",host_port="2222",mode="proxy",protocol="tcp"} 1`,
 		`brokkr_exposure_info{exposure="lo-auto",host_address="127.0.0.1",host_port="5432",mode="auto",protocol="tcp"} 1`,
 		`brokkr_build_info{commit="` + b.Commit + `",goversion="` + b.GoVersion + `",version="` + b.Version + `"} 1`,
 		`brokkr_drift_repaired_total{engine="netplane"} 0`,

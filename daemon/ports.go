@@ -44,7 +44,16 @@ func hostSides(e spec.Exposure, ipv6, sock bool) []hold.Side {
 	case e.Mode == spec.ModeAuto && len(e.ProxyBinds(ipv6, sock)) > 0:
 		return nil
 	}
-	sides := []hold.Side{{Addr: e.HostAddr, Proto: string(e.Proto), Port: e.HostPort}}
+	side := func(a netip.Addr) hold.Side { return hold.Side{Addr: a, Proto: string(e.Proto), Port: e.HostPort} }
+	if !e.HostAddr.IsValid() {
+		// Every address of both families (:: with IPV6_V6ONLY, which also
+		// covers ::1).
+		if ipv6 {
+			return []hold.Side{side(netip.IPv4Unspecified()), side(netip.IPv6Unspecified())}
+		}
+		return []hold.Side{side(netip.IPv4Unspecified())}
+	}
+	sides := []hold.Side{side(e.HostAddr)}
 	if e.Mode == spec.ModeAuto && e.HostAddr == netip.IPv4Unspecified() && ipv6 {
 		// The socket path serves ::1 too, as the loopback proxies would.
 		sides = append(sides, hold.Side{Addr: netip.IPv6Loopback(), Proto: string(e.Proto), Port: e.HostPort})

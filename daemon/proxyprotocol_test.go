@@ -49,7 +49,7 @@ exposures:
 	for _, s := range specs {
 		got = append(got, s.Name+"@"+s.Listen.String()+" "+string(s.ProxyProtocol))
 	}
-	assert.Equal(t, []string{"pp@0.0.0.0 v1", "pp@::1 v1", "plain@127.0.0.1 ", "plain@::1 "}, got)
+	assert.Equal(t, []string{"pp@0.0.0.0 v1", "pp@:: v1", "plain@127.0.0.1 ", "plain@::1 "}, got)
 	for _, s := range specs {
 		if s.Name == "pp" {
 			assert.Equal(t, spec.ProxyV1, s.ProxyProtocol)

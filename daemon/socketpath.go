@@ -92,6 +92,7 @@ func (p *sockPath) converge(m *spec.Desired, lookup, lookup6 func(vm string) (ne
 		sl.SetCap(uint32(e.MaxConns))
 		t := bpf.SockTarget{Slot: sl.Index()}
 		g := e.Target.Addr
+		t.Guest6 = e.Target.Addr6
 		if e.Target.IsVM() {
 			g, _ = lookup(e.Target.VM) // the zero Addr while it has none
 			t.Guest6, _ = lookup6(e.Target.VM)
@@ -105,7 +106,14 @@ func (p *sockPath) converge(m *spec.Desired, lookup, lookup6 func(vm string) (ne
 			t.Guest = netip.AddrPortFrom(netip.IPv4Unspecified(), e.GuestPort)
 			t.Down = !t.Guest6.IsValid()
 		}
-		k := sockKey{e.HostAddr, proto, e.HostPort}
+		// A wildcard of either family, or of both, is the one wildcard key:
+		// host-local callers of both families are served (docs/ARCHITECTURE.md,
+		// "The socket path").
+		host := e.HostAddr
+		if e.Wildcard() {
+			host = netip.IPv4Unspecified()
+		}
+		k := sockKey{host, proto, e.HostPort}
 		want[k] = t
 		if old, ok := p.have[k]; ok && old != t {
 			stale = true

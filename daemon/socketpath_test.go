@@ -100,7 +100,7 @@ func TestAutoServesLocalCallersThroughTheSocketPathNotLoopbackProxies(t *testing
 	for _, s := range specs {
 		ids = append(ids, s.Name+"@"+s.Listen.String())
 	}
-	assert.Equal(t, []string{"web-proxy@0.0.0.0", "ext@0.0.0.0"}, ids, "no loopback listeners for auto exposures")
+	assert.Equal(t, []string{"web-proxy@0.0.0.0", "ext@0.0.0.0", "ext@::"}, ids, "no loopback listeners for auto exposures")
 	got := sock.get()
 	require.Len(t, got, 2)
 	web, lo := got["tcp/0.0.0.0:8080"], got["tcp/127.0.0.1:5432"]

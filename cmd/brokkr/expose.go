@@ -19,11 +19,11 @@ import (
 // the flags as one entry of exposures: (only the keys given; the daemon
 // fills the defaults as for a file).
 func exposeAddCmd(client func() *api.Client) *cobra.Command {
-	var vm, target, guestPort, hostPort, mode, protocol, hostAddress, out string
+	var vm, target, target6, guestPort, hostPort, mode, protocol, hostAddress, out string
 	var maxConns int
 	var allowFrom []string
 	c := &cobra.Command{
-		Use:   "add NAME --vm VM|--target ADDR --guest-port P --host-port H [--mode M] [--protocol P] [--host-address A] [--max-conns N] [--allow-from CIDR,...]",
+		Use:   "add NAME --vm VM|--target ADDR|--target6 ADDR6 --guest-port P --host-port H [--mode M] [--protocol P] [--host-address A] [--max-conns N] [--allow-from CIDR,...]",
 		Short: "Create or replace one exposure (validated against the whole desired state, persisted with it)",
 		Long: `add publishes one guest port: it creates the exposure NAME, or replaces the one of that
 name, without a config file. The flags are the keys of one entry of exposures: in the
@@ -46,10 +46,10 @@ apply is. Exit status: 0 done, 1 refused (the fields named), 2 a daemon error.`,
 			}
 			f := cmd.Flags()
 			switch {
-			case vm == "" && target == "":
-				return userf("expose add: one of --vm or --target is required")
-			case vm != "" && target != "":
-				return userf("expose add: --vm %q and --target %q are both given; give one", vm, target)
+			case vm == "" && target == "" && target6 == "":
+				return userf("expose add: one of --vm or --target (or --target6) is required")
+			case vm != "" && (target != "" || target6 != ""):
+				return userf("expose add: --vm %q and --target/--target6 are both given; give one", vm)
 			case !f.Changed("guest-port"):
 				return userf("expose add: --guest-port is required")
 			case !f.Changed("host-port"):
@@ -58,7 +58,7 @@ apply is. Exit status: 0 done, 1 refused (the fields named), 2 a daemon error.`,
 			e := map[string]any{"name": args[0], "guestPort": port(guestPort), "hostPort": port(hostPort)}
 			for _, k := range []struct {
 				flag, key, v string
-			}{{"vm", "vm", vm}, {"target", "target", target}, {"mode", "mode", mode}, {"protocol", "protocol", protocol}, {"host-address", "hostAddress", hostAddress}} {
+			}{{"vm", "vm", vm}, {"target", "target", target}, {"target6", "target6", target6}, {"mode", "mode", mode}, {"protocol", "protocol", protocol}, {"host-address", "hostAddress", hostAddress}} {
 				if f.Changed(k.flag) {
 					e[k.key] = k.v
 				}
@@ -98,11 +98,12 @@ apply is. Exit status: 0 done, 1 refused (the fields named), 2 a daemon error.`,
 	f := c.Flags()
 	f.StringVar(&vm, "vm", "", "the VM whose port is published")
 	f.StringVar(&target, "target", "", "instead of --vm: an address on the bridge that brokkr does not run")
+	f.StringVar(&target6, "target6", "", "with or instead of --target: that guest's IPv6 address on the bridge")
 	f.StringVar(&guestPort, "guest-port", "", "the guest's port (required)")
 	f.StringVar(&hostPort, "host-port", "", "the host's port (required)")
 	f.StringVar(&mode, "mode", "", fmt.Sprintf("auto, nat or proxy (default %s)", config.DefaultMode))
 	f.StringVar(&protocol, "protocol", "", fmt.Sprintf("tcp or udp (default %s)", config.DefaultProtocol))
-	f.StringVar(&hostAddress, "host-address", "", fmt.Sprintf("the host address to publish on (default %q)", config.DefaultHostAddress))
+	f.StringVar(&hostAddress, "host-address", "", "the host address to publish on (default: every address of both families; 0.0.0.0 IPv4 only, :: IPv6 only)")
 	f.IntVar(&maxConns, "max-conns", 0, fmt.Sprintf("the cap on connections; 0 = unlimited (default %d)", config.DefaultMaxConns))
 	f.StringSliceVar(&allowFrom, "allow-from", nil, "CIDRs allowed to connect (repeated or comma-separated), where brokkr's config has allowFrom")
 	f.StringVarP(&out, "output", "o", "table", "table or json (the plan as JSON)")

@@ -37,7 +37,7 @@ func TestExposeAddRefusesBadFlags(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--guest-port", "80", "--host-port", "8080"}, "one of --vm or --target is required"},
+		{[]string{"--guest-port", "80", "--host-port", "8080"}, "one of --vm or --target (or --target6) is required"},
 		{[]string{"--vm", "web", "--target", "10.213.0.200", "--guest-port", "80", "--host-port", "8080"}, "are both given; give one"},
 		{[]string{"--vm", "web", "--host-port", "8080"}, "--guest-port is required"},
 		{[]string{"--vm", "web", "--guest-port", "80"}, "--host-port is required"},

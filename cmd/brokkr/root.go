@@ -239,20 +239,33 @@ func printVMs(w io.Writer, vms []api.VM) {
 	tw.Flush()
 }
 
+// listen is where an exposure's callers dial: "*" for every host address
+// of both families.
+func listen(e api.Exposure) string {
+	a := e.HostAddress
+	switch {
+	case a == "":
+		a = "*"
+	case strings.Contains(a, ":"):
+		a = "[" + a + "]"
+	}
+	return fmt.Sprintf("%s:%d/%s", a, e.HostPort, e.Protocol)
+}
+
 func printExposures(w io.Writer, es []api.Exposure) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "EXPOSURE\tSTATE\tMODE\tLISTEN\tTO\tCAP\tACTIVE\tACCEPTED\tREFUSED\tDROPPED\tDENIED\tIN\tOUT\tREASON")
 	for _, e := range es {
 		to := e.VM
 		if to == "" {
-			to = e.Target
+			to = strings.Trim(e.Target+","+e.Target6, ",")
 		}
 		capS := "none"
 		if e.MaxConns > 0 {
 			capS = fmt.Sprint(e.MaxConns)
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s:%d\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", e.Name, e.State, e.Mode,
-			fmt.Sprintf("%s:%d/%s", e.HostAddress, e.HostPort, e.Protocol), to, e.GuestPort, capS,
+			listen(e), to, e.GuestPort, capS,
 			e.Active, e.Accepted, e.Refused, e.Dropped, e.Denied, human(e.BytesIn), human(e.BytesOut), e.Reason)
 	}
 	tw.Flush()

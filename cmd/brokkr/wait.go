@@ -109,7 +109,7 @@ func waitConverged(ctx context.Context, w io.Writer, c *api.Client, timeout time
 				drawn++
 			}
 			for _, e := range st.Exposures {
-				fmt.Fprintf(w, "\x1b[2K  exposure %-14s %s:%d %-8s %s\n", e.Name, e.HostAddress, e.HostPort, e.State, e.Reason)
+				fmt.Fprintf(w, "\x1b[2K  exposure %-14s %s %-8s %s\n", e.Name, listen(e), e.State, e.Reason)
 				drawn++
 			}
 		} else {

@@ -77,6 +77,7 @@ type Exposure struct {
 	Name        string `json:"name"`
 	VM          string `json:"vm,omitempty"`
 	Target      string `json:"target,omitempty"`
+	Target6     string `json:"target6,omitempty"`
 	State       string `json:"state"`
 	Mode        string `json:"mode"`
 	Reason      string `json:"reason"`

@@ -253,12 +253,20 @@ func (ix *exposureIndex) checkBinds(p string, e Exposure, me spec.Exposure, col 
 	for _, a := range claims(e, me) {
 		for _, other := range ix.binds[k] {
 			if other.name != e.Name && addrsOverlap(other.addr, a) {
-				col.add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%d/%s on %s)", e.HostPort, e.Protocol, e.HostAddress,
-					other.pos, k.port, k.proto, other.addrText)
+				col.add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%d/%s on %s)", e.HostPort, e.Protocol, shownAddr(e.HostAddress),
+					other.pos, k.port, k.proto, shownAddr(other.addrText))
 				return
 			}
 		}
 	}
+}
+
+// shownAddr is a hostAddress as a message names it.
+func shownAddr(s string) string {
+	if s == "" {
+		return "every address"
+	}
+	return s
 }
 
 // insert records e (at position pos) as one of the desired exposures.
