@@ -407,7 +407,7 @@ func (p *Plane) convergeRadv(n Network, prefix6 netip.Prefix, leases map[string]
 	if err != nil {
 		return err
 	}
-	cfg := radv.Config{Interface: n.Bridge, Prefix: prefix6, MTU: n.MTU}
+	cfg := radv.Config{Interface: n.Bridge, Prefix: prefix6, MTU: n.MTU, DefaultRouter: p.made.forwarding6}
 	if p.radv != nil {
 		if cur := p.radv.Config(); cur != cfg || p.radvIfIdx != br.Attrs().Index {
 			p.stopRadv(cur.Prefix.Masked() != prefix6.Masked())

@@ -9,10 +9,11 @@
 // bridge's link-local address (so it sends and hears on the bridge alone),
 // made on a thread inside the managed namespace.
 //
-// brokkr does not route the guests' IPv6 beyond the bridge, so the
-// advertisements carry a router lifetime of 0: guests get the on-link /64
-// and no default route, and a dual-stack client in a guest falls back to
-// IPv4 at once rather than waiting on a route that goes nowhere.
+// Until the host forwards IPv6 (Config.DefaultRouter: it does once IPv6
+// callers of published ports are DNATed to the guests) the advertisements
+// carry a router lifetime of 0: guests get the on-link /64 and no default
+// route, and a dual-stack client in a guest falls back to IPv4 at once
+// rather than waiting on a route that goes nowhere.
 package radv
 
 import (
@@ -43,7 +44,15 @@ type Config struct {
 	Interface string       // the bridge
 	Prefix    netip.Prefix // network.cidr6: the guests' on-link, autonomous /64
 	MTU       int          // advertised when > 0
+	// DefaultRouter advertises the bridge as the guests' default router
+	// (router lifetime 30 min): set once the host forwards IPv6, so that
+	// guests can answer IPv6 callers from beyond their /64 and reach out.
+	DefaultRouter bool
 }
+
+// routerLifetime is advertised with DefaultRouter: RFC 4861's default,
+// three times the longest interval between advertisements.
+const routerLifetime = 30 * time.Minute
 
 // Binding is one known guest: its MAC and the IPv6 address it forms.
 type Binding struct {
@@ -248,7 +257,8 @@ func (s *Server) Withdraw() error {
 }
 
 // advert is the router advertisement: the /64 on-link and autonomous, the
-// bridge's MAC, the MTU, router lifetime 0 (see the package comment).
+// bridge's MAC, the MTU, router lifetime 0 unless DefaultRouter (see the
+// package comment).
 func (s *Server) advert(withdraw bool) *ndp.RouterAdvertisement {
 	life := ndp.Infinity
 	if withdraw {
@@ -264,7 +274,11 @@ func (s *Server) advert(withdraw bool) *ndp.RouterAdvertisement {
 	if s.cfg.MTU > 0 {
 		opts = append(opts, ndp.NewMTU(uint32(s.cfg.MTU)))
 	}
-	return &ndp.RouterAdvertisement{CurrentHopLimit: 64, Options: opts}
+	ra := &ndp.RouterAdvertisement{CurrentHopLimit: 64, Options: opts}
+	if s.cfg.DefaultRouter && !withdraw {
+		ra.RouterLifetime = routerLifetime
+	}
+	return ra
 }
 
 // send advertises (the initial ones, then every interval) and solicits
