@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -12,6 +14,8 @@ import (
 
 	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -254,4 +258,59 @@ func TestNatPathAllowFromAnIPv6PrefixDropsOthersAndCountsThemDenied(t *testing.T
 	assert.EqualValues(t, 1, c.Active)
 	a.Close()
 	eventually(t, "active 0", func() bool { return tp.slot.Read().Active == 0 })
+}
+
+// The IPv6 links are upgraded as the IPv4 ones: a pinned link running
+// another program (here brk_nat_out's, at IPv6 PREROUTING -99, as a previous
+// binary's would be) is replaced by one at the other priority, -98, before
+// it is dropped (the kernel refuses a second BPF program at one hook and
+// priority), while links running the same program are kept. (Fails with the
+// priority alternation in loadNatPath's attach removed: the attach gets
+// EBUSY and the load falls back to adopting the previous links.)
+func TestAChangedIPv6ProgramIsReplacedAtTheOtherPriority(t *testing.T) {
+	tp := newNatTopo6(t, 1)
+	np1 := tp.load6(t)
+	ids := linkIDs(t, np1.links)
+	require.NoError(t, np1.Close())
+
+	var prev natpathObjects
+	require.NoError(t, loadNatpathObjects(&prev, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: tp.pins}}))
+	defer prev.Close()
+	pin := filepath.Join(tp.pins, pinNatPre6)
+	require.NoError(t, os.Remove(pin)) // detaches np1's link
+	var l link.Link
+	require.NoError(t, tp.host.Do(func() (err error) {
+		l, err = link.AttachNetfilter(link.NetfilterOptions{Program: prev.BrkNatOut, ProtocolFamily: link.NetfilterProtoIPv6,
+			Hook: link.NetfilterInetPreRouting, Priority: NetfilterPriority})
+		return err
+	}))
+	require.NoError(t, l.Pin(pin))
+	require.NoError(t, l.Close())
+
+	np2 := tp.load6(t)
+	defer np2.Close()
+	require.Empty(t, np2.Adopted(), "this binary's programs serve")
+	assert.Zero(t, linksOf(t, prev.BrkNatOut), "the previous program is detached")
+	info, err := np2.links[pinNatPre6].Info()
+	require.NoError(t, err)
+	require.NotNil(t, info.Netfilter())
+	assert.EqualValues(t, netfilterPriorityAlt, info.Netfilter().Priority)
+	assert.Equal(t, link.NetfilterProtoIPv6, info.Netfilter().ProtocolFamily)
+	got := linkIDs(t, np2.links)
+	for _, p := range []string{pinNatPre, pinNatOut, pinNatOut6, pinNatReflect} {
+		assert.Equal(t, ids[p], got[p], "%s: the same program's link is kept", p)
+	}
+
+	a, err := dial(t, tp.client, "tcp6", host6)
+	require.NoError(t, err)
+	defer a.Close()
+	roundTrip(t, a, []byte("after"))
+	_, err = dial(t, tp.client, "tcp6", host6)
+	require.ErrorIs(t, err, syscall.ECONNREFUSED, "the replacement caps")
+	a.Close()
+	eventually(t, "active 0", func() bool { return tp.slot.Read().Active == 0 })
+	c := tp.slot.Read()
+	assert.EqualValues(t, 1, c.Accepted)
+	assert.EqualValues(t, 5, c.BytesIn)
+	assert.EqualValues(t, 5, c.BytesOut)
 }
