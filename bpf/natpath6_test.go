@@ -38,6 +38,7 @@ func newNatTopo6(t *testing.T, cap uint32) *natTopo {
 	addr6 := func(ns *nstest.NS, dev, cidr string) {
 		ns.MustRun(t, "ip", "-6", "addr", "add", cidr, "dev", dev, "nodad")
 	}
+	var out []byte
 	tp.host.MustRun(t, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
 	addr6(tp.client, "eth0", "fd00:6272:6b72:99::2/64")
 	addr6(tp.host, "vh-cli", "fd00:6272:6b72:99::1/64")
@@ -46,6 +47,13 @@ func newNatTopo6(t *testing.T, cap uint32) *natTopo {
 	tp.client.MustRun(t, "ip", "-6", "route", "add", "default", "via", "fd00:6272:6b72:99::1")
 	tp.guest.MustRun(t, "ip", "-6", "route", "add", "default", "via", "fd00:6272:6b72::1")
 	tp.guest.ServeEcho(t, "[::]:7000")
+	// Neighbour discovery done before a test starts: a guest's first
+	// answer to a solicitation can take most of a second, longer than the
+	// short dials some tests make.
+	u, err := dial(t, tp.host, "udp6", "[fd00:6272:6b72::11]:7000") // the guest itself, not DNATed
+	require.NoError(t, err)
+	roundTrip(t, u, []byte("nd"))
+	u.Close()
 	mark := fmt.Sprintf("0x%x", ctmark.Of(tp.slot.Index()))
 	rule := `fib daddr type local meta l4proto { tcp, udp } th dport 8080 ct mark set ` + mark + ` dnat ip6 to [fd00:6272:6b72::11]:7000`
 	script := `table ip6 brktest6 {
@@ -58,7 +66,7 @@ func newNatTopo6(t *testing.T, cap uint32) *natTopo {
 }`
 	cmd := tp.host.Command("nft", "-f", "-")
 	cmd.Stdin = strings.NewReader(script)
-	out, err := cmd.CombinedOutput()
+	out, err = cmd.CombinedOutput()
 	require.NoError(t, err, string(out))
 	return tp
 }
@@ -313,4 +321,41 @@ func TestAChangedIPv6ProgramIsReplacedAtTheOtherPriority(t *testing.T) {
 	assert.EqualValues(t, 1, c.Accepted)
 	assert.EqualValues(t, 5, c.BytesIn)
 	assert.EqualValues(t, 5, c.BytesOut)
+}
+
+// IPv6 callers admitted but never answered hold their places while
+// conntrack holds them, then the sweep gives them back and counts them in
+// dropped; over the cap they are refused by a RST even so.
+func TestIPv6SYNsNeverAnsweredAreDroppedWhenTheirConntrackEntryExpires(t *testing.T) {
+	tp := newNatTopo6(t, 2)
+	np := tp.load6(t)
+	defer np.Close()
+	tp.host.MustRun(t, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_timeout_syn_sent=3")
+	tp.guest.MustRun(t, "nft", "add table ip6 brkdrop")
+	tp.guest.MustRun(t, "nft", "add chain ip6 brkdrop in { type filter hook input priority 0 ; policy accept ; }")
+	tp.guest.MustRun(t, "nft", "add rule ip6 brkdrop in tcp dport 7000 drop")
+
+	refused := 0
+	for i := 0; i < 3; i++ {
+		err := tp.client.Do(func() error {
+			c, err := net.DialTimeout("tcp6", host6, 300*time.Millisecond)
+			if err == nil {
+				c.Close()
+			}
+			return err
+		})
+		require.Error(t, err, "the guest answers nothing")
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			refused++
+		}
+	}
+	assert.Equal(t, 1, refused, "over the cap")
+	assert.EqualValues(t, 2, tp.slot.Read().Active, "the unanswered callers hold their places while conntrack holds them")
+	untilSweeps(t, np, 4, "nat_flows empty and every place back", func() bool {
+		return natFlowCount(t, np) == 0 && tp.slot.Read().Active == 0
+	})
+	c := tp.slot.Read()
+	assert.EqualValues(t, 2, c.Accepted)
+	assert.EqualValues(t, 1, c.Refused)
+	assert.EqualValues(t, 2, c.Dropped, "admitted, never answered")
 }
