@@ -449,3 +449,45 @@ func TestIPv6SYNsBehindHeadersNotWalkedAreDropped(t *testing.T) {
 	assert.False(t, tracked(40002), "dropped before conntrack confirmed it")
 	eventually(t, "active 0", func() bool { return tp.slot.Read().Active == 0 })
 }
+
+// While an upgrade runs two copies of the programs at the IPv6 hooks, an
+// IPv6 connection is admitted once and counted once: the second copy
+// knows the first one's new flow by its tuple (first words of both
+// addresses and their hash) and initial sequence number. (Fails with
+// track() storing no address hash for an IPv6 flow: the second copy takes
+// the first one's new flow for a leftover and every connection is
+// admitted twice.)
+func TestTwoCopiesAtTheIPv6HooksCountEachConnectionOnce(t *testing.T) {
+	tp := newNatTopo6(t, 0)
+	np := tp.load6(t)
+	defer np.Close()
+	var second natpathObjects
+	require.NoError(t, loadNatpathObjects(&second, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: tp.pins}}))
+	defer second.Close()
+	for _, h := range []struct {
+		hook link.NetfilterInetHook
+		prog *ebpf.Program
+	}{{link.NetfilterInetPreRouting, second.BrkNatPre}, {link.NetfilterInetLocalOut, second.BrkNatOut}} {
+		var l link.Link
+		require.NoError(t, tp.host.Do(func() (err error) {
+			l, err = link.AttachNetfilter(link.NetfilterOptions{Program: h.prog, ProtocolFamily: link.NetfilterProtoIPv6,
+				Hook: h.hook, Priority: netfilterPriorityAlt})
+			return err
+		}))
+		defer l.Close()
+	}
+	for i := 0; i < 5; i++ {
+		c, err := dial(t, tp.client, "tcp6", host6)
+		require.NoError(t, err)
+		roundTrip(t, c, []byte("0123456789"))
+		require.NoError(t, c.Close())
+	}
+	eventually(t, "every place given back", func() bool { return tp.slot.Read().Active == 0 })
+	c := tp.slot.Read()
+	assert.EqualValues(t, 5, c.Accepted)
+	assert.EqualValues(t, 50, c.BytesIn)
+	assert.EqualValues(t, 50, c.BytesOut)
+	k, p := tp.slot.Shares()
+	assert.Zero(t, k)
+	assert.Zero(t, p)
+}
