@@ -349,21 +349,29 @@ func (n *NatPath) SetGuests(v4, v6 netip.Prefix) error {
 	if err := n.objs.NatConfig.Put(uint32(0), c); err != nil {
 		return fmt.Errorf("nat path: config: %w", err)
 	}
-	var c6 natpathNatCfg6
-	if v6.IsValid() && v6.Addr().Is6() && !v6.Addr().Is4In6() && v6.Bits() > 0 {
-		a := v6.Masked().Addr().As16()
-		for i := range 4 {
-			c6.GuestNet[i] = binary.NativeEndian.Uint32(a[4*i:])
-			var m [4]byte
-			bits := min(max(v6.Bits()-32*i, 0), 32)
-			binary.BigEndian.PutUint32(m[:], uint32(uint64(0xffffffff)<<(32-bits)))
-			c6.GuestMask[i] = binary.NativeEndian.Uint32(m[:])
-		}
-	}
-	if err := n.objs.NatConfig6.Put(uint32(0), c6); err != nil {
+	if err := n.objs.NatConfig6.Put(uint32(0), guestCfg6(v6)); err != nil {
 		return fmt.Errorf("nat path: config6: %w", err)
 	}
 	return nil
+}
+
+// guestCfg6 is nat_config6's value for the IPv6 subnet p: the network and
+// its mask, word by word in network byte order; all zero (no subnet) for
+// anything but a valid IPv6 prefix of at least one bit.
+func guestCfg6(p netip.Prefix) natpathNatCfg6 {
+	var c natpathNatCfg6
+	if !p.IsValid() || !p.Addr().Is6() || p.Addr().Is4In6() || p.Bits() == 0 {
+		return c
+	}
+	a := p.Masked().Addr().As16()
+	for i := range 4 {
+		c.GuestNet[i] = binary.NativeEndian.Uint32(a[4*i:])
+		var m [4]byte
+		bits := min(max(p.Bits()-32*i, 0), 32)
+		binary.BigEndian.PutUint32(m[:], uint32(uint64(0xffffffff)<<(32-bits)))
+		c.GuestMask[i] = binary.NativeEndian.Uint32(m[:])
+	}
+	return c
 }
 
 // Close drops the process's handles. The pinned links and maps stay, so the

@@ -491,3 +491,26 @@ func TestTwoCopiesAtTheIPv6HooksCountEachConnectionOnce(t *testing.T) {
 	assert.Zero(t, k)
 	assert.Zero(t, p)
 }
+
+func TestGuestCfg6IsTheSubnetAndItsMaskInNetworkOrder(t *testing.T) {
+	be := func(words ...uint32) [4]uint32 {
+		var out [4]uint32
+		for i, w := range words {
+			var b [4]byte
+			binary.BigEndian.PutUint32(b[:], w)
+			out[i] = binary.NativeEndian.Uint32(b[:])
+		}
+		return out
+	}
+	c := guestCfg6(netip.MustParsePrefix("fd00:6272:6b72::/64"))
+	assert.Equal(t, be(0xfd006272, 0x6b720000, 0, 0), c.GuestNet)
+	assert.Equal(t, be(0xffffffff, 0xffffffff, 0, 0), c.GuestMask)
+	c = guestCfg6(netip.MustParsePrefix("2001:db8:ab00::1/40"))
+	assert.Equal(t, be(0x20010db8, 0xab000000, 0, 0), c.GuestNet, "masked")
+	assert.Equal(t, be(0xffffffff, 0xff000000, 0, 0), c.GuestMask)
+	c = guestCfg6(netip.MustParsePrefix("fd00::1/128"))
+	assert.Equal(t, be(0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff), c.GuestMask)
+	for _, p := range []netip.Prefix{{}, netip.MustParsePrefix("10.213.0.0/24"), netip.MustParsePrefix("::/0")} {
+		assert.Equal(t, natpathNatCfg6{}, guestCfg6(p), "%v: no subnet", p)
+	}
+}
