@@ -8,10 +8,14 @@
 // connection (ct mark = owner bit | slot+1); these programs only read that
 // mark. Why these hooks: docs/ARCHITECTURE.md, "The nat path".
 //
-//   brk_nat_pre, brk_nat_out  netfilter (IPv4 PREROUTING and LOCAL_OUT, right
-//                             after DNAT): every packet of a marked
-//                             connection, both directions, passes exactly one
-//                             of them, with or without br_netfilter.
+//   brk_nat_pre, brk_nat_out  netfilter (PREROUTING and LOCAL_OUT, right
+//                             after DNAT; each program is attached for IPv4
+//                             and for IPv6, one link per family and hook):
+//                             every packet of a marked connection, both
+//                             directions, passes exactly one of them, with or
+//                             without br_netfilter. One code path serves both
+//                             families: the packet's tuple is read into a
+//                             struct pkt from either header.
 //   brk_nat_reflect           tc egress on the bridge: a refused TCP caller's
 //                             SYN is turned into the RST the guest would send
 //                             and handed back to the bridge's ingress, so
@@ -44,9 +48,16 @@
 #define TC_ACT_OK 0
 #define TC_ACT_SHOT 2
 #define ETH_P_IP 0x0800
+#define ETH_P_IPV6 0x86DD
+#define AF_INET6 10
 #define ETH_HLEN 14
 #define IPPROTO_TCP 6
 #define IPPROTO_UDP 17
+#define IPPROTO_ICMPV6 58
+#define NEXTHDR_HOP 0
+#define NEXTHDR_ROUTING 43
+#define NEXTHDR_DEST 60
+#define EXTHDR_MAX 3 // IPv6 extension headers walked before the TCP/UDP header
 #define NF_INET_PRE_ROUTING 0
 #define NF_INET_LOCAL_OUT 3
 #define BPF_F_INGRESS 1
@@ -79,9 +90,14 @@ struct nat_flow {
 	// SLAB_TYPESAFE_BY_RCU cache, so the timer tells "still ours" from
 	// "freed and reused" by comparing it.
 	__u32 saddr, daddr;
+	// For an IPv6 flow saddr and daddr hold the first word of each address
+	// and addr6 a hash of both whole addresses: the value keeps the layout
+	// of the pinned map (an earlier binary's flows are IPv4, v6 = 0).
 	__u16 sport, dport;
 	__u8 proto;
-	__u8 pad[3];
+	__u8 v6; // 1: an IPv6 flow
+	__u8 pad[2];
+	__u32 addr6;
 	// Payload bytes counted into the flow and not yet into the slot: the
 	// slot's words are shared by every flow of the exposure on every CPU,
 	// so a packet touches only its flow's line; flush moves these into the
@@ -132,6 +148,20 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } nat_config SEC(".maps");
 
+// The bridge's IPv6 subnet (a map of its own: nat_config keeps its layout).
+struct nat_cfg6 {
+	__u32 guest_net[4];  // network byte order
+	__u32 guest_mask[4]; // all zero: no IPv6 subnet
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct nat_cfg6);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} nat_config6 SEC(".maps");
+
 // allowFrom (docs/ARCHITECTURE.md, "allowFrom"): an LPM trie of every
 // restricted exposure's prefixes, keyed by the counter slot and the source
 // address (IPv4 as v4-mapped IPv6, so one trie holds both families), and
@@ -161,70 +191,128 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } allow_restricted SEC(".maps");
 
-// allowed reports whether a caller from saddr (IPv4, network order) may
-// reach the exposure at slot of generation gen.
-static __always_inline int allowed(__u32 slot, __u32 gen, __u32 saddr)
+extern void *bpf_cast_to_kern_ctx(void *) __ksym;
+
+// A packet as the programs need it, read from an IPv4 or an IPv6 header.
+struct pkt {
+	__u8 proto;
+	__u8 tcp_flags;
+	__u8 v6;
+	__u32 saddr[4]; // the source address: IPv4 in saddr[0], IPv6 whole
+	__u32 seq;
+	__u32 payload;
+};
+
+// allowed reports whether the caller of p may reach the exposure at slot
+// of generation gen.
+static __always_inline int allowed(__u32 slot, __u32 gen, struct pkt *p)
 {
 	__u32 *r = bpf_map_lookup_elem(&allow_restricted, &slot);
 	if (!r || *r != gen + 1)
 		return 1;
 	struct allow_key k = {.prefixlen = 32 + 128, .slot = slot};
-	k.addr[10] = 0xff;
-	k.addr[11] = 0xff;
-	__builtin_memcpy(&k.addr[12], &saddr, 4);
+	if (p->v6) {
+		__builtin_memcpy(k.addr, p->saddr, 16);
+	} else {
+		k.addr[10] = 0xff;
+		k.addr[11] = 0xff;
+		__builtin_memcpy(&k.addr[12], &p->saddr[0], 4);
+	}
 	__u32 *v = bpf_map_lookup_elem(&allow_from, &k);
 	return v && *v == gen;
 }
-
-extern void *bpf_cast_to_kern_ctx(void *) __ksym;
-
-struct pkt {
-	__u8 proto;
-	__u8 tcp_flags;
-	__u32 saddr;
-	__u32 seq;
-	__u32 payload;
-};
 
 extern int bpf_dynptr_from_skb(struct sk_buff *skb, __u64 flags, struct bpf_dynptr *ptr__uninit) __ksym;
 extern void *bpf_dynptr_slice(const struct bpf_dynptr *ptr, __u32 offset, void *buffer__opt, __u32 buffer__szk) __ksym;
 extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym;
 
-// read_pkt reads the IPv4 and L4 headers of skb (its data starts at the
-// network header in these hooks); 0 when it is not a TCP or UDP packet
-// brokkr can account.
-static __always_inline int read_pkt(struct sk_buff *skb, struct pkt *p)
+#define PKT_SKIP 0 // not one brokkr accounts (ICMP, another protocol): let it on
+#define PKT_OK 1
+#define PKT_BAD -1 // IPv6: the TCP/UDP header is behind a header not walked
+
+// read_l4 reads the TCP or UDP header at off (the packet is len bytes).
+static __always_inline int read_l4(struct bpf_dynptr *d, __u32 off, __u32 len, struct pkt *p, __u8 *buf)
 {
-	struct bpf_dynptr d;
-	__u8 buf[sizeof(struct iphdr) + sizeof(struct tcphdr)];
-	__u32 len = skb->len;
-	if (len < sizeof(struct iphdr) + 8 || bpf_dynptr_from_skb(skb, 0, &d))
-		return 0;
-	struct iphdr *ip = bpf_dynptr_slice(&d, 0, buf, sizeof(struct iphdr));
-	if (!ip || ip->version != 4)
-		return 0;
-	__u32 ihl = ip->ihl * 4;
-	p->proto = ip->protocol;
-	p->saddr = ip->saddr;
-	if (ihl < sizeof(struct iphdr) || ihl > 60)
-		return 0;
 	if (p->proto == IPPROTO_TCP) {
-		struct tcphdr *th = bpf_dynptr_slice(&d, ihl, buf, sizeof(struct tcphdr));
+		struct tcphdr *th = bpf_dynptr_slice(d, off, buf, sizeof(struct tcphdr));
 		if (!th)
-			return 0;
-		__u32 hl = ihl + th->doff * 4;
+			return p->v6 ? PKT_BAD : PKT_SKIP;
+		__u32 hl = off + th->doff * 4;
 		p->payload = len > hl ? len - hl : 0;
 		p->seq = bpf_ntohl(th->seq);
 		p->tcp_flags = ((__u8 *)th)[13];
-		return 1;
+		return PKT_OK;
 	}
 	if (p->proto == IPPROTO_UDP) {
-		__u32 hl = ihl + 8;
-		p->payload = len > hl ? len - hl : 0;
+		__u32 hl = off + 8;
+		if (len < hl)
+			return p->v6 ? PKT_BAD : PKT_SKIP;
+		p->payload = len - hl;
 		p->tcp_flags = 0;
-		return 1;
+		return PKT_OK;
 	}
-	return 0;
+	return PKT_SKIP;
+}
+
+// read_pkt reads the IPv4 or IPv6 header and the L4 header of skb (its
+// data starts at the network header in these hooks): PKT_OK for a TCP or
+// UDP packet brokkr accounts, PKT_SKIP for one it lets on uncounted.
+//
+// IPv6: up to EXTHDR_MAX hop-by-hop, routing and destination-options
+// headers are skipped (each is (hdrlen + 1) * 8 bytes). Any other header
+// before TCP or UDP (a fragment header, AH, ESP, more than EXTHDR_MAX) is
+// PKT_BAD, and the packet is dropped: conntrack and nft see past such
+// headers and mark the connection, so letting it on would carry it past
+// the cap, allowFrom and the counters. (conntrack reassembles fragments
+// before these hooks, so a fragment header here is rare.) ICMPv6 (errors
+// conntrack relates to the connection, Packet Too Big among them) goes on.
+static __always_inline int read_pkt(struct sk_buff *skb, struct pkt *p)
+{
+	struct bpf_dynptr d;
+	__u8 buf[sizeof(struct ipv6hdr)];
+	__u32 len = skb->len;
+	if (len < sizeof(struct iphdr) + 8 || bpf_dynptr_from_skb(skb, 0, &d))
+		return PKT_SKIP;
+	__u8 *b = bpf_dynptr_slice(&d, 0, buf, 1);
+	if (!b)
+		return PKT_SKIP;
+	__u8 version = *b >> 4;
+	if (version == 4) {
+		struct iphdr *ip = bpf_dynptr_slice(&d, 0, buf, sizeof(struct iphdr));
+		if (!ip)
+			return PKT_SKIP;
+		__u32 ihl = ip->ihl * 4;
+		p->proto = ip->protocol;
+		p->saddr[0] = ip->saddr;
+		if (ihl < sizeof(struct iphdr) || ihl > 60)
+			return PKT_SKIP;
+		return read_l4(&d, ihl, len, p, buf);
+	}
+	if (version != 6)
+		return PKT_SKIP;
+	p->v6 = 1;
+	struct ipv6hdr *ip6 = bpf_dynptr_slice(&d, 0, buf, sizeof(struct ipv6hdr));
+	if (!ip6)
+		return PKT_BAD;
+	__builtin_memcpy(p->saddr, &ip6->saddr, 16);
+	__u8 nh = ip6->nexthdr;
+	__u32 off = sizeof(struct ipv6hdr);
+#pragma unroll
+	for (int i = 0; i < EXTHDR_MAX; i++) {
+		if (nh != NEXTHDR_HOP && nh != NEXTHDR_ROUTING && nh != NEXTHDR_DEST)
+			break;
+		struct ipv6_opt_hdr *h = bpf_dynptr_slice(&d, off, buf, sizeof(struct ipv6_opt_hdr));
+		if (!h)
+			return PKT_BAD;
+		nh = h->nexthdr;
+		off += (h->hdrlen + 1) * 8;
+	}
+	p->proto = nh;
+	if (nh == IPPROTO_TCP || nh == IPPROTO_UDP)
+		return read_l4(&d, off, len, p, buf);
+	if (nh == IPPROTO_ICMPV6)
+		return PKT_SKIP;
+	return PKT_BAD;
 }
 
 // conn is the conntrack entry at ctp, readable by plain loads (faulting
@@ -281,14 +369,38 @@ static __always_inline void release(struct nat_flow *f, struct exposure_stat *st
 		brk_release(st, lim);
 }
 
-static __always_inline int in_guest_net(__u32 saddr)
+// in_guest_net reports whether p comes from the bridge subnet of its family.
+static __always_inline int in_guest_net(struct pkt *p)
 {
 	__u32 k = 0;
-	struct nat_cfg *c = bpf_map_lookup_elem(&nat_config, &k);
-	return c && c->guest_mask && (saddr & c->guest_mask) == c->guest_net;
+	if (!p->v6) {
+		struct nat_cfg *c = bpf_map_lookup_elem(&nat_config, &k);
+		return c && c->guest_mask && (p->saddr[0] & c->guest_mask) == c->guest_net;
+	}
+	struct nat_cfg6 *c = bpf_map_lookup_elem(&nat_config6, &k);
+	if (!c || !c->guest_mask[0])
+		return 0;
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		if ((p->saddr[i] & c->guest_mask[i]) != c->guest_net[i])
+			return 0;
+	return 1;
 }
 
 #define RECHECK_NS (2ULL * 1000000000ULL)
+
+// addr_hash folds both whole addresses of an IPv6 tuple into a word (FNV-1a
+// over the words): what a flow keeps of them beside their first words.
+static __always_inline __u32 addr_hash(struct nf_conntrack_tuple *t)
+{
+	__u32 h = 0x811c9dc5;
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		h = (h ^ t->src.u3.all[i]) * 0x01000193;
+		h = (h ^ t->dst.u3.all[i]) * 0x01000193;
+	}
+	return h;
+}
 
 // same_tuple reports whether ct's original tuple is the one the flow was
 // tracked with: conntrack entries live in a SLAB_TYPESAFE_BY_RCU cache, so
@@ -296,8 +408,13 @@ static __always_inline int in_guest_net(__u32 saddr)
 static __always_inline int same_tuple(struct nf_conn *ct, struct nat_flow *f)
 {
 	struct nf_conntrack_tuple *t = &ct->tuplehash[0].tuple;
-	return t->src.u3.ip == f->saddr && t->dst.u3.ip == f->daddr && t->src.u.all == f->sport &&
-	       t->dst.u.all == f->dport && t->dst.protonum == f->proto;
+	if (t->src.u3.ip != f->saddr || t->dst.u3.ip != f->daddr || t->src.u.all != f->sport ||
+	    t->dst.u.all != f->dport || t->dst.protonum != f->proto)
+		return 0;
+	int v6 = t->src.l3num == AF_INET6;
+	if (v6 != f->v6)
+		return 0;
+	return !v6 || addr_hash(t) == f->addr6;
 }
 
 // flow_alive reports whether the conntrack entry at ctp is still the flow's
@@ -368,6 +485,8 @@ static __always_inline int track(__u64 ctp, struct nf_conn *ct, struct nat_flow 
 	nf->sport = t->src.u.all;
 	nf->dport = t->dst.u.all;
 	nf->proto = t->dst.protonum;
+	nf->v6 = t->src.l3num == AF_INET6;
+	nf->addr6 = nf->v6 ? addr_hash(t) : 0;
 	if (bpf_map_update_elem(&nat_flows, &ctp, nf, BPF_NOEXIST))
 		return -1;
 	return 0;
@@ -406,7 +525,10 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	if (!st || !lim)
 		return NF_ACCEPT;
 	struct pkt p = {};
-	if (!read_pkt(skb, &p))
+	int r = read_pkt(skb, &p);
+	if (r == PKT_BAD)
+		return NF_DROP; // see read_pkt
+	if (r != PKT_OK)
 		return NF_ACCEPT;
 	int ctinfo = nfct & 7;
 	int reply = ctinfo >= IP_CT_IS_REPLY;
@@ -429,7 +551,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 		// Each new conntrack entry counts once in denied. Host-local
 		// callers (LOCAL_OUT) are the host's own processes and are not
 		// restricted (README, "allowFrom").
-		if (hook == NF_INET_PRE_ROUTING && !allowed(slot, lim->gen, p.saddr)) {
+		if (hook == NF_INET_PRE_ROUTING && !allowed(slot, lim->gen, &p)) {
 			struct exposure_deny *dn = bpf_map_lookup_elem(&exposure_denied, &slot);
 			if (dn && ctinfo == IP_CT_NEW)
 				__sync_fetch_and_add(&dn->denied, 1);
@@ -462,7 +584,7 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 		// A guest caller's packets are bridged straight to the target
 		// (br_netfilter) and never reach the reflector: drop them. UDP
 		// is dropped too.
-		if (p.proto != IPPROTO_TCP || (hook == NF_INET_PRE_ROUTING && in_guest_net(p.saddr)))
+		if (p.proto != IPPROTO_TCP || (hook == NF_INET_PRE_ROUTING && in_guest_net(&p)))
 			return NF_DROP;
 		nf.flags = F_REFUSED;
 		nf.next_seq[0] = p.seq + 1; // for first_packet
@@ -560,18 +682,48 @@ struct pseudo {
 	__u16 len;
 };
 
+struct pseudo6 {
+	__u32 saddr[4];
+	__u32 daddr[4];
+	__u32 len;
+	__u8 zero[3];
+	__u8 proto;
+};
+
+// brk_nat_reflect answers a refused caller's SYN, IPv4 or IPv6 (without
+// extension headers: one with them was dropped by brk_nat_pre), with the
+// RST the guest would send.
 SEC("tc")
 int brk_nat_reflect(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
-	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+	if ((void *)(eth + 1) > end)
 		return TC_ACT_OK;
-	struct iphdr *ip = (void *)(eth + 1);
-	if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_TCP || ip->ihl != 5)
+	// The caller's and the guest's addresses (IPv4 in [0]), as the SYN
+	// now stands, after NAT.
+	__u32 caller[4] = {}, guest[4] = {};
+	struct tcphdr *th;
+	int v6 = 0;
+	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+		if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_TCP || ip->ihl != 5)
+			return TC_ACT_OK;
+		caller[0] = ip->saddr;
+		guest[0] = ip->daddr;
+		th = (void *)(ip + 1);
+	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		if ((void *)(ip6 + 1) > end || ip6->nexthdr != IPPROTO_TCP)
+			return TC_ACT_OK;
+		__builtin_memcpy(caller, &ip6->saddr, 16);
+		__builtin_memcpy(guest, &ip6->daddr, 16);
+		th = (void *)(ip6 + 1);
+		v6 = 1;
+	} else {
 		return TC_ACT_OK;
-	struct tcphdr *th = (void *)(ip + 1);
+	}
 	if ((void *)(th + 1) > end || !th->syn || th->ack)
 		return TC_ACT_OK;
 
@@ -593,35 +745,56 @@ int brk_nat_reflect(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 
-	// The RST the guest would send: from the guest to the caller (as the
-	// packet now stands, after NAT), acknowledging the SYN.
+	// The RST the guest would send: from the guest to the caller,
+	// acknowledging the SYN.
 	__u8 mac_guest[6], mac_br[6];
 	__builtin_memcpy(mac_guest, eth->h_dest, 6);
 	__builtin_memcpy(mac_br, eth->h_source, 6);
-	__u32 saddr = ip->saddr, daddr = ip->daddr;
 	__u16 sport = th->source, dport = th->dest;
 	__u32 ack = bpf_htonl(bpf_ntohl(th->seq) + 1);
 
-	if (bpf_skb_change_tail(skb, ETH_HLEN + 40, 0))
+	__u32 l3 = v6 ? sizeof(struct ipv6hdr) : sizeof(struct iphdr);
+	if (bpf_skb_change_tail(skb, ETH_HLEN + l3 + sizeof(struct tcphdr), 0))
 		return TC_ACT_SHOT;
 	data = (void *)(long)skb->data;
 	end = (void *)(long)skb->data_end;
 	eth = data;
-	ip = (void *)(eth + 1);
-	th = (void *)(ip + 1);
-	if ((void *)(th + 1) > end)
+	if ((void *)(eth + 1) > end)
 		return TC_ACT_SHOT;
-
 	__builtin_memcpy(eth->h_dest, mac_br, 6);
 	__builtin_memcpy(eth->h_source, mac_guest, 6);
-	ip->tot_len = bpf_htons(40);
-	ip->id = 0;
-	ip->frag_off = bpf_htons(0x4000);
-	ip->ttl = 64;
-	ip->saddr = daddr;
-	ip->daddr = saddr;
-	ip->check = 0;
-	ip->check = csum_fold(csum_add16(0, (__u16 *)ip, 10));
+	__u32 sum;
+	if (v6) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		th = (void *)(ip6 + 1);
+		if ((void *)(th + 1) > end)
+			return TC_ACT_SHOT;
+		*(__u32 *)ip6 = bpf_htonl(0x60000000); // version 6, no class, no flow label
+		ip6->payload_len = bpf_htons(sizeof(struct tcphdr));
+		ip6->nexthdr = IPPROTO_TCP;
+		ip6->hop_limit = 64;
+		__builtin_memcpy(&ip6->saddr, guest, 16);
+		__builtin_memcpy(&ip6->daddr, caller, 16);
+		struct pseudo6 ph = {.len = bpf_htonl(sizeof(struct tcphdr)), .proto = IPPROTO_TCP};
+		__builtin_memcpy(ph.saddr, guest, 16);
+		__builtin_memcpy(ph.daddr, caller, 16);
+		sum = csum_add16(0, (__u16 *)&ph, sizeof(ph) / 2);
+	} else {
+		struct iphdr *ip = (void *)(eth + 1);
+		th = (void *)(ip + 1);
+		if ((void *)(th + 1) > end)
+			return TC_ACT_SHOT;
+		ip->tot_len = bpf_htons(40);
+		ip->id = 0;
+		ip->frag_off = bpf_htons(0x4000);
+		ip->ttl = 64;
+		ip->saddr = guest[0];
+		ip->daddr = caller[0];
+		ip->check = 0;
+		ip->check = csum_fold(csum_add16(0, (__u16 *)ip, 10));
+		struct pseudo ph = {.saddr = guest[0], .daddr = caller[0], .proto = IPPROTO_TCP, .len = bpf_htons(20)};
+		sum = csum_add16(0, (__u16 *)&ph, sizeof(ph) / 2);
+	}
 
 	__builtin_memset(th, 0, sizeof(*th));
 	th->source = dport;
@@ -630,8 +803,6 @@ int brk_nat_reflect(struct __sk_buff *skb)
 	th->doff = 5;
 	th->rst = 1;
 	th->ack = 1;
-	struct pseudo ph = {.saddr = daddr, .daddr = saddr, .proto = IPPROTO_TCP, .len = bpf_htons(20)};
-	__u32 sum = csum_add16(0, (__u16 *)&ph, 6);
 	sum = csum_add16(sum, (__u16 *)th, 10);
 	th->check = csum_fold(sum);
 

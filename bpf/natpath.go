@@ -30,9 +30,13 @@ const (
 
 // Pin names of the nat path's links under bpfDir. The links keep the
 // programs attached while no daemon runs; a new daemon adopts them.
+// brk_nat_pre and brk_nat_out have one link per family and hook (the *6
+// pins are their IPv6 links; a binary before them had none).
 const (
 	pinNatPre     = "nat_pre_link"
 	pinNatOut     = "nat_out_link"
+	pinNatPre6    = "nat_pre6_link"
+	pinNatOut6    = "nat_out6_link"
 	pinNatReflect = "nat_reflect_link"
 )
 
@@ -51,9 +55,10 @@ type NatPath struct {
 
 // NatPathConfig says where the programs attach.
 type NatPathConfig struct {
-	PinDir string       // bpfDir (a bpffs)
-	Bridge int          // ifindex of the guest bridge (the reflector's egress hook)
-	Guests netip.Prefix // the bridge subnet (callers there are bridged, not routed)
+	PinDir  string       // bpfDir (a bpffs)
+	Bridge  int          // ifindex of the guest bridge (the reflector's egress hook)
+	Guests  netip.Prefix // the bridge subnet (callers there are bridged, not routed)
+	Guests6 netip.Prefix // the bridge's IPv6 subnet, if it has one
 	// InNS runs fn inside the managed network namespace: netfilter and tcx
 	// links belong to the namespace of the thread that makes them.
 	InNS func(fn func() error) error
@@ -101,7 +106,7 @@ func loadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	if err := loadNatpathObjects(n.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}}); err != nil {
 		return nil, fmt.Errorf("nat path: loading programs: %w", err)
 	}
-	if err := n.SetGuests(cfg.Guests); err != nil {
+	if err := n.SetGuests(cfg.Guests, cfg.Guests6); err != nil {
 		n.objs.Close()
 		return nil, err
 	}
@@ -111,7 +116,7 @@ func loadNatPath(cfg NatPathConfig) (*NatPath, error) {
 		attach func(old *link.Info) (link.Link, error)
 		same   func(*link.Info) bool
 	}
-	nf := func(hook link.NetfilterInetHook, p *ebpf.Program) func(*link.Info) (link.Link, error) {
+	nf := func(family link.NetfilterProtocolFamily, hook link.NetfilterInetHook, p *ebpf.Program) func(*link.Info) (link.Link, error) {
 		return func(old *link.Info) (link.Link, error) {
 			prio := int32(NetfilterPriority)
 			if o := nfInfo(old); o != nil && o.Priority == NetfilterPriority {
@@ -119,16 +124,24 @@ func loadNatPath(cfg NatPathConfig) (*NatPath, error) {
 			}
 			var l link.Link
 			err := cfg.InNS(func() (err error) {
-				l, err = link.AttachNetfilter(link.NetfilterOptions{Program: p, ProtocolFamily: link.NetfilterProtoIPv4,
+				l, err = link.AttachNetfilter(link.NetfilterOptions{Program: p, ProtocolFamily: family,
 					Hook: hook, Priority: prio})
 				return err
 			})
 			return l, err
 		}
 	}
+	// A pinned link is kept only at the family it is pinned for (the
+	// same program serves both).
+	nfOf := func(family link.NetfilterProtocolFamily) func(*link.Info) bool {
+		return func(i *link.Info) bool { f := i.Netfilter(); return f != nil && f.ProtocolFamily == family }
+	}
+	nf4, nf6 := nfOf(link.NetfilterProtoIPv4), nfOf(link.NetfilterProtoIPv6)
 	wants := []want{
-		{pinNatPre, n.objs.BrkNatPre, nf(link.NetfilterInetPreRouting, n.objs.BrkNatPre), nil},
-		{pinNatOut, n.objs.BrkNatOut, nf(link.NetfilterInetLocalOut, n.objs.BrkNatOut), nil},
+		{pinNatPre, n.objs.BrkNatPre, nf(link.NetfilterProtoIPv4, link.NetfilterInetPreRouting, n.objs.BrkNatPre), nf4},
+		{pinNatOut, n.objs.BrkNatOut, nf(link.NetfilterProtoIPv4, link.NetfilterInetLocalOut, n.objs.BrkNatOut), nf4},
+		{pinNatPre6, n.objs.BrkNatPre, nf(link.NetfilterProtoIPv6, link.NetfilterInetPreRouting, n.objs.BrkNatPre), nf6},
+		{pinNatOut6, n.objs.BrkNatOut, nf(link.NetfilterProtoIPv6, link.NetfilterInetLocalOut, n.objs.BrkNatOut), nf6},
 		{pinNatReflect, n.objs.BrkNatReflect, func(*link.Info) (link.Link, error) {
 			var l link.Link
 			err := cfg.InNS(func() (err error) {
@@ -172,6 +185,11 @@ func (n *NatPath) armSweeper() error {
 // runs on the programs an earlier brokkrd attached ("" otherwise).
 func (n *NatPath) Adopted() string { return n.adopted }
 
+// IPv6 reports whether programs run at the IPv6 hooks: an earlier binary's
+// that were adopted may have none, and then an IPv6 connection would be
+// neither capped nor counted.
+func (n *NatPath) IPv6() bool { return n.links[pinNatPre6] != nil && n.links[pinNatOut6] != nil }
+
 // adoptNatPath keeps the nat path an earlier brokkrd attached: its pinned
 // netfilter links still run its programs, which count and release by the
 // same mark. A reflector left on a bridge that is gone is attached again,
@@ -179,8 +197,11 @@ func (n *NatPath) Adopted() string { return n.adopted }
 func adoptNatPath(cfg NatPathConfig, why error) (*NatPath, error) {
 	n := &NatPath{links: map[string]link.Link{}, pinDir: cfg.PinDir,
 		adopted: why.Error() + "; the programs an earlier brokkrd attached serve on"}
-	for _, pin := range []string{pinNatPre, pinNatOut} {
+	for _, pin := range []string{pinNatPre, pinNatOut, pinNatPre6, pinNatOut6} {
 		l, err := link.LoadPinnedLink(filepath.Join(cfg.PinDir, pin), nil)
+		if (pin == pinNatPre6 || pin == pinNatOut6) && errors.Is(err, os.ErrNotExist) {
+			continue // an earlier binary without the IPv6 links
+		}
 		if err != nil {
 			n.Close()
 			return nil, fmt.Errorf("nat path: no earlier programs to keep: %s: %w", pin, err)
@@ -243,7 +264,7 @@ func adoptReflector(cfg NatPathConfig, pin string) (link.Link, error) {
 // they hold until the exposure's slot is given up.
 func detachNatPath(dir string) error {
 	var errs []error
-	for _, pin := range []string{pinNatPre, pinNatOut, pinNatReflect} {
+	for _, pin := range []string{pinNatPre, pinNatOut, pinNatPre6, pinNatOut6, pinNatReflect} {
 		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("nat path: detaching the earlier %s: %w", pin, err))
 		}
@@ -315,24 +336,47 @@ func sameProgram(l link.Link, prog *ebpf.Program, same func(*link.Info) bool) bo
 	return a.Tag == b.Tag
 }
 
-// SetGuests tells the programs the bridge subnet. Adopted programs keep
-// the subnet they were given.
-func (n *NatPath) SetGuests(p netip.Prefix) error {
+// SetGuests tells the programs the bridge subnets: v4 an IPv4 prefix, v6
+// an IPv6 one; an invalid (zero) prefix says the bridge has none of that
+// family. Adopted programs keep the subnets they were given.
+func (n *NatPath) SetGuests(v4, v6 netip.Prefix) error {
 	if n.objs == nil {
 		return nil
 	}
 	var c natpathNatCfg
-	if p.IsValid() && p.Addr().Is4() {
-		a := p.Masked().Addr().As4()
+	if v4.IsValid() && v4.Addr().Is4() {
+		a := v4.Masked().Addr().As4()
 		c.GuestNet = binary.NativeEndian.Uint32(a[:])
 		var m [4]byte
-		binary.BigEndian.PutUint32(m[:], ^uint32(0)<<(32-p.Bits()))
+		binary.BigEndian.PutUint32(m[:], ^uint32(0)<<(32-v4.Bits()))
 		c.GuestMask = binary.NativeEndian.Uint32(m[:])
 	}
 	if err := n.objs.NatConfig.Put(uint32(0), c); err != nil {
 		return fmt.Errorf("nat path: config: %w", err)
 	}
+	if err := n.objs.NatConfig6.Put(uint32(0), guestCfg6(v6)); err != nil {
+		return fmt.Errorf("nat path: config6: %w", err)
+	}
 	return nil
+}
+
+// guestCfg6 is nat_config6's value for the IPv6 subnet p: the network and
+// its mask, word by word in network byte order; all zero (no subnet) for
+// anything but a valid IPv6 prefix of at least one bit.
+func guestCfg6(p netip.Prefix) natpathNatCfg6 {
+	var c natpathNatCfg6
+	if !p.IsValid() || !p.Addr().Is6() || p.Addr().Is4In6() || p.Bits() == 0 {
+		return c
+	}
+	a := p.Masked().Addr().As16()
+	for i := range 4 {
+		c.GuestNet[i] = binary.NativeEndian.Uint32(a[4*i:])
+		var m [4]byte
+		bits := min(max(p.Bits()-32*i, 0), 32)
+		binary.BigEndian.PutUint32(m[:], uint32(uint64(0xffffffff)<<(32-bits)))
+		c.GuestMask[i] = binary.NativeEndian.Uint32(m[:])
+	}
+	return c
 }
 
 // Close drops the process's handles. The pinned links and maps stay, so the
@@ -356,10 +400,10 @@ func (nopCloser) Close() error { return nil }
 func (n *NatPath) Remove() error {
 	var err error
 	if n.objs != nil {
-		err = unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatSweep, n.objs.AllowFrom, n.objs.AllowRestricted)
+		err = unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatConfig6, n.objs.NatSweep, n.objs.AllowFrom, n.objs.AllowRestricted)
 	} else {
 		err = unpinLinks(n.links)
-		for _, m := range []string{"nat_flows", "nat_config", "nat_sweep", "allow_from", "allow_restricted"} {
+		for _, m := range []string{"nat_flows", "nat_config", "nat_config6", "nat_sweep", "allow_from", "allow_restricted"} {
 			_ = os.Remove(filepath.Join(n.pinDir, m))
 		}
 	}

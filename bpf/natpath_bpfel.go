@@ -53,6 +53,12 @@ type natpathNatCfg struct {
 	GuestMask uint32
 }
 
+type natpathNatCfg6 struct {
+	_         structs.HostLayout
+	GuestNet  [4]uint32
+	GuestMask [4]uint32
+}
+
 type natpathNatFlow struct {
 	_       structs.HostLayout
 	Slot    uint32
@@ -64,8 +70,9 @@ type natpathNatFlow struct {
 	Sport   uint16
 	Dport   uint16
 	Proto   uint8
-	Pad     [3]uint8
-	_       [4]byte
+	V6      uint8
+	Pad     [2]uint8
+	Addr6   uint32
 	Pend    [2]uint64
 }
 
@@ -91,6 +98,7 @@ const (
 	natpathMapExposureStats   = "exposure_stats"
 	natpathMapExposureWake    = "exposure_wake"
 	natpathMapNatConfig       = "nat_config"
+	natpathMapNatConfig6      = "nat_config6"
 	natpathMapNatFlows        = "nat_flows"
 	natpathMapNatSweep        = "nat_sweep"
 	natpathMapWakeEvents      = "wake_events"
@@ -159,6 +167,7 @@ type natpathMapSpecs struct {
 	ExposureStats   *ebpf.MapSpec `ebpf:"exposure_stats"`
 	ExposureWake    *ebpf.MapSpec `ebpf:"exposure_wake"`
 	NatConfig       *ebpf.MapSpec `ebpf:"nat_config"`
+	NatConfig6      *ebpf.MapSpec `ebpf:"nat_config6"`
 	NatFlows        *ebpf.MapSpec `ebpf:"nat_flows"`
 	NatSweep        *ebpf.MapSpec `ebpf:"nat_sweep"`
 	WakeEvents      *ebpf.MapSpec `ebpf:"wake_events"`
@@ -197,6 +206,7 @@ type natpathMaps struct {
 	ExposureStats   *ebpf.Map `ebpf:"exposure_stats"`
 	ExposureWake    *ebpf.Map `ebpf:"exposure_wake"`
 	NatConfig       *ebpf.Map `ebpf:"nat_config"`
+	NatConfig6      *ebpf.Map `ebpf:"nat_config6"`
 	NatFlows        *ebpf.Map `ebpf:"nat_flows"`
 	NatSweep        *ebpf.Map `ebpf:"nat_sweep"`
 	WakeEvents      *ebpf.Map `ebpf:"wake_events"`
@@ -211,6 +221,7 @@ func (m *natpathMaps) Close() error {
 		m.ExposureStats,
 		m.ExposureWake,
 		m.NatConfig,
+		m.NatConfig6,
 		m.NatFlows,
 		m.NatSweep,
 		m.WakeEvents,

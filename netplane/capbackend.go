@@ -83,12 +83,13 @@ func (p *Plane) chooseCap(n Network) {
 // natPathBackend is the BPF nat path: the nft table carries only marks and
 // DNAT.
 type natPathBackend struct {
-	opts   Options
-	h      *netlink.Handle // the managed namespace's links
-	log    *slog.Logger
-	np     *bpf.NatPath
-	bridge int          // the ifindex the reflector is on
-	guests netip.Prefix // the subnet the programs know
+	opts    Options
+	h       *netlink.Handle // the managed namespace's links
+	log     *slog.Logger
+	np      *bpf.NatPath
+	bridge  int          // the ifindex the reflector is on
+	guests  netip.Prefix // the subnet the programs know
+	guests6 netip.Prefix // and the IPv6 one
 }
 
 func loadNatPath(opts Options, h *netlink.Handle, n Network, log *slog.Logger) (*natPathBackend, error) {
@@ -110,7 +111,7 @@ func (b *natPathBackend) load(n Network) error {
 	}
 	idx := br.Attrs().Index
 	np, err := bpf.LoadNatPath(bpf.NatPathConfig{
-		PinDir: filepath.Dir(b.opts.Stats.Path()), Bridge: idx, Guests: n.CIDR.Masked(),
+		PinDir: filepath.Dir(b.opts.Stats.Path()), Bridge: idx, Guests: n.CIDR.Masked(), Guests6: n.CIDR6.Masked(),
 		InNS: func(fn func() error) error { return nlsafe.Do(b.opts.NetNS, fn) },
 	})
 	if err != nil {
@@ -119,7 +120,7 @@ func (b *natPathBackend) load(n Network) error {
 	if b.np != nil {
 		_ = b.np.Close()
 	}
-	b.np, b.bridge, b.guests = np, idx, n.CIDR.Masked()
+	b.np, b.bridge, b.guests, b.guests6 = np, idx, n.CIDR.Masked(), n.CIDR6.Masked()
 	return nil
 }
 
@@ -127,7 +128,7 @@ func (b *natPathBackend) tableCap() nft.Cap { return nft.MarksOnly{} }
 
 func (b *natPathBackend) follow(n Network) {
 	br, err := nlsafe.LinkByName(b.h, n.Bridge)
-	if err == nil && br.Attrs().Index == b.bridge && n.CIDR.Masked() == b.guests {
+	if err == nil && br.Attrs().Index == b.bridge && n.CIDR.Masked() == b.guests && n.CIDR6.Masked() == b.guests6 {
 		return
 	}
 	// The bridge was made anew or the subnet changed: load again, which
@@ -162,9 +163,14 @@ func (b *natPathBackend) warning() string {
 	return ""
 }
 func (b *natPathBackend) fallback() string { return "" } // adopted programs too: they admit against the slot
-func (b *natPathBackend) ipv6() string     { return "the nat path's programs run for IPv4 only" }
-func (b *natPathBackend) close() error     { return b.np.Close() }
-func (b *natPathBackend) remove() error    { return b.np.Remove() }
+func (b *natPathBackend) ipv6() string {
+	if !b.np.IPv6() {
+		return "the nat path's programs an earlier brokkrd attached run for IPv4 only"
+	}
+	return ""
+}
+func (b *natPathBackend) close() error  { return b.np.Close() }
+func (b *natPathBackend) remove() error { return b.np.Remove() }
 
 // setCapBackend is the set-based cap: nft's cap sets, fed by conntrack
 // events, with the slow path's connections handed to carrier.

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -158,17 +159,22 @@ func Link(t testing.TB, a *NS, aIf, aAddr string, b *NS, bIf, bAddr string) {
 	}
 }
 
-// ServeEcho runs TCP and UDP echo servers on addr inside the namespace until
-// the test ends: a guest service for tests of the data paths.
+// ServeEcho runs TCP and UDP echo servers on addr (IPv4, or IPv6 in
+// brackets) inside the namespace until the test ends: a guest service for
+// tests of the data paths.
 func (n *NS) ServeEcho(t testing.TB, addr string) {
 	t.Helper()
 	var ln net.Listener
 	var pc net.PacketConn
+	tcp, udp := "tcp4", "udp4"
+	if ap, err := netip.ParseAddrPort(addr); err == nil && ap.Addr().Is6() {
+		tcp, udp = "tcp6", "udp6" // an IPv6 address ("[::]:7000")
+	}
 	if err := n.Do(func() (err error) {
-		if ln, err = net.Listen("tcp4", addr); err != nil {
+		if ln, err = net.Listen(tcp, addr); err != nil {
 			return err
 		}
-		pc, err = net.ListenPacket("udp4", addr)
+		pc, err = net.ListenPacket(udp, addr)
 		return err
 	}); err != nil {
 		t.Fatalf("echo server on %s in %s: %v", addr, n.Name, err)
