@@ -777,17 +777,27 @@ func (w *want) changes(s *State, touched0 map[string]bool) []Change {
 			old, had = s.exps.get(n)
 		}
 		published := func(e Exposure) bool { return !e.LoopbackOnly() }
+		// A host side newly published has no TCP flow to move: brokkr
+		// publishes only a port no host socket holds, and conntrack meets a
+		// new SYN on an entry left closed or in TIME_WAIT by killing it and
+		// tracking the SYN anew (through the DNAT). A UDP entry has no such
+		// end: one made before the element (a datagram to the unpublished
+		// port) would keep its flow off the guest until it times out. So
+		// only a UDP creation flushes (kube-proxy clears conntrack for UDP
+		// alone too), and a sandbox platform's add of a TCP port costs no
+		// walk of the host's conntrack table.
+		createdFlush := func(e Exposure) bool { return published(e) && e.Protocol != "tcp" }
 		switch {
 		case cur == nil:
 			out = append(out, Change{old, Removed, old.HostSide(), touched(n) && published(old)})
 		case !had:
-			out = append(out, Change{*cur, Created, cur.HostSide(), touched(n) && published(*cur)})
+			out = append(out, Change{*cur, Created, cur.HostSide(), touched(n) && createdFlush(*cur)})
 		case old.HostSide() != cur.HostSide() || old.LoopbackOnly() != cur.LoopbackOnly():
 			out = append(out, Change{old, Removed, old.HostSide(), touched(n) && published(old)},
-				Change{*cur, Created, cur.HostSide(), touched(n) && published(*cur)})
+				Change{*cur, Created, cur.HostSide(), touched(n) && createdFlush(*cur)})
 		default:
 			// Only where the flows go decides: a new cap keeps them.
-			retarget := old.GuestAddr != cur.GuestAddr || old.GuestPort != cur.GuestPort || old.MarkID != cur.MarkID
+			retarget := old.GuestAddr != cur.GuestAddr || old.GuestAddr6 != cur.GuestAddr6 || old.GuestPort != cur.GuestPort || old.MarkID != cur.MarkID
 			out = append(out, Change{*cur, Changed, cur.HostSide(), touched(n) && published(*cur) && retarget})
 		}
 	}
