@@ -128,9 +128,14 @@ type Daemon struct {
 	// status was converged from (see Generations).
 	gen, statusGen uint64
 
-	wake   chan struct{}
-	passed chan struct{}
-	logged map[string]bool // problems of the last pass, logged once
+	wake chan struct{}
+	// wakeSoon is a wake from a change the API already published to the
+	// kernel (PUT/DELETE /v1/exposures): the pass that follows brings the
+	// rest (proxy, socket path, status) at most changePassGap after the
+	// last pass, so a stream of changes is not a stream of whole passes.
+	wakeSoon chan struct{}
+	passed   chan struct{}
+	logged   map[string]bool // problems of the last pass, logged once
 
 	supRun bounded[supervisor.Report]
 	netRun bounded[netplane.Report]
@@ -193,12 +198,13 @@ func New(opts Options) (*Daemon, error) {
 		opts: opts, log: opts.Logger, host: opts.Host, store: opts.Store,
 		sup: opts.Supervisor, net: opts.Network, px: opts.Proxy, addrs: opts.Addresses,
 		desired: desired, model: model, journal: jnl,
-		facts:  map[string]guestFacts{},
-		wake:   make(chan struct{}, 1),
-		passed: make(chan struct{}, 1),
-		supRun: bounded[supervisor.Report]{name: "supervisor"},
-		netRun: bounded[netplane.Report]{name: "netplane"},
-		pxRun:  bounded[[]proxy.Status]{name: "proxy"},
+		facts:    map[string]guestFacts{},
+		wake:     make(chan struct{}, 1),
+		wakeSoon: make(chan struct{}, 1),
+		passed:   make(chan struct{}, 1),
+		supRun:   bounded[supervisor.Report]{name: "supervisor"},
+		netRun:   bounded[netplane.Report]{name: "netplane"},
+		pxRun:    bounded[[]proxy.Status]{name: "proxy"},
 	}
 	d.m = newMetrics(d)
 	d.kw = newKernelWakes(d, opts.KernelWake, opts.Wakes)
@@ -262,6 +268,21 @@ func (d *Daemon) Wake() {
 	}
 }
 
+// wakeAfterChange is Wake for a change whose kernel part is published
+// already (see wakeSoon).
+func (d *Daemon) wakeAfterChange() {
+	select {
+	case d.wakeSoon <- struct{}{}:
+	default:
+	}
+}
+
+// changePassGap is the least time between passes woken by exposure
+// changes: at 10,000 exposures a pass costs milliseconds of CPU, and 8
+// clients changing exposures back to back would otherwise keep one running
+// all the time beside the changes (BENCHMARKS.md, "Changes at 10,000").
+const changePassGap = 200 * time.Millisecond
+
 // Run converges on every change and every tick until ctx ends.
 func (d *Daemon) Run(ctx context.Context) {
 	t := time.NewTicker(d.opts.Tick)
@@ -276,11 +297,24 @@ func (d *Daemon) Run(ctx context.Context) {
 	}
 	for {
 		d.Pass(ctx)
+		ended := time.Now()
 		select {
 		case <-ctx.Done():
 			return
 		case <-d.wake:
 		case <-t.C:
+		case <-d.wakeSoon:
+			if wait := changePassGap - time.Since(ended); wait > 0 {
+				gap := time.NewTimer(wait)
+				select {
+				case <-ctx.Done():
+					gap.Stop()
+					return
+				case <-d.wake:
+				case <-gap.C:
+				}
+				gap.Stop()
+			}
 		}
 	}
 }

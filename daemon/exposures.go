@@ -28,7 +28,7 @@ import (
 // is acknowledged once the record is on disk (concurrent changes share one
 // fsync). It is published: the kernel part at once through the network
 // plane's UpdateExposures, the rest (proxy, socket path, status) by the
-// pass it wakes.
+// pass it wakes, within changePassGap of the last one.
 
 // ErrNoSuchExposure is returned for an exposure name not in the desired state.
 var ErrNoSuchExposure = errors.New("no such exposure")
@@ -128,7 +128,7 @@ func (d *Daemon) PutExposure(e config.Exposure) (api.Plan, error) {
 	plan.Applied = true
 	d.log.Info("exposure set", "exposure", e.Name, "added", len(plan.Exposures.Added) > 0)
 	d.publishExposure(e.Name, was)
-	d.Wake()
+	d.wakeAfterChange()
 	return plan, nil
 }
 
@@ -197,7 +197,7 @@ func (d *Daemon) DeleteExposure(name string) (api.Plan, error) {
 		VMs: api.Changes{Added: []string{}, Changed: []string{}, Removed: []string{}}}
 	d.log.Info("exposure removed", "exposure", name)
 	d.publishExposure(name, &was)
-	d.Wake()
+	d.wakeAfterChange()
 	return plan, nil
 }
 

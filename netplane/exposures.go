@@ -124,7 +124,15 @@ func (p *Plane) UpdateExposures(ctx context.Context, set []Exposure, remove []st
 		}
 	}
 	var rep Report
-	tableErr := p.withTable(func(t *nft.Table) (nft.Result, error) { return t.Update(publish, unpublish) }, &rep.Repaired)
+	// A removed exposure with no connection open has no conntrack entry to
+	// flush: the BPF nat path's gauge counts every flow it admitted until
+	// it ends (the set-based cap's, fed by events, is not relied on).
+	_, exact := p.caps.(*natPathBackend)
+	idle := func(name string) bool {
+		f := p.slots.feeds[name]
+		return exact && gone[name] && f != nil && f.slot.Read().Active == 0
+	}
+	tableErr := p.withTable(func(t *nft.Table) (nft.Result, error) { return t.Update(publish, unpublish, idle) }, &rep.Repaired)
 	if tableErr == nil {
 		for _, n := range remove {
 			if f := p.slots.feeds[n]; f != nil {

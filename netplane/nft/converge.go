@@ -40,7 +40,7 @@ func (t *Table) Converge(r Rules) (Result, error) {
 	if err != nil {
 		return Result{}, fmt.Errorf("nft: %w", err)
 	}
-	res, err := t.run(p)
+	res, err := t.run(p, false)
 	if err == nil {
 		r.Exposures = nil
 		t.fixed = r
@@ -52,8 +52,11 @@ func (t *Table) Converge(r Rules) (Result, error) {
 // in remove, leaving every other exposure and the rest of the tables as
 // the last Converge or Update applied them. While nobody else touched the
 // tables it costs O(len(set)+len(remove)), whatever the number of
-// exposures.
-func (t *Table) Update(set []Exposure, remove []string) (Result, error) {
+// exposures. The conntrack entries of the host sides it withdraws are
+// flushed just after it returns (flusher), except those of a removed
+// exposure idle says has no connection open on any path (nil: none is
+// known idle): a walk of the host's conntrack table finds nothing of it.
+func (t *Table) Update(set []Exposure, remove []string, idle func(exposure string) bool) (Result, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var fixed *Rules
@@ -77,7 +80,8 @@ func (t *Table) Update(set []Exposure, remove []string) (Result, error) {
 	if err != nil {
 		return Result{}, fmt.Errorf("nft: %w", err)
 	}
-	res, err := t.run(p)
+	skipIdleFlushes(p.Changes, idle)
+	res, err := t.run(p, true)
 	if err == nil && fixed != nil {
 		t.fixed = *fixed
 	}
@@ -126,9 +130,13 @@ const verifyMin = 64
 
 // run applies a plan: its batch, or if that fails (or does not verify) the
 // whole-table replace; then the state records it and the flows of the
-// changed host sides are flushed (mu held).
-func (t *Table) run(p *compile.Plan) (Result, error) {
+// changed host sides are flushed (mu held): now, or with async by the
+// flusher, after the return (Result.Flushed is then empty).
+func (t *Table) run(p *compile.Plan, async bool) (Result, error) {
 	res := Result{Changes: p.Changes, Repaired: p.Repairs}
+	// A side an earlier Update withdrew is flushed before it is
+	// published again.
+	t.flushes.takeBefore(p.Changes)
 	committed := false
 	if !p.Empty() {
 		err := t.k.apply(p.Ops)
@@ -164,11 +172,35 @@ func (t *Table) run(p *compile.Plan) (Result, error) {
 	}
 	g, err := t.k.generation()
 	t.gen, t.genValid = g, err == nil
-	res.Flushed = t.flush(p.Changes)
+	if async {
+		t.flushes.add(p.Changes)
+	} else {
+		res.Flushed = t.flush(p.Changes)
+	}
 	if t.applied != nil {
 		t.applied(p.Changes)
 	}
 	return res, nil
+}
+
+// skipIdleFlushes clears Flush on the removals of exposures idle names,
+// unless the exposure stays published elsewhere (a move to another host
+// side, whose connections the gauge would count under the new side).
+func skipIdleFlushes(changes []compile.Change, idle func(string) bool) {
+	if idle == nil {
+		return
+	}
+	stays := map[string]bool{}
+	for _, c := range changes {
+		if c.Kind != compile.Removed {
+			stays[c.Exposure.Name] = true
+		}
+	}
+	for i, c := range changes {
+		if c.Kind == compile.Removed && c.Flush && !stays[c.Exposure.Name] && idle(c.Exposure.Name) {
+			changes[i].Flush = false
+		}
+	}
 }
 
 // verify reads back, from every large element batch of the plan, one

@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 	"github.com/stretchr/testify/assert"
@@ -19,7 +22,44 @@ import (
 func withFake(t *testing.T) (*Table, *fakeKernel) {
 	t.Helper()
 	k := newFakeKernel()
-	return newTable(k, slog.New(slog.DiscardHandler)), k
+	tb := newTable(k, slog.New(slog.DiscardHandler))
+	t.Cleanup(func() { _ = tb.Close() })
+	return tb, k
+}
+
+// An exposure withdrawn by an Update and published again on its host side
+// by the next one is flushed before that batch, never after it (which
+// would cut the new exposure's first flows), also while the flusher is
+// in the middle of that flush; Close stops the flusher's goroutine.
+func TestAWithdrawnSideIsFlushedBeforeItIsPublishedAgain(t *testing.T) {
+	tb, k := withFake(t)
+	_, err := tb.Converge(unitRules(many(3)...))
+	require.NoError(t, err)
+	gate := make(chan struct{})
+	var open sync.Once
+	t.Cleanup(func() { open.Do(func() { close(gate) }) })
+	k.mu.Lock()
+	k.flushGate = gate // the removal's flush waits inside the kernel
+	k.mu.Unlock()
+	_, err = tb.Update(nil, []string{"x00001"}, nil)
+	require.NoError(t, err)
+	done := make(chan error)
+	go func() {
+		_, err := tb.Update([]Exposure{tcpExp("again", 10001, 77)}, nil, nil)
+		done <- err
+	}()
+	select {
+	case <-done:
+		t.Fatal("the side was published again while its flush was under way")
+	case <-time.After(100 * time.Millisecond):
+	}
+	open.Do(func() { close(gate) })
+	require.NoError(t, <-done)
+	k.mu.Lock()
+	events := slices.Clone(k.events)
+	k.mu.Unlock()
+	assert.Equal(t, []string{"apply", "apply", "flush", "apply"}, events, "converge, removal, its flush, the new exposure")
+	require.NoError(t, tb.Close())
 }
 
 func unitRules(exps ...Exposure) Rules {
@@ -45,6 +85,8 @@ func many(n int) []Exposure {
 }
 
 func flushed(k *fakeKernel) []string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
 	var out []string
 	for _, b := range k.flushes {
 		for _, s := range b {
@@ -94,12 +136,14 @@ func TestUpdateIsOneExposuresWork(t *testing.T) {
 	require.NoError(t, err)
 	reads := k.reads
 	k.flushes = nil
-	res, err := tb.Update([]Exposure{tcpExp("new", 9000, 9000)}, []string{"x00042"})
+	res, err := tb.Update([]Exposure{tcpExp("new", 9000, 9000)}, []string{"x00042"}, nil)
 	require.NoError(t, err)
 	assert.Equal(t, reads, k.reads)
 	require.Len(t, k.batches, 2)
 	assert.LessOrEqual(t, elemsIn(k.batches[1]), 4, "%v", k.batches[1])
-	assert.ElementsMatch(t, []string{"tcp *:10042"}, flushed(k), "the removed side; a new TCP one has nothing to flush")
+	assert.Empty(t, res.Flushed, "flushed after the Update returns")
+	assert.Eventually(t, func() bool { return slices.Equal([]string{"tcp *:10042"}, flushed(k)) }, 5*time.Second, time.Millisecond,
+		"the removed side; a new TCP one has nothing to flush")
 	assert.Len(t, res.Changes, 2)
 	// The whole desired state, converged afterwards, agrees.
 	exps := append(many(5000), tcpExp("new", 9000, 9000))
@@ -111,7 +155,7 @@ func TestUpdateIsOneExposuresWork(t *testing.T) {
 
 func TestUpdateBeforeConvergeIsRefused(t *testing.T) {
 	tb, _ := withFake(t)
-	_, err := tb.Update([]Exposure{tcpExp("new", 9000, 1)}, nil)
+	_, err := tb.Update([]Exposure{tcpExp("new", 9000, 1)}, nil, nil)
 	assert.ErrorContains(t, err, "no whole desired state")
 }
 
@@ -316,7 +360,7 @@ func TestBadRulesSendNothing(t *testing.T) {
 	assert.Empty(t, k.batches)
 	_, err = tb.Converge(unitRules(tcpExp("a", 80, 1)))
 	require.NoError(t, err)
-	_, err = tb.Update([]Exposure{tcpExp("b", 81, 1)}, nil)
+	_, err = tb.Update([]Exposure{tcpExp("b", 81, 1)}, nil, nil)
 	require.ErrorContains(t, err, "exposures[b].markID")
 	assert.Len(t, k.batches, 1)
 }
@@ -335,4 +379,24 @@ func TestDeleteForgets(t *testing.T) {
 	assert.Len(t, res.Changes, 2)
 	assert.NotNil(t, k.tabs[famInet])
 	_ = unix.ENOENT
+}
+
+// An Update's removal of an exposure with no connection open (idle) walks
+// no conntrack table; a busy one's is flushed, and so is an idle
+// exposure's old side when it moves to another port (its gauge counts
+// under the new side).
+func TestAnIdleRemovedExposureIsNotFlushed(t *testing.T) {
+	tb, k := withFake(t)
+	_, err := tb.Converge(unitRules(many(4)...))
+	require.NoError(t, err)
+	idle := func(n string) bool { return n != "x00002" }
+	_, err = tb.Update(nil, []string{"x00001", "x00002"}, idle)
+	require.NoError(t, err)
+	assert.Eventually(t, func() bool { return slices.Equal([]string{"tcp *:10002"}, flushed(k)) }, 5*time.Second, time.Millisecond,
+		"only the busy exposure's side")
+	moved := tcpExp("x00003", 19003, 4)
+	_, err = tb.Update([]Exposure{moved}, nil, idle)
+	require.NoError(t, err)
+	assert.Eventually(t, func() bool { return slices.Equal([]string{"tcp *:10002", "tcp *:10003"}, flushed(k)) }, 5*time.Second, time.Millisecond,
+		"a move flushes the side it left")
 }

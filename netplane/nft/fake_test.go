@@ -24,8 +24,12 @@ type fakeKernel struct {
 	gen     uint32
 	batches [][]compile.Op
 	flushes [][]compile.HostSide
-	decoded []string // sets whose elements observe decoded
-	reads   int      // observe calls
+	// flushGate, when set, makes each flush wait for it to close; events
+	// lists the kernel calls that change something, in order.
+	flushGate chan struct{}
+	events    []string
+	decoded   []string // sets whose elements observe decoded
+	reads     int      // observe calls
 	// failApply, when set, is asked about each batch: an error fails it
 	// (nothing applied).
 	failApply func(ops []compile.Op) error
@@ -198,7 +202,14 @@ func (k *fakeKernel) counts(sets []string) (compile.Counts, error) {
 
 func (k *fakeKernel) flush(sides []compile.HostSide) ([]int, error) {
 	k.mu.Lock()
+	gate := k.flushGate
+	k.mu.Unlock()
+	if gate != nil {
+		<-gate
+	}
+	k.mu.Lock()
 	defer k.mu.Unlock()
+	k.events = append(k.events, "flush")
 	k.flushes = append(k.flushes, append([]compile.HostSide(nil), sides...))
 	return make([]int, len(sides)), nil
 }
@@ -209,6 +220,7 @@ func (k *fakeKernel) apply(ops []compile.Op) error {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.batches = append(k.batches, ops)
+	k.events = append(k.events, "apply")
 	if k.failApply != nil {
 		if err := k.failApply(ops); err != nil {
 			return err

@@ -41,6 +41,8 @@ type Table struct {
 	// slow-path listener port).
 	before func(*Rules) error
 	cap    *SetCap
+	// flushes is where an Update's conntrack flushes run, off its path.
+	flushes *flusher
 }
 
 // Option configures Open.
@@ -69,7 +71,7 @@ func Open(netnsPath string, opts ...Option) (*Table, error) {
 }
 
 func newTable(k kernel, log *slog.Logger) *Table {
-	return &Table{k: k, log: log, state: compile.NewState()}
+	return &Table{k: k, log: log, state: compile.NewState(), flushes: newFlusher(k, log)}
 }
 
 // Close stops a set-based cap still running beside the table and closes the
@@ -83,6 +85,7 @@ func (t *Table) Close() error {
 	}
 	t.mu.Lock() // no batch is under way while the sockets close
 	defer t.mu.Unlock()
+	t.flushes.close()
 	return t.k.close()
 }
 
