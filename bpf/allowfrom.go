@@ -133,7 +133,7 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 	}
 	if cur.gen != gen || !cur.flagged {
 		cur.gen = gen
-		if err := n.objs.AllowRestricted.Put(s, gen+1); err != nil {
+		if err := n.objs.AllowRestrictedV2.Put(s, gen+1); err != nil {
 			return fmt.Errorf("nat path: allow_restricted: %w", err)
 		}
 		cur.flagged = true
@@ -152,7 +152,7 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 }
 
 func (n *NatPath) clearAllow(s uint32) error {
-	if err := n.objs.AllowRestricted.Put(s, uint32(0)); err != nil {
+	if err := n.objs.AllowRestrictedV2.Put(s, uint32(0)); err != nil {
 		return fmt.Errorf("nat path: allow_restricted: %w", err)
 	}
 	cur := n.allow[s]

@@ -36,7 +36,7 @@ const (
 
 // wakeOnly is the two maps of wake.c, loaded without exposure.h's others.
 type wakeOnly struct {
-	ExposureWake *ebpf.Map `ebpf:"exposure_wake"`
+	ExposureWake *ebpf.Map `ebpf:"exposure_wake_v2"`
 	WakeEvents   *ebpf.Map `ebpf:"wake_events"`
 }
 
@@ -51,7 +51,7 @@ func OpenWake(dir string) (*Wake, error) {
 	}
 	var m wakeOnly
 	if err := spec.LoadAndAssign(&m, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}}); err != nil {
-		return nil, fmt.Errorf("loading %s: %w", filepath.Join(dir, "exposure_wake"), err)
+		return nil, fmt.Errorf("loading %s: %w", filepath.Join(dir, WakeMapName), err)
 	}
 	rd, err := ringbuf.NewReader(m.WakeEvents)
 	if err != nil {
@@ -67,7 +67,7 @@ func OpenWake(dir string) (*Wake, error) {
 func (w *Wake) Sleep(slot int) error {
 	k := uint32(slot)
 	if err := w.flags.Update(&k, wakeAsleep, ebpf.UpdateExist); err != nil {
-		return fmt.Errorf("exposure_wake[%d]: %w", slot, err)
+		return fmt.Errorf(WakeMapName+"[%d]: %w", slot, err)
 	}
 	return nil
 }
@@ -76,7 +76,7 @@ func (w *Wake) Sleep(slot int) error {
 func (w *Wake) Awake(slot int) error {
 	k := uint32(slot)
 	if err := w.flags.Update(&k, wakeAwake, ebpf.UpdateExist); err != nil {
-		return fmt.Errorf("exposure_wake[%d]: %w", slot, err)
+		return fmt.Errorf(WakeMapName+"[%d]: %w", slot, err)
 	}
 	return nil
 }
