@@ -510,3 +510,45 @@ func TestAnUpgradeFromTheV1MapsReplacesTheEarlierProgramsAndKeepsEveryCount(t *t
 	assert.Equal(t, got, entries[0].Counters)
 	assert.True(t, strings.HasSuffix(StatsPin(pins), MapName))
 }
+
+// The kernel programs count a slot past v1's 16,384 (here 100,000): the
+// nat path admits, counts and releases in it, and the pinned map shows
+// it. (natpath.c's check of the mark's id against EXPOSURE_SLOTS at
+// 16384 again: the connection is let through uncounted and this fails.)
+func TestTheNatPathCountsASlotPastTheV1Size(t *testing.T) {
+	const slot = 100000
+	pins := nstest.PrivateBPFFS(t)
+	s, err := Open(pins)
+	require.NoError(t, err)
+	defer s.Close()
+	var fill []*Slot
+	for i := 0; i < slot; i++ {
+		sl, err := s.Attach(fmt.Sprintf("fill-%d", i), ProtoTCP, 1)
+		require.NoError(t, err)
+		fill = append(fill, sl)
+	}
+	sl, err := s.Attach("web", ProtoTCP, 8080)
+	require.NoError(t, err)
+	defer sl.Release(true)
+	require.Equal(t, slot, sl.Index())
+	for _, f := range fill {
+		f.Release(true)
+	}
+	sl.SetCap(1)
+	tp := newNatNet(t, pins, slot)
+	np := tp.load(t)
+	defer np.Close()
+
+	a, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	roundTrip(t, a, []byte("far"))
+	_, err = dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.ErrorIs(t, err, unix.ECONNREFUSED, "the cap of slot 100,000 holds")
+	require.NoError(t, a.Close())
+	eventually(t, "the place given back", func() bool { return sl.Read().Active == 0 })
+	entries, err := Dump(filepath.Join(pins, MapName))
+	require.NoError(t, err)
+	require.Len(t, entries, 1)
+	assert.Equal(t, slot, entries[0].Slot)
+	assert.Equal(t, Counters{Accepted: 1, Refused: 1, BytesIn: 3, BytesOut: 3}, entries[0].Counters)
+}
