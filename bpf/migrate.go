@@ -147,26 +147,37 @@ func (s *Store) pull(i int) {
 	}
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	if m.done {
-		return
+	if !m.done {
+		s.pullLocked(m, i)
 	}
+}
+
+// pullLocked is pull with m.mu held (either way) and m open.
+func (s *Store) pullLocked(m *migration, i int) {
 	for k := 0; k < snapWords; k++ {
 		src := m.v1word(i, k)
 		if src == nil {
 			continue
 		}
-		seen := m.sword(i, k)
+		seen, dst := m.sword(i, k), s.v2word(i, k)
 		for {
 			last, cur := seen.Load(), src.Load()
-			if cur == last {
-				break
-			}
-			if seen.CompareAndSwap(last, cur) {
-				s.v2word(i, k).Add(cur - last) // wraps: a gauge that went down
+			if cur == last || move(seen, dst, last, cur) {
 				break
 			}
 		}
 	}
+}
+
+// move adds cur-last to dst (wrapping: a gauge that went down) when seen
+// still holds last, the value this puller read, and makes it cur: of
+// pullers that read the same last, one moves.
+func move(seen, dst *atomic.Uint64, last, cur uint64) bool {
+	if !seen.CompareAndSwap(last, cur) {
+		return false
+	}
+	dst.Add(cur - last)
+	return true
 }
 
 // zeroV1 zeroes v1's slot i with v2's (the exposure is gone): its
@@ -225,23 +236,34 @@ func (s *Store) FinishMigration() (done bool, err error) {
 	if err != nil {
 		return false, err
 	}
-	for i := 0; i < m.n; i++ {
-		s.pull(i)
-	}
 	if len(users) > 0 {
+		for i := 0; i < m.n; i++ {
+			s.pull(i)
+		}
 		return false, fmt.Errorf("the v1 counter maps are still used by BPF programs %v: their counts are carried over until they are replaced", users)
 	}
-	// Nothing writes v1 any more: what it holds is in v2.
+	// Nothing writes v1 any more: the last pull, and the pins go, with
+	// m held so that a Close meanwhile neither unmaps under the pull nor
+	// lets the pins go without it.
+	m.mu.Lock()
+	if m.done { // closed meanwhile
+		m.mu.Unlock()
+		return false, fmt.Errorf("%s: store is closed", MapName)
+	}
+	for i := 0; i < m.n; i++ {
+		s.pullLocked(m, i)
+	}
 	var errs []error
 	for _, p := range m.pins {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 		}
 	}
+	m.mu.Unlock()
 	if err := errors.Join(errs...); err != nil {
 		return false, fmt.Errorf("removing the v1 pins: %w", err)
 	}
-	s.mig.Store(nil)
+	s.mig.CompareAndSwap(m, nil)
 	return true, m.close()
 }
 

@@ -7,6 +7,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -551,4 +553,83 @@ func TestTheNatPathCountsASlotPastTheV1Size(t *testing.T) {
 	require.Len(t, entries, 1)
 	assert.Equal(t, slot, entries[0].Slot)
 	assert.Equal(t, Counters{Accepted: 1, Refused: 1, BytesIn: 3, BytesOut: 3}, entries[0].Counters)
+}
+
+// Of two pullers that read the same copied value, one moves the gain.
+// (Fails with move's compare-and-swap replaced by a store: the gain moves
+// twice.)
+func TestAGainMovesOnceBetweenTwoPullers(t *testing.T) {
+	var seen, dst atomic.Uint64
+	last, cur := seen.Load(), uint64(5) // both pullers read these
+	assert.True(t, move(&seen, &dst, last, cur))
+	assert.False(t, move(&seen, &dst, last, cur), "the second puller's copied value is stale")
+	assert.EqualValues(t, 5, dst.Load())
+	assert.EqualValues(t, 5, seen.Load())
+	// A gauge that went down moves as a wrapping add.
+	assert.True(t, move(&seen, &dst, 5, 3))
+	assert.EqualValues(t, 3, dst.Load())
+}
+
+// Pulls race with the writers of v1 and v2 and with each other (two
+// stores, as the old and the new daemon of a hand-over would be), under
+// the race detector: every increment arrives once.
+func TestPullsMoveEachIncrementOnce(t *testing.T) {
+	dir := nstest.PrivateBPFFS(t)
+	pinV1(t, dir)
+	v1 := v1View(t, dir)
+	v1Slot{slot: 42, name: "race", port: 1}.write(t, dir, v1)
+	a, err := Open(dir)
+	require.NoError(t, err)
+	defer a.Close()
+	b, err := Open(dir) // the same pins, another Store: the other process
+	require.NoError(t, err)
+	defer b.Close()
+	require.True(t, b.Migrating())
+	sa, err := a.Attach("race", ProtoTCP, 1)
+	require.NoError(t, err)
+	defer sa.Release(false)
+	sb, err := b.Attach("race", ProtoTCP, 1)
+	require.NoError(t, err)
+	defer sb.Release(false)
+
+	const n = 20000
+	done := make(chan struct{})
+	var readers sync.WaitGroup
+	for _, sl := range []*Slot{sa, sb, sa, sb} {
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			for {
+				select {
+				case <-done:
+					return
+				default:
+					sl.Read()
+				}
+			}
+		}()
+	}
+	var writers sync.WaitGroup
+	writers.Add(2)
+	go func() { // an earlier program, into v1
+		defer writers.Done()
+		for range n {
+			v1.word(42, offAccepted).Add(1)
+		}
+	}()
+	go func() { // the proxy, into v2
+		defer writers.Done()
+		for range n {
+			sa.AddAccepted(1)
+		}
+	}()
+	writers.Wait()
+	close(done)
+	readers.Wait()
+	assert.EqualValues(t, 2*n, sa.Read().Accepted)
+	assert.EqualValues(t, 2*n, sb.Read().Accepted)
+	ok, err := a.FinishMigration()
+	require.NoError(t, err)
+	require.True(t, ok)
+	assert.EqualValues(t, 2*n, sb.Read().Accepted, "b, its migration ended by a")
 }
