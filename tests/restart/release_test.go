@@ -369,6 +369,10 @@ func TestUpgradeFromThePreviousRelease(t *testing.T) {
 		assert.False(t, pinned(r.bpfDir, p), "%s unpinned", p)
 	}
 	require.True(t, pinned(r.bpfDir, bpf.MapName))
+	require.Eventually(t, func() bool {
+		_, st := r.statusCounts()
+		return !strings.Contains(strings.Join(st.Warnings, "\n"), bpf.V1MapName+" maps are still written")
+	}, 10*time.Second, 100*time.Millisecond, "status no longer says the v1 maps are written")
 
 	// The flows carry on, the caps hold with the places they had.
 	f.echoAll(t)
@@ -418,6 +422,7 @@ func TestAnUpgradeWhoseProgramsCannotLoadKeepsTheOldOnesServing(t *testing.T) {
 	// the migration stays open, its counts carried over.
 	assert.True(t, pinned(r.bpfDir, bpf.V1MapName), "the v1 counter map stays while its programs serve")
 	assert.True(t, pinned(r.bpfDir, bpf.MigrationMapName))
+	assert.Contains(t, strings.Join(st.Warnings, "\n"), bpf.V1MapName+" maps are still written", "status says the v1 maps are carried over")
 
 	f.echoAll(t)
 	f.askUDP(t)
