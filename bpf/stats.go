@@ -747,7 +747,7 @@ func Dump(pinPath string) ([]Entry, error) {
 	if filepath.Base(pinPath) == V1MapName {
 		deniedPin = filepath.Join(filepath.Dir(pinPath), v1DeniedMapName)
 	}
-	dm, err := ebpf.LoadPinnedMap(deniedPin, &ebpf.LoadPinOptions{ReadOnly: true})
+	dm, err := ebpf.LoadPinnedMap(deniedPin, nil)
 	if errors.Is(err, os.ErrNotExist) {
 		return out, nil
 	}
@@ -755,12 +755,16 @@ func Dump(pinPath string) ([]Entry, error) {
 		return nil, fmt.Errorf("opening %s: %w", deniedPin, err)
 	}
 	defer dm.Close()
+	if int(dm.ValueSize()) != deniedSize || int(dm.MaxEntries()) != n {
+		return nil, fmt.Errorf("%s: %d entries of %d bytes beside %d of %s", deniedPin, dm.MaxEntries(), dm.ValueSize(), n, pinPath)
+	}
+	dmem, err := mmapRead(dm, n*deniedSize)
+	if err != nil {
+		return nil, fmt.Errorf("mapping %s: %w", deniedPin, err)
+	}
+	defer unix.Munmap(dmem)
 	for i := range out {
-		var d statsExposureDeny
-		if err := dm.Lookup(uint32(out[i].Slot), &d); err != nil {
-			return nil, fmt.Errorf("reading %s: %w", deniedPin, err)
-		}
-		out[i].Denied = d.Denied
+		out[i].Denied = (*atomic.Uint64)(unsafe.Pointer(&dmem[out[i].Slot*deniedSize])).Load()
 	}
 	return out, nil
 }
