@@ -52,7 +52,7 @@ const (
 // statLayout is the value struct as bpf2go generated it from exposure_stats.c.
 type statLayout = statsExposureStat
 
-// limitLayout is the value of exposure_limits (exposure.h).
+// limitLayout is the value of exposure_limits_v2 (exposure.h).
 type limitLayout = statsExposureLimit
 
 const (
@@ -144,13 +144,13 @@ type Entry struct {
 type Store struct {
 	mu     sync.Mutex
 	m      *ebpf.Map // nil in memory mode
-	lm     *ebpf.Map // exposure_limits; nil in memory mode
-	fm     *ebpf.Map // fallback_fed; nil in memory mode
-	dm     *ebpf.Map // exposure_denied; nil in memory mode
-	mem    []byte    // mmapped map values, or heap memory
-	lmem   []byte    // mmapped exposure_limits values, or heap memory
-	fmem   []byte    // mmapped fallback_fed values, or heap memory
-	dmem   []byte    // mmapped exposure_denied values, or heap memory
+	lm     *ebpf.Map // exposure_limits_v2; nil in memory mode
+	fm     *ebpf.Map // fallback_fed_v2; nil in memory mode
+	dm     *ebpf.Map // exposure_denied_v2; nil in memory mode
+	mem    []byte    // mmapped map values, or anonymous memory
+	lmem   []byte    // mmapped exposure_limits_v2 values, or anonymous memory
+	fmem   []byte    // mmapped fallback_fed_v2 values, or anonymous memory
+	dmem   []byte    // mmapped exposure_denied_v2 values, or anonymous memory
 	path   string    // pin path; "" in memory mode
 	reason string    // why the store is in memory, if it is
 	byName map[string]int
@@ -646,7 +646,7 @@ func (sl *Slot) AddBytes(in, out uint64) {
 // FeedKernelTotals adds to accepted and refused what two kernel counters
 // the daemon reads itself (the event-fed fallback's nft counters, absolute
 // since the table made them) gained since the values last fed. Those are
-// kept beside the slot in the pinned fallback_fed map, so a new daemon goes
+// kept beside the slot in the pinned fallback_fed_v2 map, so a new daemon goes
 // on exactly where the last one stopped and counts what the kernel admitted
 // while no daemon ran: never a first-read baseline. A value below the last
 // one is a counter made anew (the table re-created): all of it is new. A

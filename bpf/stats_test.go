@@ -186,7 +186,7 @@ func TestOpenRefusesADirectoryThatIsNotBPFFS(t *testing.T) {
 	assert.ErrorContains(t, err, "not on a bpffs")
 }
 
-// FeedKernelTotals remembers, in the pinned fallback_fed map, what it fed:
+// FeedKernelTotals remembers, in the pinned fallback_fed_v2 map, what it fed:
 // a reopened store (a new daemon) goes on from there.
 func TestFeedKernelTotalsGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
 	dir := nstest.PrivateBPFFS(t)

@@ -14,11 +14,11 @@ import (
 )
 
 // Wake is the kernel's side of waking a suspended VM on its first caller
-// (wake.h; docs/ARCHITECTURE.md, "Suspend and resume"): exposure_wake, a
+// (wake.h; docs/ARCHITECTURE.md, "Suspend and resume"): exposure_wake_v2, a
 // flag per counter slot that the daemon sets while the exposure's VM is
 // asleep, and wake_events, the ring buffer where the nat path and the
 // socket path put one record per wake. Both are pinned by name under
-// bpfDir, like exposure_stats: the programs loaded before or after find
+// bpfDir, like exposure_stats_v2: the programs loaded before or after find
 // the same maps.
 type Wake struct {
 	flags, events *ebpf.Map
@@ -27,7 +27,7 @@ type Wake struct {
 	closeErr      error
 }
 
-// Flag values of exposure_wake (wake.h; 2, a wake asked, is set by the
+// Flag values of exposure_wake_v2 (wake.h; 2, a wake asked, is set by the
 // programs alone).
 const (
 	wakeAwake  uint32 = 0
