@@ -428,7 +428,9 @@ and the map outlives brokkrd. Where only an older brokkrd's exposure_stats (16,3
 slots) is pinned, stats reads that. The directory is --bpf-dir, else the bpfDir of
 the config file --config, else ` + config.DefaultBPFDir + `.
 
-bpftool map dump pinned ` + config.DefaultBPFDir + `/exposure_stats_v2 prints the same entries.
+bpftool map lookup pinned ` + config.DefaultBPFDir + `/exposure_stats_v2 key 3 0 0 0 prints the
+entry of SLOT 3 (its four bytes, least significant first); bpftool map dump prints all
+131,072 entries, the free ones too.
 
 ` + counterColumns,
 		Example: `  brokkr stats
