@@ -9,7 +9,7 @@ import (
 
 // allowFrom on the nat path (natpath.c, "allowFrom"): the prefixes of each
 // restricted exposure are elements of one LPM trie keyed by (counter slot,
-// source address), and allow_restricted says per slot that the exposure is
+// source address), and allow_restricted_v2 says per slot that the exposure is
 // restricted at all. Both carry the slot's generation, so what a deleted
 // exposure left behind neither restricts nor admits for the slot's next
 // owner. Invariant kept across crashes: a slot is flagged restricted only
@@ -19,7 +19,7 @@ import (
 type allowSlot struct {
 	gen     uint32
 	set     map[netip.Prefix]bool
-	flagged bool           // allow_restricted holds gen+1, written by this process
+	flagged bool           // allow_restricted_v2 holds gen+1, written by this process
 	last    []netip.Prefix // the list last written in full, to skip a pass with no change cheaply
 }
 
@@ -133,8 +133,8 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 	}
 	if cur.gen != gen || !cur.flagged {
 		cur.gen = gen
-		if err := n.objs.AllowRestricted.Put(s, gen+1); err != nil {
-			return fmt.Errorf("nat path: allow_restricted: %w", err)
+		if err := n.objs.AllowRestrictedV2.Put(s, gen+1); err != nil {
+			return fmt.Errorf("nat path: allow_restricted_v2: %w", err)
 		}
 		cur.flagged = true
 	}
@@ -152,8 +152,8 @@ func (n *NatPath) SetAllow(slot int, gen uint32, prefixes []netip.Prefix) error 
 }
 
 func (n *NatPath) clearAllow(s uint32) error {
-	if err := n.objs.AllowRestricted.Put(s, uint32(0)); err != nil {
-		return fmt.Errorf("nat path: allow_restricted: %w", err)
+	if err := n.objs.AllowRestrictedV2.Put(s, uint32(0)); err != nil {
+		return fmt.Errorf("nat path: allow_restricted_v2: %w", err)
 	}
 	cur := n.allow[s]
 	for p := range cur.set {

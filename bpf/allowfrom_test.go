@@ -101,7 +101,7 @@ func TestNatPathAllowFromDropsOthersBeforeAdmissionAndCountsThemDenied(t *testin
 	entries, err := Dump(tp.pins + "/" + MapName)
 	require.NoError(t, err)
 	require.Len(t, entries, 1)
-	assert.EqualValues(t, 3, entries[0].Denied, "brokkr stats reads exposure_denied")
+	assert.EqualValues(t, 3, entries[0].Denied, "brokkr stats reads exposure_denied_v2")
 	if _, err := exec.LookPath("bpftool"); err == nil {
 		i := tp.slot.Index()
 		out, err := exec.Command("bpftool", "-j", "map", "lookup", "pinned", tp.pins+"/"+DeniedMapName, "key",

@@ -5,7 +5,12 @@
 // daemon all open the same instance.
 //
 // exposure_stats is the external contract (field names and layout are what
-// `bpftool map dump` prints); a changed layout gets a new map name.
+// `bpftool map dump` prints); a changed layout or size gets a new map name,
+// since a pinned map cannot be resized. The maps sized by the slots are v2
+// (exposure_stats_v2 and the rest): v1's layout with 131,072 slots where v1
+// had 16,384. A daemon that finds the v1 maps copies them into v2
+// (bpf/migrate.go). The C code keeps the plain names: the defines below
+// make the maps' (pinned) names the v2 ones.
 // exposure_limits carries what only brokkr reads: the cap, the slot's
 // generation and the proxy's share of `active`. Both are BPF_F_MMAPABLE so
 // the daemon and the proxy update them with atomic instructions on mapped
@@ -14,7 +19,10 @@
 #define BROKKR_EXPOSURE_H
 
 #define EXPOSURE_NAME_LEN 64
-#define EXPOSURE_SLOTS 16384
+#define EXPOSURE_SLOTS 131072 // 1 << 17: bpf.Slots, spec.MaxExposures
+
+#define exposure_stats exposure_stats_v2
+#define exposure_limits exposure_limits_v2
 
 struct exposure_stat {
 	char name[EXPOSURE_NAME_LEN]; // exposure name, NUL-padded; empty = free slot

@@ -183,6 +183,7 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } allow_from SEC(".maps");
 
+#define allow_restricted allow_restricted_v2 // sized by the slots (exposure.h)
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, EXPOSURE_SLOTS);

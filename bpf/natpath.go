@@ -333,7 +333,32 @@ func sameProgram(l link.Link, prog *ebpf.Program, same func(*link.Info) bool) bo
 	if err != nil {
 		return false
 	}
-	return a.Tag == b.Tag
+	return a.Tag == b.Tag && sameMaps(a, b)
+}
+
+// sameMaps reports whether two programs use the same maps. A program's tag
+// does not depend on the maps it references, and every map brokkr's
+// programs use is pinned by name, so one loaded by this binary uses the
+// pinned maps of today: an attached program of the same tag that uses
+// others (a previous release's, on the exposure_stats of before
+// migrate.go's copy) must be replaced, or it would go on counting into
+// maps no one reads.
+func sameMaps(a, b *ebpf.ProgramInfo) bool {
+	am, aok := a.MapIDs()
+	bm, bok := b.MapIDs()
+	if !aok || !bok || len(am) != len(bm) {
+		return false
+	}
+	seen := make(map[ebpf.MapID]bool, len(am))
+	for _, id := range am {
+		seen[id] = true
+	}
+	for _, id := range bm {
+		if !seen[id] {
+			return false
+		}
+	}
+	return true
 }
 
 // SetGuests tells the programs the bridge subnets: v4 an IPv4 prefix, v6
@@ -400,10 +425,10 @@ func (nopCloser) Close() error { return nil }
 func (n *NatPath) Remove() error {
 	var err error
 	if n.objs != nil {
-		err = unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatConfig6, n.objs.NatSweep, n.objs.AllowFrom, n.objs.AllowRestricted)
+		err = unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatConfig6, n.objs.NatSweep, n.objs.AllowFrom, n.objs.AllowRestrictedV2)
 	} else {
 		err = unpinLinks(n.links)
-		for _, m := range []string{"nat_flows", "nat_config", "nat_config6", "nat_sweep", "allow_from", "allow_restricted"} {
+		for _, m := range []string{"nat_flows", "nat_config", "nat_config6", "nat_sweep", "allow_from", AllowRestrictedMapName} {
 			_ = os.Remove(filepath.Join(n.pinDir, m))
 		}
 	}

@@ -91,21 +91,21 @@ type natpathNatSweeper struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	natpathMapAllowFrom       = "allow_from"
-	natpathMapAllowRestricted = "allow_restricted"
-	natpathMapExposureDenied  = "exposure_denied"
-	natpathMapExposureLimits  = "exposure_limits"
-	natpathMapExposureStats   = "exposure_stats"
-	natpathMapExposureWake    = "exposure_wake"
-	natpathMapNatConfig       = "nat_config"
-	natpathMapNatConfig6      = "nat_config6"
-	natpathMapNatFlows        = "nat_flows"
-	natpathMapNatSweep        = "nat_sweep"
-	natpathMapWakeEvents      = "wake_events"
-	natpathProgBrkNatArm      = "brk_nat_arm"
-	natpathProgBrkNatOut      = "brk_nat_out"
-	natpathProgBrkNatPre      = "brk_nat_pre"
-	natpathProgBrkNatReflect  = "brk_nat_reflect"
+	natpathMapAllowFrom         = "allow_from"
+	natpathMapAllowRestrictedV2 = "allow_restricted_v2"
+	natpathMapExposureDeniedV2  = "exposure_denied_v2"
+	natpathMapExposureLimitsV2  = "exposure_limits_v2"
+	natpathMapExposureStatsV2   = "exposure_stats_v2"
+	natpathMapExposureWakeV2    = "exposure_wake_v2"
+	natpathMapNatConfig         = "nat_config"
+	natpathMapNatConfig6        = "nat_config6"
+	natpathMapNatFlows          = "nat_flows"
+	natpathMapNatSweep          = "nat_sweep"
+	natpathMapWakeEvents        = "wake_events"
+	natpathProgBrkNatArm        = "brk_nat_arm"
+	natpathProgBrkNatOut        = "brk_nat_out"
+	natpathProgBrkNatPre        = "brk_nat_pre"
+	natpathProgBrkNatReflect    = "brk_nat_reflect"
 )
 
 // loadNatpath returns the embedded CollectionSpec for natpath.
@@ -160,17 +160,17 @@ type natpathProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type natpathMapSpecs struct {
-	AllowFrom       *ebpf.MapSpec `ebpf:"allow_from"`
-	AllowRestricted *ebpf.MapSpec `ebpf:"allow_restricted"`
-	ExposureDenied  *ebpf.MapSpec `ebpf:"exposure_denied"`
-	ExposureLimits  *ebpf.MapSpec `ebpf:"exposure_limits"`
-	ExposureStats   *ebpf.MapSpec `ebpf:"exposure_stats"`
-	ExposureWake    *ebpf.MapSpec `ebpf:"exposure_wake"`
-	NatConfig       *ebpf.MapSpec `ebpf:"nat_config"`
-	NatConfig6      *ebpf.MapSpec `ebpf:"nat_config6"`
-	NatFlows        *ebpf.MapSpec `ebpf:"nat_flows"`
-	NatSweep        *ebpf.MapSpec `ebpf:"nat_sweep"`
-	WakeEvents      *ebpf.MapSpec `ebpf:"wake_events"`
+	AllowFrom         *ebpf.MapSpec `ebpf:"allow_from"`
+	AllowRestrictedV2 *ebpf.MapSpec `ebpf:"allow_restricted_v2"`
+	ExposureDeniedV2  *ebpf.MapSpec `ebpf:"exposure_denied_v2"`
+	ExposureLimitsV2  *ebpf.MapSpec `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2   *ebpf.MapSpec `ebpf:"exposure_stats_v2"`
+	ExposureWakeV2    *ebpf.MapSpec `ebpf:"exposure_wake_v2"`
+	NatConfig         *ebpf.MapSpec `ebpf:"nat_config"`
+	NatConfig6        *ebpf.MapSpec `ebpf:"nat_config6"`
+	NatFlows          *ebpf.MapSpec `ebpf:"nat_flows"`
+	NatSweep          *ebpf.MapSpec `ebpf:"nat_sweep"`
+	WakeEvents        *ebpf.MapSpec `ebpf:"wake_events"`
 }
 
 // natpathVariableSpecs contains global variables before they are loaded into the kernel.
@@ -199,27 +199,27 @@ func (o *natpathObjects) Close() error {
 //
 // It can be passed to loadNatpathObjects or ebpf.CollectionSpec.LoadAndAssign.
 type natpathMaps struct {
-	AllowFrom       *ebpf.Map `ebpf:"allow_from"`
-	AllowRestricted *ebpf.Map `ebpf:"allow_restricted"`
-	ExposureDenied  *ebpf.Map `ebpf:"exposure_denied"`
-	ExposureLimits  *ebpf.Map `ebpf:"exposure_limits"`
-	ExposureStats   *ebpf.Map `ebpf:"exposure_stats"`
-	ExposureWake    *ebpf.Map `ebpf:"exposure_wake"`
-	NatConfig       *ebpf.Map `ebpf:"nat_config"`
-	NatConfig6      *ebpf.Map `ebpf:"nat_config6"`
-	NatFlows        *ebpf.Map `ebpf:"nat_flows"`
-	NatSweep        *ebpf.Map `ebpf:"nat_sweep"`
-	WakeEvents      *ebpf.Map `ebpf:"wake_events"`
+	AllowFrom         *ebpf.Map `ebpf:"allow_from"`
+	AllowRestrictedV2 *ebpf.Map `ebpf:"allow_restricted_v2"`
+	ExposureDeniedV2  *ebpf.Map `ebpf:"exposure_denied_v2"`
+	ExposureLimitsV2  *ebpf.Map `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2   *ebpf.Map `ebpf:"exposure_stats_v2"`
+	ExposureWakeV2    *ebpf.Map `ebpf:"exposure_wake_v2"`
+	NatConfig         *ebpf.Map `ebpf:"nat_config"`
+	NatConfig6        *ebpf.Map `ebpf:"nat_config6"`
+	NatFlows          *ebpf.Map `ebpf:"nat_flows"`
+	NatSweep          *ebpf.Map `ebpf:"nat_sweep"`
+	WakeEvents        *ebpf.Map `ebpf:"wake_events"`
 }
 
 func (m *natpathMaps) Close() error {
 	return _NatpathClose(
 		m.AllowFrom,
-		m.AllowRestricted,
-		m.ExposureDenied,
-		m.ExposureLimits,
-		m.ExposureStats,
-		m.ExposureWake,
+		m.AllowRestrictedV2,
+		m.ExposureDeniedV2,
+		m.ExposureLimitsV2,
+		m.ExposureStatsV2,
+		m.ExposureWakeV2,
 		m.NatConfig,
 		m.NatConfig6,
 		m.NatFlows,

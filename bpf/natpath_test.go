@@ -36,6 +36,22 @@ type natTopo struct {
 func newNatTopo(t *testing.T, cap uint32) *natTopo {
 	t.Helper()
 	pins := nstest.PrivateBPFFS(t)
+	s, err := Open(pins)
+	require.NoError(t, err)
+	t.Cleanup(func() { s.Close() })
+	sl, err := s.Attach("web", ProtoTCP, 8080)
+	require.NoError(t, err)
+	sl.SetCap(cap)
+	t.Cleanup(func() { sl.Release(false) })
+	tp := newNatNet(t, pins, sl.Index())
+	tp.store, tp.slot = s, sl
+	return tp
+}
+
+// newNatNet is newNatTopo's network alone: the caller, the host and the
+// guest, and the DNAT to the guest that marks connections with slot's id.
+func newNatNet(t *testing.T, pins string, slot int) *natTopo {
+	t.Helper()
 	tp := &natTopo{client: nstest.New(t, "cli"), host: nstest.New(t, "host"), guest: nstest.New(t, "g1"), pins: pins}
 	nstest.Link(t, tp.client, "eth0", "10.99.0.2/24", tp.host, "vh-cli", "10.99.0.1/24")
 	tp.client.MustRun(t, "ip", "route", "add", "default", "via", "10.99.0.1")
@@ -49,15 +65,7 @@ func newNatTopo(t *testing.T, cap uint32) *natTopo {
 	tp.guest.MustRun(t, "ip", "route", "add", "default", "via", "10.213.0.1")
 	tp.guest.ServeEcho(t, "0.0.0.0:7000")
 
-	s, err := Open(pins)
-	require.NoError(t, err)
-	t.Cleanup(func() { s.Close() })
-	tp.store = s
-	tp.slot, err = s.Attach("web", ProtoTCP, 8080)
-	require.NoError(t, err)
-	tp.slot.SetCap(cap)
-	t.Cleanup(func() { tp.slot.Release(false) })
-	mark := fmt.Sprintf("0x%x", ctmark.Of(tp.slot.Index()))
+	mark := fmt.Sprintf("0x%x", ctmark.Of(slot))
 	script := `table ip brktest {
   chain pre { type nat hook prerouting priority -100; policy accept;
     fib daddr type local meta l4proto { tcp, udp } th dport 8080 ct mark set ` + mark + ` dnat to 10.213.0.11:7000

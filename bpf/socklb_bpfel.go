@@ -82,9 +82,9 @@ type socklbSockXlate6 struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	socklbMapExposureLimits       = "exposure_limits"
-	socklbMapExposureStats        = "exposure_stats"
-	socklbMapExposureWake         = "exposure_wake"
+	socklbMapExposureLimitsV2     = "exposure_limits_v2"
+	socklbMapExposureStatsV2      = "exposure_stats_v2"
+	socklbMapExposureWakeV2       = "exposure_wake_v2"
 	socklbMapSockConfig           = "sock_config"
 	socklbMapSockLocal            = "sock_local"
 	socklbMapSockSocks            = "sock_socks"
@@ -166,16 +166,16 @@ type socklbProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type socklbMapSpecs struct {
-	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
-	ExposureWake   *ebpf.MapSpec `ebpf:"exposure_wake"`
-	SockConfig     *ebpf.MapSpec `ebpf:"sock_config"`
-	SockLocal      *ebpf.MapSpec `ebpf:"sock_local"`
-	SockSocks      *ebpf.MapSpec `ebpf:"sock_socks"`
-	SockSocks6     *ebpf.MapSpec `ebpf:"sock_socks6"`
-	SockTargets    *ebpf.MapSpec `ebpf:"sock_targets"`
-	SockTargets6   *ebpf.MapSpec `ebpf:"sock_targets6"`
-	WakeEvents     *ebpf.MapSpec `ebpf:"wake_events"`
+	ExposureLimitsV2 *ebpf.MapSpec `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2  *ebpf.MapSpec `ebpf:"exposure_stats_v2"`
+	ExposureWakeV2   *ebpf.MapSpec `ebpf:"exposure_wake_v2"`
+	SockConfig       *ebpf.MapSpec `ebpf:"sock_config"`
+	SockLocal        *ebpf.MapSpec `ebpf:"sock_local"`
+	SockSocks        *ebpf.MapSpec `ebpf:"sock_socks"`
+	SockSocks6       *ebpf.MapSpec `ebpf:"sock_socks6"`
+	SockTargets      *ebpf.MapSpec `ebpf:"sock_targets"`
+	SockTargets6     *ebpf.MapSpec `ebpf:"sock_targets6"`
+	WakeEvents       *ebpf.MapSpec `ebpf:"wake_events"`
 }
 
 // socklbVariableSpecs contains global variables before they are loaded into the kernel.
@@ -204,23 +204,23 @@ func (o *socklbObjects) Close() error {
 //
 // It can be passed to loadSocklbObjects or ebpf.CollectionSpec.LoadAndAssign.
 type socklbMaps struct {
-	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
-	ExposureWake   *ebpf.Map `ebpf:"exposure_wake"`
-	SockConfig     *ebpf.Map `ebpf:"sock_config"`
-	SockLocal      *ebpf.Map `ebpf:"sock_local"`
-	SockSocks      *ebpf.Map `ebpf:"sock_socks"`
-	SockSocks6     *ebpf.Map `ebpf:"sock_socks6"`
-	SockTargets    *ebpf.Map `ebpf:"sock_targets"`
-	SockTargets6   *ebpf.Map `ebpf:"sock_targets6"`
-	WakeEvents     *ebpf.Map `ebpf:"wake_events"`
+	ExposureLimitsV2 *ebpf.Map `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2  *ebpf.Map `ebpf:"exposure_stats_v2"`
+	ExposureWakeV2   *ebpf.Map `ebpf:"exposure_wake_v2"`
+	SockConfig       *ebpf.Map `ebpf:"sock_config"`
+	SockLocal        *ebpf.Map `ebpf:"sock_local"`
+	SockSocks        *ebpf.Map `ebpf:"sock_socks"`
+	SockSocks6       *ebpf.Map `ebpf:"sock_socks6"`
+	SockTargets      *ebpf.Map `ebpf:"sock_targets"`
+	SockTargets6     *ebpf.Map `ebpf:"sock_targets6"`
+	WakeEvents       *ebpf.Map `ebpf:"wake_events"`
 }
 
 func (m *socklbMaps) Close() error {
 	return _SocklbClose(
-		m.ExposureLimits,
-		m.ExposureStats,
-		m.ExposureWake,
+		m.ExposureLimitsV2,
+		m.ExposureStatsV2,
+		m.ExposureWakeV2,
 		m.SockConfig,
 		m.SockLocal,
 		m.SockSocks,

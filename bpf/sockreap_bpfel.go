@@ -82,16 +82,16 @@ type sockreapSockXlate6 struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	sockreapMapExposureLimits  = "exposure_limits"
-	sockreapMapExposureStats   = "exposure_stats"
-	sockreapMapSockConfig      = "sock_config"
-	sockreapMapSockLocal       = "sock_local"
-	sockreapMapSockSocks       = "sock_socks"
-	sockreapMapSockSocks6      = "sock_socks6"
-	sockreapMapSockTargets     = "sock_targets"
-	sockreapMapSockTargets6    = "sock_targets6"
-	sockreapProgBrkSockReapTcp = "brk_sock_reap_tcp"
-	sockreapProgBrkSockReapUdp = "brk_sock_reap_udp"
+	sockreapMapExposureLimitsV2 = "exposure_limits_v2"
+	sockreapMapExposureStatsV2  = "exposure_stats_v2"
+	sockreapMapSockConfig       = "sock_config"
+	sockreapMapSockLocal        = "sock_local"
+	sockreapMapSockSocks        = "sock_socks"
+	sockreapMapSockSocks6       = "sock_socks6"
+	sockreapMapSockTargets      = "sock_targets"
+	sockreapMapSockTargets6     = "sock_targets6"
+	sockreapProgBrkSockReapTcp  = "brk_sock_reap_tcp"
+	sockreapProgBrkSockReapUdp  = "brk_sock_reap_udp"
 )
 
 // loadSockreap returns the embedded CollectionSpec for sockreap.
@@ -144,14 +144,14 @@ type sockreapProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type sockreapMapSpecs struct {
-	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
-	SockConfig     *ebpf.MapSpec `ebpf:"sock_config"`
-	SockLocal      *ebpf.MapSpec `ebpf:"sock_local"`
-	SockSocks      *ebpf.MapSpec `ebpf:"sock_socks"`
-	SockSocks6     *ebpf.MapSpec `ebpf:"sock_socks6"`
-	SockTargets    *ebpf.MapSpec `ebpf:"sock_targets"`
-	SockTargets6   *ebpf.MapSpec `ebpf:"sock_targets6"`
+	ExposureLimitsV2 *ebpf.MapSpec `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2  *ebpf.MapSpec `ebpf:"exposure_stats_v2"`
+	SockConfig       *ebpf.MapSpec `ebpf:"sock_config"`
+	SockLocal        *ebpf.MapSpec `ebpf:"sock_local"`
+	SockSocks        *ebpf.MapSpec `ebpf:"sock_socks"`
+	SockSocks6       *ebpf.MapSpec `ebpf:"sock_socks6"`
+	SockTargets      *ebpf.MapSpec `ebpf:"sock_targets"`
+	SockTargets6     *ebpf.MapSpec `ebpf:"sock_targets6"`
 }
 
 // sockreapVariableSpecs contains global variables before they are loaded into the kernel.
@@ -180,20 +180,20 @@ func (o *sockreapObjects) Close() error {
 //
 // It can be passed to loadSockreapObjects or ebpf.CollectionSpec.LoadAndAssign.
 type sockreapMaps struct {
-	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
-	SockConfig     *ebpf.Map `ebpf:"sock_config"`
-	SockLocal      *ebpf.Map `ebpf:"sock_local"`
-	SockSocks      *ebpf.Map `ebpf:"sock_socks"`
-	SockSocks6     *ebpf.Map `ebpf:"sock_socks6"`
-	SockTargets    *ebpf.Map `ebpf:"sock_targets"`
-	SockTargets6   *ebpf.Map `ebpf:"sock_targets6"`
+	ExposureLimitsV2 *ebpf.Map `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2  *ebpf.Map `ebpf:"exposure_stats_v2"`
+	SockConfig       *ebpf.Map `ebpf:"sock_config"`
+	SockLocal        *ebpf.Map `ebpf:"sock_local"`
+	SockSocks        *ebpf.Map `ebpf:"sock_socks"`
+	SockSocks6       *ebpf.Map `ebpf:"sock_socks6"`
+	SockTargets      *ebpf.Map `ebpf:"sock_targets"`
+	SockTargets6     *ebpf.Map `ebpf:"sock_targets6"`
 }
 
 func (m *sockreapMaps) Close() error {
 	return _SockreapClose(
-		m.ExposureLimits,
-		m.ExposureStats,
+		m.ExposureLimitsV2,
+		m.ExposureStatsV2,
 		m.SockConfig,
 		m.SockLocal,
 		m.SockSocks,

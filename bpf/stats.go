@@ -1,5 +1,5 @@
 // Package bpf holds brokkr's eBPF objects and the Go side of the per-exposure
-// counter map, exposure_stats, shared by the kernel fast path (netplane) and
+// counter map, exposure_stats_v2, shared by the kernel fast path (netplane) and
 // the userspace proxy.
 //
 // The map is a BPF_F_MMAPABLE array pinned under bpfDir. A Store maps it into
@@ -29,14 +29,20 @@ import (
 )
 
 const (
-	// MapName is the pin name under bpfDir. A changed value layout gets a new
-	// name (exposure_stats_v2) so an old pin is never misread.
-	MapName = "exposure_stats"
+	// MapName is the pin name under bpfDir. A changed value layout or size
+	// gets a new name, so an old pin is never misread: v2 is v1's
+	// (exposure_stats, V1MapName) layout with Slots entries, where v1 had
+	// 16,384 (migrate.go copies v1 into it).
+	MapName = "exposure_stats_v2"
 	// NameLen is the size of the name field, NUL included.
 	NameLen = 64
 	// MaxNameLen is the longest exposure name a slot can hold.
 	MaxNameLen = NameLen - 1
-	// Slots is the number of entries in the array.
+	// Slots is the number of entries in the array (and in every map
+	// indexed by the slot): 131,072. The v2 maps take 131,072 × (120 +
+	// 32 + 8 + 24 + 4 + 4) bytes, 24 MiB: exposure_stats_v2 15 MiB,
+	// exposure_limits_v2 4, fallback_fed_v2 3, exposure_denied_v2 1,
+	// exposure_wake_v2 and allow_restricted_v2 0.5 each.
 	Slots = spec.MaxExposures
 
 	// bpffsMagic is BPF_FS_MAGIC from statfs(2).
@@ -46,7 +52,7 @@ const (
 // statLayout is the value struct as bpf2go generated it from exposure_stats.c.
 type statLayout = statsExposureStat
 
-// limitLayout is the value of exposure_limits (exposure.h).
+// limitLayout is the value of exposure_limits_v2 (exposure.h).
 type limitLayout = statsExposureLimit
 
 const (
@@ -73,8 +79,15 @@ var (
 )
 
 // LimitsMapName is the pin name of the cap and generation map beside
-// exposure_stats.
-const LimitsMapName = "exposure_limits"
+// exposure_stats_v2.
+const LimitsMapName = "exposure_limits_v2"
+
+// WakeMapName and AllowRestrictedMapName are the other maps indexed by the
+// slot (wake.h, natpath.c), sized by Slots and renamed with it.
+const (
+	WakeMapName            = "exposure_wake_v2"
+	AllowRestrictedMapName = "allow_restricted_v2"
+)
 
 // Protocol numbers as stored in the map.
 const (
@@ -112,7 +125,7 @@ type Counters struct {
 	Dropped  uint64 `json:"dropped"`
 	BytesIn  uint64 `json:"bytesIn"`
 	BytesOut uint64 `json:"bytesOut"`
-	// Denied is the callers allowFrom turned away (exposure_denied).
+	// Denied is the callers allowFrom turned away (exposure_denied_v2).
 	Denied uint64 `json:"denied"`
 }
 
@@ -125,27 +138,38 @@ type Entry struct {
 	Counters
 }
 
-// Store is the process's view of exposure_stats: the pinned, mmapped map, or
-// plain memory when BPF is not available. Use one Store per pin per process.
+// Store is the process's view of exposure_stats_v2: the pinned, mmapped map,
+// or plain memory when BPF is not available. Use one Store per pin per
+// process.
 type Store struct {
 	mu     sync.Mutex
 	m      *ebpf.Map // nil in memory mode
-	lm     *ebpf.Map // exposure_limits; nil in memory mode
-	fm     *ebpf.Map // fallback_fed; nil in memory mode
-	dm     *ebpf.Map // exposure_denied; nil in memory mode
-	mem    []byte    // mmapped map values, or heap memory
-	lmem   []byte    // mmapped exposure_limits values, or heap memory
-	fmem   []byte    // mmapped fallback_fed values, or heap memory
-	dmem   []byte    // mmapped exposure_denied values, or heap memory
+	lm     *ebpf.Map // exposure_limits_v2; nil in memory mode
+	fm     *ebpf.Map // fallback_fed_v2; nil in memory mode
+	dm     *ebpf.Map // exposure_denied_v2; nil in memory mode
+	mem    []byte    // mmapped map values, or anonymous memory
+	lmem   []byte    // mmapped exposure_limits_v2 values, or anonymous memory
+	fmem   []byte    // mmapped fallback_fed_v2 values, or anonymous memory
+	dmem   []byte    // mmapped exposure_denied_v2 values, or anonymous memory
 	path   string    // pin path; "" in memory mode
 	reason string    // why the store is in memory, if it is
 	byName map[string]int
 	refs   map[int]int
+	// hint is the lowest slot that may be free: Attach looks from there,
+	// so taking n slots costs O(n), not O(n × Slots).
+	hint   int
 	closed bool
+	// mig is the copy from the v1 maps while their writers may still
+	// count into them (migrate.go); nil when there is none.
+	mig atomic.Pointer[migration]
 }
 
-// Open loads (or creates) the map pinned at dir/exposure_stats and maps it
-// into memory. dir must be on a bpffs; see EnsureBPFFS.
+// Open loads (or creates) the map pinned at dir/exposure_stats_v2 and maps
+// it into memory. dir must be on a bpffs; see EnsureBPFFS. When only the v1
+// maps are pinned there (an older brokkrd's, 16,384 slots), their every
+// slot is copied into the v2 ones first, slot numbers unchanged, and what
+// their writers add afterwards is carried over until FinishMigration
+// (migrate.go).
 func Open(dir string) (*Store, error) {
 	if err := checkBPFFS(dir); err != nil {
 		return nil, err
@@ -153,9 +177,24 @@ func Open(dir string) (*Store, error) {
 	if err := liftMemlock(); err != nil {
 		return nil, err
 	}
+	if err := migrateV1(dir); err != nil {
+		return nil, fmt.Errorf("copying %s into %s: %w", filepath.Join(dir, V1MapName), MapName, err)
+	}
+	s, err := openV2(dir)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.resumeMigration(dir); err != nil {
+		s.Close()
+		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, V1MapName), err)
+	}
+	return s, nil
+}
+
+func openV2(dir string) (*Store, error) {
 	cs, err := loadStats()
 	if err != nil {
-		return nil, fmt.Errorf("exposure_stats: %w", err)
+		return nil, fmt.Errorf("%s: %w", MapName, err)
 	}
 	var objs statsMaps
 	err = cs.LoadAndAssign(&objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}})
@@ -165,7 +204,7 @@ func Open(dir string) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading %s: %w", filepath.Join(dir, MapName), err)
 	}
-	m, lm := objs.ExposureStats, objs.ExposureLimits
+	m, lm := objs.ExposureStatsV2, objs.ExposureLimitsV2
 	mem, err := mmapValues(m, valueSize)
 	if err != nil {
 		objs.Close()
@@ -177,7 +216,7 @@ func Open(dir string) (*Store, error) {
 		objs.Close()
 		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, LimitsMapName), err)
 	}
-	dmem, err := mmapValues(objs.ExposureDenied, deniedSize)
+	dmem, err := mmapValues(objs.ExposureDeniedV2, deniedSize)
 	if err != nil {
 		_ = unix.Munmap(mem)
 		_ = unix.Munmap(lmem)
@@ -201,14 +240,14 @@ func Open(dir string) (*Store, error) {
 		objs.Close()
 		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, FedMapName), err)
 	}
-	s := &Store{m: m, lm: lm, fm: fm, dm: objs.ExposureDenied, mem: mem, lmem: lmem, fmem: fmem, dmem: dmem, path: filepath.Join(dir, MapName)}
+	s := &Store{m: m, lm: lm, fm: fm, dm: objs.ExposureDeniedV2, mem: mem, lmem: lmem, fmem: fmem, dmem: dmem, path: filepath.Join(dir, MapName)}
 	s.index()
 	return s, nil
 }
 
 // DeniedMapName is the pin of the callers allowFrom turned away, per slot
-// (denied.h): a map of its own, so exposure_stats keeps its layout.
-const DeniedMapName = "exposure_denied"
+// (denied.h): a map of its own, so exposure_stats_v2 keeps its layout.
+const DeniedMapName = "exposure_denied_v2"
 
 const deniedSize = int(unsafe.Sizeof(statsExposureDeny{}))
 
@@ -216,7 +255,7 @@ const deniedSize = int(unsafe.Sizeof(statsExposureDeny{}))
 // kernel counters it reads itself (the event-fed fallback's nft counters):
 // per slot {valid, accepted, refused}, zeroed and made valid with the slot.
 // Only brokkrd reads it; no program does.
-const FedMapName = "fallback_fed"
+const FedMapName = "fallback_fed_v2"
 
 const (
 	fedSize      = 24
@@ -232,7 +271,7 @@ func fedSpec() *ebpf.MapSpec {
 
 // liftMemlock removes RLIMIT_MEMLOCK for this process where the kernel
 // still charges BPF maps and programs to it (before 5.11: Debian 11's 5.10
-// refuses the 16,384-slot maps under the default 8 MiB); newer kernels
+// refused even the 16,384-slot maps under the default 8 MiB); newer kernels
 // charge the memory cgroup, and this does nothing.
 var liftMemlock = sync.OnceValue(func() error {
 	if err := rlimit.RemoveMemlock(); err != nil {
@@ -242,22 +281,36 @@ var liftMemlock = sync.OnceValue(func() error {
 })
 
 func mmapValues(m *ebpf.Map, size int) ([]byte, error) {
-	n := Slots * size
+	return mmapN(m, int(m.MaxEntries())*size)
+}
+
+// mmapN maps the first n bytes of m's values read-write.
+func mmapN(m *ebpf.Map, n int) ([]byte, error) {
 	n = (n + os.Getpagesize() - 1) &^ (os.Getpagesize() - 1)
 	return unix.Mmap(m.FD(), 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 }
 
-func heapWords(n int) []byte {
-	words := make([]uint64, n/8) // uint64 backing keeps 8-byte alignment
-	return unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), len(words)*8)
+// anonWords is n bytes of zeroed, page-aligned private memory: the
+// kernel gives a page only when it is first written, so an in-memory
+// store of Slots entries (24 MiB of address space) costs what its used
+// slots touch, not 24 MiB of heap for the garbage collector to scan.
+func anonWords(n int) []byte {
+	n = (n + os.Getpagesize() - 1) &^ (os.Getpagesize() - 1)
+	b, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		panic(fmt.Sprintf("in-memory counters: mmap of %d bytes: %v", n, err))
+	}
+	return b
 }
 
 // NewInMemory returns a Store that counts in process memory only; reason says
 // why (it is reported in status so an operator knows bpftool will not see it).
 func NewInMemory(reason string) *Store {
-	s := &Store{mem: heapWords(Slots * valueSize), lmem: heapWords(Slots * limitSize), fmem: heapWords(Slots * fedSize),
-		dmem: heapWords(Slots * deniedSize), reason: reason}
-	s.index()
+	s := &Store{mem: anonWords(Slots * valueSize), lmem: anonWords(Slots * limitSize), fmem: anonWords(Slots * fedSize),
+		dmem: anonWords(Slots * deniedSize), reason: reason}
+	// Fresh memory holds no names: nothing to index.
+	s.byName = make(map[string]int)
+	s.refs = make(map[int]int)
 	return s
 }
 
@@ -265,9 +318,10 @@ func (s *Store) index() {
 	s.byName = make(map[string]int)
 	s.refs = make(map[int]int)
 	for i := 0; i < Slots; i++ {
-		if n := s.nameAt(i); n != "" {
-			s.byName[n] = i
+		if s.mem[s.base(i)] == 0 { // a free slot: one byte read, no string
+			continue
 		}
+		s.byName[s.nameAt(i)] = i
 	}
 }
 
@@ -290,9 +344,15 @@ func (s *Store) Close() error {
 	}
 	s.closed = true
 	if s.m == nil {
+		// The memory stays mapped: a Slot still held somewhere may count
+		// into it, as it could into the heap this memory replaced.
 		return nil
 	}
-	err := errors.Join(unix.Munmap(s.mem), unix.Munmap(s.lmem), unix.Munmap(s.fmem), unix.Munmap(s.dmem))
+	var merr error
+	if m := s.mig.Swap(nil); m != nil {
+		merr = m.close()
+	}
+	err := errors.Join(merr, unix.Munmap(s.mem), unix.Munmap(s.lmem), unix.Munmap(s.fmem), unix.Munmap(s.dmem))
 	return errors.Join(err, s.m.Close(), s.lm.Close(), s.fm.Close(), s.dm.Close())
 }
 
@@ -327,6 +387,7 @@ func (s *Store) nameAt(i int) string {
 }
 
 func (s *Store) read(i int) Counters {
+	s.pull(i)
 	return Counters{
 		Active:   s.word(i, offActive).Load(),
 		Accepted: s.word(i, offAccepted).Load(),
@@ -351,7 +412,8 @@ func (s *Store) zero(i int) {
 	s.limit32(i, offCap).Store(0)
 	s.limit64(i, offProxyActive).Store(0)
 	s.limit64(i, offKernelActive).Store(0)
-	s.limit32(i, offGen).Add(1)
+	gen := s.limit32(i, offGen).Add(1)
+	s.zeroV1(i, gen)
 	// Nothing fed yet, and that is known: the exposure's kernel counters
 	// are made after its slot, from zero.
 	s.fed(i, offFedAccept).Store(0)
@@ -383,25 +445,26 @@ func ValidName(name string) error {
 // Attach must be paired with a Release.
 func (s *Store) Attach(name string, protocol uint32, hostPort uint16) (*Slot, error) {
 	if err := ValidName(name); err != nil {
-		return nil, fmt.Errorf("exposure_stats slot: %w", err)
+		return nil, fmt.Errorf("%s slot: %w", MapName, err)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return nil, errors.New("exposure_stats: store is closed")
+		return nil, fmt.Errorf("%s: store is closed", MapName)
 	}
 	i, ok := s.byName[name]
 	if !ok {
 		i = -1
-		for j := 0; j < Slots; j++ {
+		for j := s.hint; j < Slots; j++ {
 			if s.mem[s.base(j)] == 0 && s.refs[j] == 0 {
 				i = j
 				break
 			}
 		}
 		if i < 0 {
-			return nil, fmt.Errorf("exposure_stats: all %d slots are in use", Slots)
+			return nil, fmt.Errorf("%s: all %d slots are in use", MapName, Slots)
 		}
+		s.hint = i + 1
 		s.zero(i)
 		copy(s.mem[s.base(i):s.base(i)+MaxNameLen], name)
 		s.byName[name] = i
@@ -433,6 +496,7 @@ func (s *Store) ResetActive(keep map[string]uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for name, i := range s.byName {
+		s.pull(i) // the proxy's share v1 still had, first
 		k := keep[name]
 		p := s.limit64(i, offProxyActive).Swap(k)
 		if p < k { // never: a place handed over was taken in this slot
@@ -454,6 +518,7 @@ func (s *Store) Prune(keep func(name string) bool) []string {
 			continue
 		}
 		s.zero(i)
+		s.freed(i)
 		delete(s.byName, name)
 		gone = append(gone, name)
 	}
@@ -504,6 +569,7 @@ func (sl *Slot) Opened() {
 // active gauge, the same the BPF programs do. It reports false (and counts
 // nothing) when the cap is full. A reservation ends with Closed.
 func (sl *Slot) Reserve() bool {
+	sl.s.pull(sl.i) // what v1's writers admitted, while they may
 	active := sl.s.word(sl.i, offActive)
 	limit := sl.s.limit32(sl.i, offCap)
 	for {
@@ -534,7 +600,10 @@ func (sl *Slot) Closed() {
 }
 
 // SetCap sets the exposure's one cap (0 = unlimited), read by every path.
-func (sl *Slot) SetCap(c uint32) { sl.s.limit32(sl.i, offCap).Store(c) }
+func (sl *Slot) SetCap(c uint32) {
+	sl.s.limit32(sl.i, offCap).Store(c)
+	sl.s.capV1(sl.i, c)
+}
 
 // Cap is the cap SetCap set.
 func (sl *Slot) Cap() uint32 { return sl.s.limit32(sl.i, offCap).Load() }
@@ -577,7 +646,7 @@ func (sl *Slot) AddBytes(in, out uint64) {
 // FeedKernelTotals adds to accepted and refused what two kernel counters
 // the daemon reads itself (the event-fed fallback's nft counters, absolute
 // since the table made them) gained since the values last fed. Those are
-// kept beside the slot in the pinned fallback_fed map, so a new daemon goes
+// kept beside the slot in the pinned fallback_fed_v2 map, so a new daemon goes
 // on exactly where the last one stopped and counts what the kernel admitted
 // while no daemon ran: never a first-read baseline. A value below the last
 // one is a counter made anew (the table re-created): all of it is new. A
@@ -623,66 +692,105 @@ func (sl *Slot) Release(deleted bool) {
 	delete(s.refs, sl.i)
 	if deleted && !s.closed {
 		s.zero(sl.i)
+		s.freed(sl.i)
 		delete(s.byName, sl.name)
 	}
 }
 
-// Dump reads a pinned exposure_stats map read-only, without attaching or
-// mapping it: what `brokkr stats` uses, daemon or not.
+// freed notes that slot i is free again, for Attach's search.
+func (s *Store) freed(i int) {
+	if i < s.hint {
+		s.hint = i
+	}
+}
+
+// Dump reads a pinned exposure_stats_v2 map (or a v1 exposure_stats, its
+// layout with fewer slots) without attaching: what `brokkr stats` uses,
+// daemon or not. The values are mapped PROT_READ (the kernel maps a BPF
+// map only through a descriptor that may write, so the map is opened
+// read-write and never written) and only the occupied slots, a name's
+// first byte, are read: no copy of the whole map, no syscall per slot.
 func Dump(pinPath string) ([]Entry, error) {
-	m, err := ebpf.LoadPinnedMap(pinPath, &ebpf.LoadPinOptions{ReadOnly: true})
+	m, err := ebpf.LoadPinnedMap(pinPath, nil)
 	if err != nil {
 		return nil, fmt.Errorf("opening %s: %w", pinPath, err)
 	}
 	defer m.Close()
-	if int(m.ValueSize()) != valueSize {
-		return nil, fmt.Errorf("%s: value size %d, want %d (another layout version)", pinPath, m.ValueSize(), valueSize)
+	if int(m.ValueSize()) != valueSize || m.Type() != ebpf.Array || m.Flags()&unix.BPF_F_MMAPABLE == 0 {
+		return nil, fmt.Errorf("%s: %v of value size %d, flags %#x: not the layout of %s (another version)", pinPath, m.Type(), m.ValueSize(), m.Flags(), MapName)
 	}
+	n := int(m.MaxEntries())
+	mem, err := mmapRead(m, n*valueSize)
+	if err != nil {
+		return nil, fmt.Errorf("mapping %s: %w", pinPath, err)
+	}
+	defer unix.Munmap(mem)
 	var out []Entry
-	var key uint32
-	var v statLayout
-	it := m.Iterate()
-	for it.Next(&key, &v) {
-		name := cString(v.Name[:])
-		if name == "" {
+	for i := 0; i < n; i++ {
+		b := i * valueSize
+		if mem[b] == 0 {
 			continue
 		}
-		out = append(out, Entry{Slot: int(key), Name: name, Protocol: v.Protocol, HostPort: v.HostPort,
-			Counters: Counters{Active: v.Active, Accepted: v.Accepted, Refused: v.Refused, Dropped: v.Dropped,
-				BytesIn: v.BytesIn, BytesOut: v.BytesOut}})
+		w := func(off int) uint64 { return (*atomic.Uint64)(unsafe.Pointer(&mem[b+off])).Load() }
+		u := func(off int) uint32 { return (*atomic.Uint32)(unsafe.Pointer(&mem[b+off])).Load() }
+		name := mem[b : b+NameLen]
+		if k := bytes.IndexByte(name, 0); k >= 0 {
+			name = name[:k]
+		}
+		out = append(out, Entry{Slot: i, Name: string(name), Protocol: u(offProtocol), HostPort: u(offHostPort),
+			Counters: Counters{Active: w(offActive), Accepted: w(offAccepted), Refused: w(offRefused), Dropped: w(offDropped),
+				BytesIn: w(offBytesIn), BytesOut: w(offBytesOut)}})
 	}
-	if err := it.Err(); err != nil {
-		return nil, fmt.Errorf("reading %s: %w", pinPath, err)
+	// denied sits beside, in exposure_denied_v2 (exposure_denied for v1;
+	// absent where an older brokkrd made the pins: nothing was denied).
+	deniedPin := filepath.Join(filepath.Dir(pinPath), DeniedMapName)
+	if filepath.Base(pinPath) == V1MapName {
+		deniedPin = filepath.Join(filepath.Dir(pinPath), v1DeniedMapName)
 	}
-	// denied sits beside, in exposure_denied (absent where an older brokkrd
-	// made the pins: nothing was denied).
-	dm, err := ebpf.LoadPinnedMap(filepath.Join(filepath.Dir(pinPath), DeniedMapName), &ebpf.LoadPinOptions{ReadOnly: true})
+	dm, err := ebpf.LoadPinnedMap(deniedPin, nil)
 	if errors.Is(err, os.ErrNotExist) {
 		return out, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("opening %s: %w", DeniedMapName, err)
+		return nil, fmt.Errorf("opening %s: %w", deniedPin, err)
 	}
 	defer dm.Close()
+	if int(dm.ValueSize()) != deniedSize || int(dm.MaxEntries()) != n {
+		return nil, fmt.Errorf("%s: %d entries of %d bytes beside %d of %s", deniedPin, dm.MaxEntries(), dm.ValueSize(), n, pinPath)
+	}
+	dmem, err := mmapRead(dm, n*deniedSize)
+	if err != nil {
+		return nil, fmt.Errorf("mapping %s: %w", deniedPin, err)
+	}
+	defer unix.Munmap(dmem)
 	for i := range out {
-		var d statsExposureDeny
-		if err := dm.Lookup(uint32(out[i].Slot), &d); err != nil {
-			return nil, fmt.Errorf("reading %s: %w", DeniedMapName, err)
-		}
-		out[i].Denied = d.Denied
+		out[i].Denied = (*atomic.Uint64)(unsafe.Pointer(&dmem[out[i].Slot*deniedSize])).Load()
 	}
 	return out, nil
 }
 
-func cString(b []int8) string {
-	var sb strings.Builder
-	for _, c := range b {
-		if c == 0 {
-			break
+// StatsPin is the counter map `brokkr stats` reads under dir:
+// exposure_stats_v2, or the v1 exposure_stats when only it is pinned (an
+// older brokkrd's, not yet copied by a newer one).
+func StatsPin(dir string) string {
+	v2 := filepath.Join(dir, MapName)
+	if _, err := os.Stat(v2); err != nil {
+		if v1 := filepath.Join(dir, V1MapName); exists(v1) {
+			return v1
 		}
-		sb.WriteByte(byte(c))
 	}
-	return sb.String()
+	return v2
+}
+
+func exists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
+}
+
+// mmapRead maps n bytes of m's values read-only.
+func mmapRead(m *ebpf.Map, n int) ([]byte, error) {
+	n = (n + os.Getpagesize() - 1) &^ (os.Getpagesize() - 1)
+	return unix.Mmap(m.FD(), 0, n, unix.PROT_READ, unix.MAP_SHARED)
 }
 
 // EnsureBPFFS makes dir usable for pins: when dir is under /sys/fs/bpf and no

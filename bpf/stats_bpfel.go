@@ -44,9 +44,9 @@ type statsExposureStat struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	statsMapExposureDenied = "exposure_denied"
-	statsMapExposureLimits = "exposure_limits"
-	statsMapExposureStats  = "exposure_stats"
+	statsMapExposureDeniedV2 = "exposure_denied_v2"
+	statsMapExposureLimitsV2 = "exposure_limits_v2"
+	statsMapExposureStatsV2  = "exposure_stats_v2"
 )
 
 // loadStats returns the embedded CollectionSpec for stats.
@@ -97,9 +97,9 @@ type statsProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type statsMapSpecs struct {
-	ExposureDenied *ebpf.MapSpec `ebpf:"exposure_denied"`
-	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
+	ExposureDeniedV2 *ebpf.MapSpec `ebpf:"exposure_denied_v2"`
+	ExposureLimitsV2 *ebpf.MapSpec `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2  *ebpf.MapSpec `ebpf:"exposure_stats_v2"`
 }
 
 // statsVariableSpecs contains global variables before they are loaded into the kernel.
@@ -128,16 +128,16 @@ func (o *statsObjects) Close() error {
 //
 // It can be passed to loadStatsObjects or ebpf.CollectionSpec.LoadAndAssign.
 type statsMaps struct {
-	ExposureDenied *ebpf.Map `ebpf:"exposure_denied"`
-	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
+	ExposureDeniedV2 *ebpf.Map `ebpf:"exposure_denied_v2"`
+	ExposureLimitsV2 *ebpf.Map `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2  *ebpf.Map `ebpf:"exposure_stats_v2"`
 }
 
 func (m *statsMaps) Close() error {
 	return _StatsClose(
-		m.ExposureDenied,
-		m.ExposureLimits,
-		m.ExposureStats,
+		m.ExposureDeniedV2,
+		m.ExposureLimitsV2,
+		m.ExposureStatsV2,
 	)
 }
 

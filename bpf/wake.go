@@ -14,11 +14,11 @@ import (
 )
 
 // Wake is the kernel's side of waking a suspended VM on its first caller
-// (wake.h; docs/ARCHITECTURE.md, "Suspend and resume"): exposure_wake, a
+// (wake.h; docs/ARCHITECTURE.md, "Suspend and resume"): exposure_wake_v2, a
 // flag per counter slot that the daemon sets while the exposure's VM is
 // asleep, and wake_events, the ring buffer where the nat path and the
 // socket path put one record per wake. Both are pinned by name under
-// bpfDir, like exposure_stats: the programs loaded before or after find
+// bpfDir, like exposure_stats_v2: the programs loaded before or after find
 // the same maps.
 type Wake struct {
 	flags, events *ebpf.Map
@@ -27,7 +27,7 @@ type Wake struct {
 	closeErr      error
 }
 
-// Flag values of exposure_wake (wake.h; 2, a wake asked, is set by the
+// Flag values of exposure_wake_v2 (wake.h; 2, a wake asked, is set by the
 // programs alone).
 const (
 	wakeAwake  uint32 = 0
@@ -36,7 +36,7 @@ const (
 
 // wakeOnly is the two maps of wake.c, loaded without exposure.h's others.
 type wakeOnly struct {
-	ExposureWake *ebpf.Map `ebpf:"exposure_wake"`
+	ExposureWake *ebpf.Map `ebpf:"exposure_wake_v2"`
 	WakeEvents   *ebpf.Map `ebpf:"wake_events"`
 }
 
@@ -51,7 +51,7 @@ func OpenWake(dir string) (*Wake, error) {
 	}
 	var m wakeOnly
 	if err := spec.LoadAndAssign(&m, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}}); err != nil {
-		return nil, fmt.Errorf("loading %s: %w", filepath.Join(dir, "exposure_wake"), err)
+		return nil, fmt.Errorf("loading %s: %w", filepath.Join(dir, WakeMapName), err)
 	}
 	rd, err := ringbuf.NewReader(m.WakeEvents)
 	if err != nil {
@@ -67,7 +67,7 @@ func OpenWake(dir string) (*Wake, error) {
 func (w *Wake) Sleep(slot int) error {
 	k := uint32(slot)
 	if err := w.flags.Update(&k, wakeAsleep, ebpf.UpdateExist); err != nil {
-		return fmt.Errorf("exposure_wake[%d]: %w", slot, err)
+		return fmt.Errorf(WakeMapName+"[%d]: %w", slot, err)
 	}
 	return nil
 }
@@ -76,7 +76,7 @@ func (w *Wake) Sleep(slot int) error {
 func (w *Wake) Awake(slot int) error {
 	k := uint32(slot)
 	if err := w.flags.Update(&k, wakeAwake, ebpf.UpdateExist); err != nil {
-		return fmt.Errorf("exposure_wake[%d]: %w", slot, err)
+		return fmt.Errorf(WakeMapName+"[%d]: %w", slot, err)
 	}
 	return nil
 }

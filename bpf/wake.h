@@ -13,6 +13,8 @@
 #ifndef BROKKR_WAKE_H
 #define BROKKR_WAKE_H
 
+#define exposure_wake exposure_wake_v2 // sized by the slots (exposure.h)
+
 #define BRK_AWAKE 0
 #define BRK_ASLEEP 1
 #define BRK_WAKING 2

@@ -39,10 +39,10 @@ type wakeExposureStat struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	wakeMapExposureLimits = "exposure_limits"
-	wakeMapExposureStats  = "exposure_stats"
-	wakeMapExposureWake   = "exposure_wake"
-	wakeMapWakeEvents     = "wake_events"
+	wakeMapExposureLimitsV2 = "exposure_limits_v2"
+	wakeMapExposureStatsV2  = "exposure_stats_v2"
+	wakeMapExposureWakeV2   = "exposure_wake_v2"
+	wakeMapWakeEvents       = "wake_events"
 )
 
 // loadWake returns the embedded CollectionSpec for wake.
@@ -93,10 +93,10 @@ type wakeProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type wakeMapSpecs struct {
-	ExposureLimits *ebpf.MapSpec `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.MapSpec `ebpf:"exposure_stats"`
-	ExposureWake   *ebpf.MapSpec `ebpf:"exposure_wake"`
-	WakeEvents     *ebpf.MapSpec `ebpf:"wake_events"`
+	ExposureLimitsV2 *ebpf.MapSpec `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2  *ebpf.MapSpec `ebpf:"exposure_stats_v2"`
+	ExposureWakeV2   *ebpf.MapSpec `ebpf:"exposure_wake_v2"`
+	WakeEvents       *ebpf.MapSpec `ebpf:"wake_events"`
 }
 
 // wakeVariableSpecs contains global variables before they are loaded into the kernel.
@@ -125,17 +125,17 @@ func (o *wakeObjects) Close() error {
 //
 // It can be passed to loadWakeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type wakeMaps struct {
-	ExposureLimits *ebpf.Map `ebpf:"exposure_limits"`
-	ExposureStats  *ebpf.Map `ebpf:"exposure_stats"`
-	ExposureWake   *ebpf.Map `ebpf:"exposure_wake"`
-	WakeEvents     *ebpf.Map `ebpf:"wake_events"`
+	ExposureLimitsV2 *ebpf.Map `ebpf:"exposure_limits_v2"`
+	ExposureStatsV2  *ebpf.Map `ebpf:"exposure_stats_v2"`
+	ExposureWakeV2   *ebpf.Map `ebpf:"exposure_wake_v2"`
+	WakeEvents       *ebpf.Map `ebpf:"wake_events"`
 }
 
 func (m *wakeMaps) Close() error {
 	return _WakeClose(
-		m.ExposureLimits,
-		m.ExposureStats,
-		m.ExposureWake,
+		m.ExposureLimitsV2,
+		m.ExposureStatsV2,
+		m.ExposureWakeV2,
 		m.WakeEvents,
 	)
 }

@@ -857,6 +857,9 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 	if d.store != nil && !d.store.Pinned() {
 		st.Warnings = append(st.Warnings, d.store.Reason())
 	}
+	if d.store != nil && d.store.Migrating() {
+		st.Warnings = append(st.Warnings, "counters: an older brokkrd's "+bpf.V1MapName+" maps are still written (by its BPF programs, or the process that handed over): their counts are carried into "+bpf.MapName+" until nothing writes them")
+	}
 	for _, e := range errs {
 		if e != nil {
 			st.Warnings = append(st.Warnings, e.Error())

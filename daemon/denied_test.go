@@ -17,7 +17,7 @@ import (
 	"github.com/brokkr/brokkr/daemon/config"
 )
 
-// denied (callers allowFrom turned away, counted into exposure_denied by
+// denied (callers allowFrom turned away, counted into exposure_denied_v2 by
 // the nat path's program and the proxy) reaches the status JSON and the
 // metric from the shared slot.
 func TestDeniedReachesStatusAndMetrics(t *testing.T) {

@@ -123,8 +123,8 @@ func BenchmarkPutToServed(b *testing.B) {
 }
 
 // BenchmarkPutToServedAtLimit is BenchmarkPutToServed at the most
-// exposures a host holds (spec.MaxExposures, 16,384: the counter slot map's
-// size; the 100,000 of issue 22 needs the larger map first), natpath.
+// exposures a host holds (spec.MaxExposures, 131,072: the counter slot
+// map's size), natpath.
 func BenchmarkPutToServedAtLimit(b *testing.B) {
 	n := spec.MaxExposures - 1
 	d, echo := kernelRig(b, n, "lim", true)

@@ -264,7 +264,7 @@ func markAsleep(st *api.Status) {
 }
 
 // kernelWakes is the daemon's side of the kernel paths' wake (bpf.Wake):
-// it keeps exposure_wake's flags in step with which VMs are asleep (at
+// it keeps exposure_wake_v2's flags in step with which VMs are asleep (at
 // every phase change the board hears of, and again at every pass), and
 // turns each event the nat path or the socket path sends into a WakeVM.
 type kernelWakes struct {
@@ -320,7 +320,7 @@ func (k *kernelWakes) sync() {
 			err = k.w.Sleep(slot)
 		}
 		if err != nil {
-			k.d.log.Warn("exposure_wake", "exposure", e.Name, "err", err)
+			k.d.log.Warn(bpf.WakeMapName, "exposure", e.Name, "err", err)
 			continue
 		}
 		k.set[slot] = asleep

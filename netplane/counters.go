@@ -6,7 +6,7 @@ import (
 )
 
 // slotFeed moves one exposure's counters from the event-fed fallback into
-// its exposure_stats slot, which outlives the table and the daemon. Three
+// its exposure_stats_v2 slot, which outlives the table and the daemon. Three
 // sources, three rules:
 //   - the nft named counters (accepted, refused) are absolute in the kernel
 //     and outlive the daemon: the slot remembers what it was fed from them

@@ -42,7 +42,7 @@ import (
 //     IPv4 only and Report.Warnings says why.
 //   - DNS is not served: replies carry no DNS option.
 //   - Counters: the nft table's absolute values are added to the
-//     exposure_stats slot as differences since the last read (see
+//     exposure_stats_v2 slot as differences since the last read (see
 //     counters.go); the first read after start is a baseline.
 
 // DefaultMTU is the bridge MTU when Network.MTU is 0.
@@ -70,7 +70,7 @@ type Options struct {
 
 // Plane converges the guest network of one namespace: bridge, taps, IPAM,
 // DHCP, and the nftables table, and feeds the kernel counters into the
-// shared exposure_stats slots.
+// shared exposure_stats_v2 slots.
 type Plane struct {
 	opts  Options
 	log   *slog.Logger

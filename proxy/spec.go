@@ -1,6 +1,6 @@
 // Package proxy is brokkr's userspace fallback for published ports: one
 // listener per exposure, a per-exposure connection cap, splice(2) between the
-// caller and the guest, and counters in the shared exposure_stats map.
+// caller and the guest, and counters in the shared exposure_stats_v2 map.
 package proxy
 
 import (

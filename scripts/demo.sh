@@ -185,15 +185,16 @@ rc=0; timeout 2 nsenter --net=/run/netns/$host_ns -- socat -u "TCP4-LISTEN:8080,
 [ "$rc" = 1 ] || { echo "demo: a host program bound a published port (exit $rc)" >&2; exit 1; }
 grep -o "Address already in use" "$tmp/bind.err" | head -n 1
 
-step "bpftool: the pinned map exposure_stats, with named fields (daemon or not)"
-# The array has 16384 entries; show the occupied ones (a non-empty name).
-echo "\$ bpftool map dump pinned $bpf_dir/exposure_stats   (occupied entries only)"
-bpftool map dump pinned "$bpf_dir/exposure_stats" | awk '
-  /"key":/ { buf = ""; keep = 0 }
-  { buf = buf $0 "\n" }
-  /"name": "[^"]/ { keep = 1 }
-  /^        }/ { if (keep) printf "%s", buf; keep = 0; buf = "" }'
-
+step "bpftool: the pinned map exposure_stats_v2, with named fields (daemon or not)"
+# The array has 131072 entries (a full dump takes bpftool seconds): brokkr
+# stats names the occupied slots, bpftool looks one up by its slot number.
+echo "\$ brokkr stats --bpf-dir $bpf_dir"
+"$bin/brokkr" stats --bpf-dir "$bpf_dir"
+slot=$("$bin/brokkr" stats --bpf-dir "$bpf_dir" | awk '$1 == "demo-http" { print $2 }')
+[ -n "$slot" ] || { echo "demo: demo-http has no slot in brokkr stats" >&2; exit 1; }
+key="$((slot & 255)) $((slot >> 8 & 255)) $((slot >> 16 & 255)) 0"
+echo "\$ bpftool map lookup pinned $bpf_dir/exposure_stats_v2 key $key   (demo-http's slot, $slot)"
+bpftool map lookup pinned "$bpf_dir/exposure_stats_v2" key $key
 
 step "scale to zero: brokkr vm suspend saves the guest to disk and ends its process"
 "$bin/brokkr" vm suspend demo --wait --timeout 2m

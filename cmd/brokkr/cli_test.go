@@ -96,7 +96,7 @@ func TestSocketOnlyWhereTheDaemonIsUsed(t *testing.T) {
 	// stats takes bpfDir from --config.
 	_, errs, code = run(t, "stats", "--config", good)
 	assert.Equal(t, 2, code)
-	assert.Contains(t, errs, filepath.Join(dir, "pins", "exposure_stats"))
+	assert.Contains(t, errs, filepath.Join(dir, "pins", "exposure_stats_v2"))
 	_, _, code = run(t, "stats", "--config", good, "--bpf-dir", dir)
 	assert.Equal(t, 1, code, "one place to look, not two")
 }

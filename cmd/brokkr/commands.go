@@ -6,7 +6,6 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"slices"
 	"syscall"
 	"text/tabwriter"
@@ -422,13 +421,16 @@ func statsCmd() *cobra.Command {
 	var dir, cfgFile, out string
 	c := &cobra.Command{
 		Use:   "stats [--config FILE | --bpf-dir DIR] [-o json]",
-		Short: "Read the pinned exposure_stats map directly (works with the daemon down)",
-		Long: `stats reads the counters from the pinned BPF map exposure_stats under the daemon's
+		Short: "Read the pinned exposure_stats_v2 map directly (works with the daemon down)",
+		Long: `stats reads the counters from the pinned BPF map exposure_stats_v2 under the daemon's
 bpfDir, without the daemon: the kernel path and the proxy add into the same entry,
-and the map outlives brokkrd. The directory is --bpf-dir, else the bpfDir of the
-config file --config, else ` + config.DefaultBPFDir + `.
+and the map outlives brokkrd. Where only an older brokkrd's exposure_stats (16,384
+slots) is pinned, stats reads that. The directory is --bpf-dir, else the bpfDir of
+the config file --config, else ` + config.DefaultBPFDir + `.
 
-bpftool map dump pinned ` + config.DefaultBPFDir + `/exposure_stats prints the same entries.
+bpftool map lookup pinned ` + config.DefaultBPFDir + `/exposure_stats_v2 key 3 0 0 0 prints the
+entry of SLOT 3 (its four bytes, least significant first); bpftool map dump prints all
+131,072 entries, the free ones too.
 
 ` + counterColumns,
 		Example: `  brokkr stats
@@ -448,7 +450,7 @@ bpftool map dump pinned ` + config.DefaultBPFDir + `/exposure_stats prints the s
 				}
 				dir = cfg.BPFDir
 			}
-			entries, err := bpf.Dump(filepath.Join(dir, bpf.MapName))
+			entries, err := bpf.Dump(bpf.StatsPin(dir))
 			if err != nil {
 				return err
 			}
@@ -475,7 +477,7 @@ bpftool map dump pinned ` + config.DefaultBPFDir + `/exposure_stats prints the s
 			return tw.Flush()
 		},
 	}
-	c.Flags().StringVar(&dir, "bpf-dir", config.DefaultBPFDir, "bpfDir of the daemon (where exposure_stats is pinned)")
+	c.Flags().StringVar(&dir, "bpf-dir", config.DefaultBPFDir, "bpfDir of the daemon (where exposure_stats_v2 is pinned)")
 	c.Flags().StringVar(&cfgFile, "config", "", "take bpfDir from this config file")
 	c.Flags().StringVarP(&out, "output", "o", "table", "table or json")
 	return c

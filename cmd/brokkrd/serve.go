@@ -72,6 +72,9 @@ func serve(o options, stderr io.Writer) int {
 	if code := p.finishHandover(); code != 0 {
 		return code
 	}
+	// The process that handed over (if any) is gone: only programs can
+	// still write the v1 counter maps now.
+	p.sys.finishMigration(ctx, p.log)
 	srv := p.startServing(ctx)
 	code = p.waitForStop(srv)
 	return p.shutdown(cancel, srv, code)

@@ -317,12 +317,53 @@ func openSocketPath(cfg *config.Config, store *bpf.Store) (*bpf.SockLB, string) 
 }
 
 // openStore makes bpfDir usable (mounting bpffs at /sys/fs/bpf if needed)
-// and opens the pinned exposure_stats map.
+// and opens the pinned exposure_stats_v2 map (copying an older brokkrd's
+// exposure_stats into it, see bpf/migrate.go).
 func openStore(dir string) (*bpf.Store, error) {
 	if err := bpf.EnsureBPFFS(dir); err != nil {
 		return nil, err
 	}
 	return bpf.Open(dir)
+}
+
+// migrationTick is how often a process that copied the v1 counter maps
+// checks whether anything still writes them.
+const migrationTick = 2 * time.Second
+
+// finishMigration ends the copy from the v1 counter maps (exposure_stats
+// and the maps beside it) once nothing writes them any more: called once
+// the process this one took over from is gone, it retries until no BPF
+// program uses them (this binary's programs replace the earlier ones at
+// the nat path's first load; an upgrade whose programs cannot load keeps
+// the earlier ones, and their counts are carried over for as long).
+func (s *system) finishMigration(ctx context.Context, log *slog.Logger) {
+	if !s.store.Migrating() {
+		return
+	}
+	go func() {
+		t := time.NewTicker(migrationTick)
+		defer t.Stop()
+		var said string
+		for {
+			done, err := s.store.FinishMigration()
+			if done {
+				if err != nil {
+					log.Warn("counters: closing the v1 maps", "err", err)
+				}
+				log.Info("counters: every count of the v1 maps is in " + bpf.MapName + "; their pins are removed")
+				return
+			}
+			if err != nil && err.Error() != said {
+				said = err.Error()
+				log.Warn("counters: the v1 maps are still written; carrying their counts over", "err", err)
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+	}()
 }
 
 // lockRunDir takes an exclusive flock on runDir/brokkrd.lock: two daemons

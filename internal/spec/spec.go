@@ -339,6 +339,6 @@ type StaticIP struct {
 }
 
 // MaxExposures is how many exposures one host holds: each has a counter
-// slot of its own in the pinned exposure_stats map (bpf.Slots), and a
+// slot of its own in the pinned exposure_stats_v2 map (bpf.Slots), and a
 // desired state with more is refused whole rather than half-served.
-const MaxExposures = 16384
+const MaxExposures = 1 << 17 // 131,072

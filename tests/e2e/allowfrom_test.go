@@ -6,14 +6,13 @@ import (
 	"errors"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/internal/nstest"
@@ -38,40 +37,30 @@ exposures:
   - {name: guarded-px, target: 10.213.9.200, guestPort: 7000, hostPort: 7002, mode: proxy, maxConns: 1, allowFrom: [192.0.2.0/24]}
 `
 
-// bpftoolDenied reads exposure_denied with bpftool, as an operator would:
-// the entry of each named exposure's slot (found in exposure_stats).
+// bpftoolDenied reads exposure_denied_v2 with bpftool, as an operator
+// would: the entry of each named exposure's slot (found in
+// exposure_stats_v2).
 func (e *env) bpftoolDenied(t testing.TB, names ...string) map[string]uint64 {
 	t.Helper()
-	out, err := exec.Command("bpftool", "-j", "map", "dump", "pinned", filepath.Join(e.bpfDir, "exposure_stats")).Output()
-	require.NoError(t, err)
-	var raw []struct {
-		Formatted struct {
-			Key   uint32 `json:"key"`
-			Value struct {
-				Name string `json:"name"`
-			} `json:"value"`
-		} `json:"formatted"`
+	slots := map[int]string{}
+	for slot, v := range bpftoolLookups(t, filepath.Join(e.bpfDir, bpf.MapName), e.bpfDir) {
+		var ent struct {
+			Name string `json:"name"`
+		}
+		require.NoError(t, json.Unmarshal(v, &ent))
+		slots[slot] = ent.Name
 	}
-	require.NoError(t, json.Unmarshal(out, &raw))
 	got := map[string]uint64{}
-	for _, r := range raw {
+	for slot, v := range bpftoolLookups(t, filepath.Join(e.bpfDir, bpf.DeniedMapName), e.bpfDir) {
 		for _, n := range names {
-			if r.Formatted.Value.Name != n {
+			if slots[slot] != n {
 				continue
 			}
-			k := r.Formatted.Key
-			out, err := exec.Command("bpftool", "-j", "map", "lookup", "pinned", filepath.Join(e.bpfDir, "exposure_denied"), "key",
-				strconv.Itoa(int(k&0xff)), strconv.Itoa(int(k>>8&0xff)), "0", "0").Output()
-			require.NoError(t, err)
-			var v struct {
-				Formatted struct {
-					Value struct {
-						Denied uint64 `json:"denied"`
-					} `json:"value"`
-				} `json:"formatted"`
+			var d struct {
+				Denied uint64 `json:"denied"`
 			}
-			require.NoError(t, json.Unmarshal(out, &v), string(out))
-			got[n] = v.Formatted.Value.Denied
+			require.NoError(t, json.Unmarshal(v, &d), string(v))
+			got[n] = d.Denied
 		}
 	}
 	return got

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/internal/procfs"
@@ -120,30 +121,48 @@ type bpftoolEntry struct {
 	BytesOut uint64 `json:"bytes_out"`
 }
 
-// bpftoolDump reads the pinned map with bpftool itself, as an operator would.
+// bpftoolDump reads the pinned map with bpftool itself, as an operator would
+// for one exposure: `bpftool map lookup` of each occupied slot (found with
+// bpf.Dump: a dump of all 131,072 entries takes bpftool seconds).
 func (e *env) bpftoolDump(t testing.TB) map[string]bpftoolEntry {
 	t.Helper()
-	out, err := exec.Command("bpftool", "-j", "map", "dump", "pinned", filepath.Join(e.bpfDir, "exposure_stats")).Output()
-	require.NoError(t, err, "bpftool map dump")
-	var raw []struct {
-		Value     json.RawMessage `json:"value"`
-		Formatted *struct {
-			Value json.RawMessage `json:"value"`
-		} `json:"formatted"`
-	}
-	require.NoError(t, json.Unmarshal(out, &raw))
 	got := map[string]bpftoolEntry{}
-	for _, r := range raw {
-		v := r.Value
-		if r.Formatted != nil {
-			v = r.Formatted.Value
-		}
+	for slot, v := range bpftoolLookups(t, filepath.Join(e.bpfDir, bpf.MapName), e.bpfDir) {
 		var ent bpftoolEntry
-		if json.Unmarshal(v, &ent) == nil && ent.Name != "" {
+		require.NoError(t, json.Unmarshal(v, &ent), "slot %d", slot)
+		if ent.Name != "" {
 			got[ent.Name] = ent
 		}
 	}
 	return got
+}
+
+// bpftoolLookups is bpftool's formatted value of pin's entry at every
+// slot the counter map under bpfDir has occupied.
+func bpftoolLookups(t testing.TB, pin, bpfDir string) map[int]json.RawMessage {
+	t.Helper()
+	entries, err := bpf.Dump(filepath.Join(bpfDir, bpf.MapName))
+	require.NoError(t, err)
+	out := map[int]json.RawMessage{}
+	for _, en := range entries {
+		k := en.Slot
+		raw, err := exec.Command("bpftool", "-j", "map", "lookup", "pinned", pin, "key",
+			strconv.Itoa(k&0xff), strconv.Itoa(k>>8&0xff), strconv.Itoa(k>>16&0xff), "0").Output()
+		require.NoError(t, err, "bpftool map lookup %s %d", pin, k)
+		var w struct {
+			Value     json.RawMessage `json:"value"`
+			Formatted *struct {
+				Value json.RawMessage `json:"value"`
+			} `json:"formatted"`
+		}
+		require.NoError(t, json.Unmarshal(raw, &w), "%s", raw)
+		v := w.Value
+		if w.Formatted != nil {
+			v = w.Formatted.Value
+		}
+		out[k] = v
+	}
+	return out
 }
 
 func conntrackEntries(t testing.TB, ns *nstest.NS, port int) int {

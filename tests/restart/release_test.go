@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -124,6 +125,12 @@ func (r *rig) linkProgs() map[string]uint32 {
 		out[filepath.Base(p)] = l.ProgID
 	}
 	return out
+}
+
+// pinned reports whether name is pinned in bpfDir.
+func pinned(bpfDir, name string) bool {
+	_, err := os.Lstat(filepath.Join(bpfDir, name))
+	return err == nil
 }
 
 // progLoaded asks bpftool whether the kernel still holds program id.
@@ -354,6 +361,18 @@ func TestUpgradeFromThePreviousRelease(t *testing.T) {
 	t.Logf("%d of %d programs replaced by the upgrade: before %v, after %v", changed, len(before), before, after)
 	s := r.sweeps()
 	require.Eventually(t, func() bool { return r.sweeps() > s }, 10*time.Second, 100*time.Millisecond, "the sweep runs after the upgrade")
+	// The previous release's counter maps (exposure_stats, 16,384 slots)
+	// were copied into the v2 ones and, no program of it left, unpinned.
+	require.Eventually(t, func() bool { return !pinned(r.bpfDir, bpf.V1MapName) }, 10*time.Second, 100*time.Millisecond,
+		"the v1 counter map is unpinned once nothing writes it")
+	for _, p := range []string{"exposure_limits", "exposure_denied", "exposure_wake", bpf.MigrationMapName} {
+		assert.False(t, pinned(r.bpfDir, p), "%s unpinned", p)
+	}
+	require.True(t, pinned(r.bpfDir, bpf.MapName))
+	require.Eventually(t, func() bool {
+		_, st := r.statusCounts()
+		return !strings.Contains(strings.Join(st.Warnings, "\n"), bpf.V1MapName+" maps are still written")
+	}, 10*time.Second, 100*time.Millisecond, "status no longer says the v1 maps are written")
 
 	// The flows carry on, the caps hold with the places they had.
 	f.echoAll(t)
@@ -398,6 +417,12 @@ func TestAnUpgradeWhoseProgramsCannotLoadKeepsTheOldOnesServing(t *testing.T) {
 	for _, p := range []string{"nat_pre_link", "nat_out_link", "nat_reflect_link"} {
 		assert.Equal(t, before[p], after[p], "%s: the previous release's program still attached", p)
 	}
+
+	// The previous release's programs still count into its exposure_stats:
+	// the migration stays open, its counts carried over.
+	assert.True(t, pinned(r.bpfDir, bpf.V1MapName), "the v1 counter map stays while its programs serve")
+	assert.True(t, pinned(r.bpfDir, bpf.MigrationMapName))
+	assert.Contains(t, strings.Join(st.Warnings, "\n"), bpf.V1MapName+" maps are still written", "status says the v1 maps are carried over")
 
 	f.echoAll(t)
 	f.askUDP(t)

@@ -90,12 +90,12 @@ func changes(args []string) error {
 			m["apply"] = append(m["apply"], s)
 			for i := 0; i < 5; i++ {
 				e := exp(k + i)
-				s, err := timed(func() error { _, err := t.Update([]nft.Exposure{e}, nil); return err })
+				s, err := timed(func() error { _, err := t.Update([]nft.Exposure{e}, nil, nil); return err })
 				if err != nil {
 					return fmt.Errorf("%d exposures: add: %w", k, err)
 				}
 				m["add"] = append(m["add"], s)
-				s, err = timed(func() error { _, err := t.Update(nil, []string{e.Name}); return err })
+				s, err = timed(func() error { _, err := t.Update(nil, []string{e.Name}, nil); return err })
 				if err != nil {
 					return fmt.Errorf("%d exposures: remove: %w", k, err)
 				}

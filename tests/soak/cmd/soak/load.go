@@ -185,7 +185,7 @@ func (x *h) load() {
 		x.figure(fmt.Sprintf("load.wave%d.held", w), strconv.Itoa(held), fmt.Sprintf("of %d offered; daemon fds %d, goroutines %d, nat_flows %d during the hold", offered(d), during.fds, during.goroutines, during.flows))
 	}
 	x.figure("load.connections.held.peak", strconv.Itoa(peakHeld), fmt.Sprintf("at once, SOAK_CONNS=%d", total))
-	x.check("load.active_minus_held.during", holdActiveOff, 0, "exposure_stats active against the callers' open connections, summed over waves")
+	x.check("load.active_minus_held.during", holdActiveOff, 0, "exposure_stats_v2 active against the callers' open connections, summed over waves")
 	// Back to baseline: wait for the kernel to release the last places.
 	var after baseline
 	// nat_flows entries of flows closed by FIN or RST go at once; others

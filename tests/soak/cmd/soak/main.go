@@ -19,6 +19,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/daemon/api"
 	"github.com/brokkr/brokkr/tests/chfake"
 )
@@ -325,7 +326,7 @@ func fdCount(pid int) int {
 	return len(ents)
 }
 
-// bpfEntry is one slot of exposure_stats as bpftool prints it.
+// bpfEntry is one slot of exposure_stats_v2 as bpftool prints it.
 type bpfEntry struct {
 	Name     string `json:"name"`
 	Active   uint64 `json:"active"`
@@ -347,31 +348,54 @@ func bpftoolDump(path string) ([]json.RawMessage, error) {
 }
 
 func (x *h) counters() (map[string]bpfEntry, error) {
-	raw, err := bpftoolDump(filepath.Join(x.bpf, "exposure_stats"))
+	got := map[string]bpfEntry{}
+	vals, err := bpftoolSlots(x.bpf)
 	if err != nil {
 		return nil, err
 	}
-	got := map[string]bpfEntry{}
-	for _, r := range raw {
-		var w struct {
-			Value     json.RawMessage `json:"value"`
-			Formatted *struct {
-				Value json.RawMessage `json:"value"`
-			} `json:"formatted"`
-		}
-		if json.Unmarshal(r, &w) != nil {
-			continue
-		}
-		v := w.Value
-		if w.Formatted != nil {
-			v = w.Formatted.Value
-		}
+	for _, v := range vals {
 		var e bpfEntry
 		if json.Unmarshal(v, &e) == nil && e.Name != "" {
 			got[e.Name] = e
 		}
 	}
 	return got, nil
+}
+
+// bpftoolSlots is bpftool's formatted exposure_stats_v2 entry of every
+// occupied slot, by slot: `bpftool map lookup` of each, as an operator
+// would for one exposure (the slots found with bpf.Dump: a dump of all
+// 131,072 entries takes bpftool seconds).
+func bpftoolSlots(bpfDir string) (map[uint32]json.RawMessage, error) {
+	pin := filepath.Join(bpfDir, bpf.MapName)
+	entries, err := bpf.Dump(pin)
+	if err != nil {
+		return nil, err
+	}
+	out := map[uint32]json.RawMessage{}
+	for _, en := range entries {
+		k := en.Slot
+		raw, err := exec.Command("bpftool", "-j", "map", "lookup", "pinned", pin, "key",
+			strconv.Itoa(k&0xff), strconv.Itoa(k>>8&0xff), strconv.Itoa(k>>16&0xff), "0").Output()
+		if err != nil {
+			return nil, fmt.Errorf("bpftool map lookup %s %d: %v", pin, k, err)
+		}
+		var w struct {
+			Value     json.RawMessage `json:"value"`
+			Formatted *struct {
+				Value json.RawMessage `json:"value"`
+			} `json:"formatted"`
+		}
+		if err := json.Unmarshal(raw, &w); err != nil {
+			return nil, err
+		}
+		v := w.Value
+		if w.Formatted != nil {
+			v = w.Formatted.Value
+		}
+		out[uint32(k)] = v
+	}
+	return out, nil
 }
 
 func (x *h) natFlows() int {

@@ -113,24 +113,19 @@ func parseNatFlow(r json.RawMessage) (natFlow, error) {
 	return w.Formatted.Value, nil
 }
 
-// slotNames maps exposure_stats slots to the names of their exposures.
+// slotNames maps exposure_stats_v2 slots to the names of their exposures.
 func (x *h) slotNames() map[uint32]string {
 	out := map[uint32]string{}
-	raw, err := bpftoolDump(filepath.Join(x.bpf, "exposure_stats"))
+	vals, err := bpftoolSlots(x.bpf)
 	if err != nil {
 		return out
 	}
-	for _, r := range raw {
-		var w struct {
-			Formatted struct {
-				Key   uint32 `json:"key"`
-				Value struct {
-					Name string `json:"name"`
-				} `json:"value"`
-			} `json:"formatted"`
+	for k, v := range vals {
+		var e struct {
+			Name string `json:"name"`
 		}
-		if json.Unmarshal(r, &w) == nil && w.Formatted.Value.Name != "" {
-			out[w.Formatted.Key] = w.Formatted.Value.Name
+		if json.Unmarshal(v, &e) == nil && e.Name != "" {
+			out[k] = e.Name
 		}
 	}
 	return out
