@@ -21,6 +21,7 @@ bpf_dir=/sys/fs/bpf/brk-demo
 cgroup=/sys/fs/cgroup/unified/brk-demo
 host_ip=192.0.2.1
 client_ip=192.0.2.2
+host_ip6=2001:db8:9::1 client_ip6=2001:db8:9::2
 
 [ "$(id -u)" = 0 ] || { echo "demo: run as root (it creates network namespaces and a VM)" >&2; exit 1; }
 for f in "$bin/brokkrd" "$bin/brokkr" "$guest/vmlinuz" "$guest/initramfs.cpio.gz"; do
@@ -81,6 +82,9 @@ ip -n $host_ns addr add $host_ip/24 dev brk-demo-h
 ip -n $host_ns link set brk-demo-h up
 ip -n $client_ns addr add $client_ip/24 dev brk-demo-c
 ip -n $client_ns link set brk-demo-c up
+# dual-stack, as real hosts are
+ip -n $host_ns addr add $host_ip6/64 dev brk-demo-h nodad
+ip -n $client_ns addr add $client_ip6/64 dev brk-demo-c nodad
 
 mkdir -p "$tmp/state" "$tmp/run"
 [ -d /sys/fs/cgroup/unified ] || { echo "demo: no cgroup v2 hierarchy at /sys/fs/cgroup/unified" >&2; exit 1; }
@@ -138,6 +142,13 @@ echo "\$ curl http://$host_ip:8080/"
 in_client curl -sS --max-time 5 --retry 30 --retry-delay 1 --retry-all-errors "http://$host_ip:8080/"
 echo "\$ echo hello | socat - TCP:$host_ip:7000"
 echo hello | in_client socat -t 2 - "TCP:$host_ip:7000,connect-timeout=5"
+
+step "the same port over IPv6 (no hostAddress: every address of both families), to the guest's SLAAC address"
+echo "\$ curl -6 http://[$host_ip6]:8080/"
+# (the guest takes its default route from the next router advertisement)
+in_client curl -gsS --max-time 5 --retry 30 --retry-delay 1 --retry-all-errors "http://[$host_ip6]:8080/"
+echo "\$ conntrack -L -f ipv6 -p tcp --orig-port-dst 8080   (on the host: the guest answered the caller's own address)"
+in_host conntrack -L -f ipv6 -p tcp --orig-port-dst 8080 2>/dev/null | head -n 1
 
 step "auto mode: a caller on the host itself is sent to the guest when it connects (socket path)"
 echo "\$ curl http://127.0.0.1:8080/   (inside $host_ns, in $cgroup)"

@@ -23,9 +23,11 @@ import (
 )
 
 const (
-	hostIP   = "192.0.2.1"
-	clientIP = "192.0.2.2"
-	vmName   = "e2e"
+	hostIP    = "192.0.2.1"
+	clientIP  = "192.0.2.2"
+	hostIP6   = "2001:db8:7::1"
+	clientIP6 = "2001:db8:7::2"
+	vmName    = "e2e"
 )
 
 // fixture is one brokkrd in namespaces of its own: a host namespace it runs
@@ -112,6 +114,10 @@ func newFixture(tb testing.TB, prefix string) *fixture {
 	f.host = nstest.New(tb, "host")
 	f.client = nstest.New(tb, "client")
 	nstest.Link(tb, f.host, "brk-"+prefix+"-h", hostIP+"/24", f.client, "brk-"+prefix+"-c", clientIP+"/24")
+	// Dual-stack, as users' hosts are: the client reaches the host over
+	// IPv6 too.
+	f.host.MustRun(tb, "ip", "-6", "addr", "add", hostIP6+"/64", "dev", "brk-"+prefix+"-h", "nodad")
+	f.client.MustRun(tb, "ip", "-6", "addr", "add", clientIP6+"/64", "dev", "brk-"+prefix+"-c", "nodad")
 	state, err := os.MkdirTemp("", "brk-"+prefix+"-state-")
 	require.NoError(tb, err)
 	run, err := os.MkdirTemp("", "brk-"+prefix+"-") // short: unix socket paths live below it

@@ -86,3 +86,32 @@ func TestTheGuestTakesItsIPv6AddressBySLAAC(t *testing.T) {
 		return err == nil && strings.Contains(body, "brokkr-guest")
 	}, 30*time.Second, 500*time.Millisecond, "the guest's HTTP over IPv6 from the host: %v %q", err, body)
 }
+
+// An outside caller over IPv6 reaches the real guest through an exposure
+// with no hostAddress (every address of both families): DNATed by the nat
+// path to the guest's SLAAC address, the guest answering through the host
+// it was advertised as its default router, and the caller's own address
+// kept (the reply goes back to it, not to a masquerading host), counted in
+// the exposure's one slot.
+func TestAnIPv6CallerReachesTheGuestThroughAnExposureWithNoHostAddress(t *testing.T) {
+	e := sharedEnv(t)
+	before, _ := exposure(e.status(), "web-nat")
+	var body string
+	var err error
+	require.Eventually(t, func() bool {
+		body, err = httpGet(e.client, "["+hostIP6+"]:8080")
+		return err == nil && strings.Contains(body, "brokkr-guest")
+	}, 90*time.Second, 500*time.Millisecond, "the guest's HTTP through [%s]:8080: %v %q", hostIP6, err, body)
+	v := vm(e.status(), vmName)
+	ct := e.host.MustRun(t, "conntrack", "-L", "-f", "ipv6", "-p", "tcp", "--orig-port-dst", "8080")
+	assert.Contains(t, ct, "src="+clientIP6+" dst="+hostIP6, "the caller dialled the host's IPv6 address")
+	assert.Contains(t, ct, "src="+v.Address6+" dst="+clientIP6+" sport=8080",
+		"DNATed to the guest's IPv6 address, which answered the caller's own address")
+	require.Eventually(t, func() bool {
+		after, _ := exposure(e.status(), "web-nat")
+		return after.Accepted > before.Accepted
+	}, 10*time.Second, 200*time.Millisecond, "an IPv6 caller counts in the exposure's slot")
+	for _, w := range e.status().Warnings {
+		assert.NotContains(t, w, "IPv6 callers are not published", "the nat path carries IPv6")
+	}
+}
