@@ -3,7 +3,6 @@ package daemon
 import (
 	"errors"
 	"fmt"
-	"net/netip"
 
 	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane/hold"
@@ -44,19 +43,9 @@ func hostSides(e spec.Exposure, ipv6, sock bool) []hold.Side {
 	case e.Mode == spec.ModeAuto && len(e.ProxyBinds(ipv6, sock)) > 0:
 		return nil
 	}
-	side := func(a netip.Addr) hold.Side { return hold.Side{Addr: a, Proto: string(e.Proto), Port: e.HostPort} }
-	if !e.HostAddr.IsValid() {
-		// Every address of both families (:: with IPV6_V6ONLY, which also
-		// covers ::1).
-		if ipv6 {
-			return []hold.Side{side(netip.IPv4Unspecified()), side(netip.IPv6Unspecified())}
-		}
-		return []hold.Side{side(netip.IPv4Unspecified())}
-	}
-	sides := []hold.Side{side(e.HostAddr)}
-	if e.Mode == spec.ModeAuto && e.HostAddr == netip.IPv4Unspecified() && ipv6 {
-		// The socket path serves ::1 too, as the loopback proxies would.
-		sides = append(sides, hold.Side{Addr: netip.IPv6Loopback(), Proto: string(e.Proto), Port: e.HostPort})
+	var sides []hold.Side
+	for _, a := range e.HostAddrs(ipv6) {
+		sides = append(sides, hold.Side{Addr: a, Proto: string(e.Proto), Port: e.HostPort})
 	}
 	return sides
 }

@@ -49,15 +49,7 @@ func claims(e Exposure, me spec.Exposure) []netip.Addr {
 	if (!me.HostAddr.IsValid() && e.HostAddress != "") || e.HostPort < 1 || e.HostPort > 65535 || (e.Protocol != "tcp" && e.Protocol != "udp") {
 		return nil
 	}
-	if !me.HostAddr.IsValid() {
-		return []netip.Addr{netip.IPv4Unspecified(), netip.IPv6Unspecified()}
-	}
-	ha := me.HostAddr.Unmap()
-	out := []netip.Addr{ha}
-	if me.Mode == spec.ModeAuto && ha == netip.IPv4Unspecified() {
-		out = append(out, netip.IPv6Loopback())
-	}
-	return out
+	return me.HostAddrs(true)
 }
 
 // check validates one exposure (path p, like "exposures[3]") against the

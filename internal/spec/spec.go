@@ -227,6 +227,23 @@ func (e Exposure) HostFamilies() (v4, v6 bool) {
 	return e.HostAddr.Is4(), e.HostAddr.Is6()
 }
 
+// HostAddrs are the host addresses the exposure takes on its port, what its
+// held sockets and the overlap checks cover: both unspecified addresses for
+// "" (:: only where the host has IPv6), else hostAddress, and for auto on
+// 0.0.0.0 also ::1 where the host has IPv6 loopback (its IPv6 loopback
+// callers are served, by the socket path or auto's loopback listener).
+func (e Exposure) HostAddrs(ipv6 bool) []netip.Addr {
+	switch {
+	case !e.HostAddr.IsValid() && ipv6:
+		return []netip.Addr{netip.IPv4Unspecified(), netip.IPv6Unspecified()}
+	case !e.HostAddr.IsValid():
+		return []netip.Addr{netip.IPv4Unspecified()}
+	case e.Mode == ModeAuto && e.HostAddr == netip.IPv4Unspecified() && ipv6:
+		return []netip.Addr{e.HostAddr, netip.IPv6Loopback()}
+	}
+	return []netip.Addr{e.HostAddr}
+}
+
 // Wildcard reports whether the exposure answers on every host address of
 // its families.
 func (e Exposure) Wildcard() bool { return !e.HostAddr.IsValid() || e.HostAddr.IsUnspecified() }
@@ -279,15 +296,7 @@ func (e Exposure) ProxyBinds(ipv6, sock bool) []netip.Addr {
 	lo4, lo6 := netip.AddrFrom4([4]byte{127, 0, 0, 1}), netip.IPv6Loopback()
 	switch {
 	case e.proxiedAuto() || e.Mode == ModeProxy:
-		switch {
-		case !a.IsValid() && ipv6:
-			return []netip.Addr{v4any, v6any}
-		case !a.IsValid():
-			return []netip.Addr{v4any}
-		case e.Mode == ModeAuto && a == v4any && ipv6:
-			return []netip.Addr{a, lo6}
-		}
-		return []netip.Addr{a}
+		return e.HostAddrs(ipv6)
 	case e.Mode == ModeAuto:
 		switch {
 		case sock:
