@@ -160,5 +160,14 @@ func TestDualStackExposuresOnTheNatPath(t *testing.T) {
 		c, _ := store.Lookup("both")
 		return c.Active == 1
 	}, 5*time.Second, 50*time.Millisecond, "a closed caller gives its place back")
+	b.Close()
+	require.Eventually(t, func() bool {
+		c, _ := store.Lookup("both")
+		return c.Active == 0
+	}, 5*time.Second, 50*time.Millisecond, "a closed IPv6 caller gives its place back (FIN both ways)")
 	reaches("[fd00:99::1]:8080", "fd00:99::2")
+	require.Eventually(t, func() bool {
+		c, _ := store.Lookup("both")
+		return c.Active == 0
+	}, 5*time.Second, 50*time.Millisecond, "and so does a short IPv6 call")
 }

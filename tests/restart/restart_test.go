@@ -614,8 +614,10 @@ func TestRestartUpgradeAndCrashUnderLoad(t *testing.T) {
 	}
 	r.start(r.binA)
 	r.startGuest()
-	require.Eventually(t, func() bool { return len(r.sd.storedNames()) == 2 }, 10*time.Second, 20*time.Millisecond,
-		"the proxies' listeners are in the fd store")
+	// rs-proxy and cap-proxy, each on 0.0.0.0 and :: (no hostAddress:
+	// both families).
+	require.Eventually(t, func() bool { return len(r.sd.storedNames()) == 4 }, 10*time.Second, 20*time.Millisecond,
+		"the proxies' listeners are in the fd store: %v", r.sd.storedNames())
 	local := r.startCaller(r.cgroup)
 	caps := r.holdCaps(local, true)
 
