@@ -149,7 +149,7 @@ echo "\$ curl -6 http://[$host_ip6]:8080/"
 # wait for it, so that no unanswered SYN holds a place of the cap)
 guest6=$("$bin/brokkr" status -o json | sed -n 's/.*"address6": *"\([^"]*\)".*/\1/p' | head -n 1)
 ip -n $client_ns -6 route add fd00:6272:6b72::/64 via $host_ip6
-for _ in $(seq 60); do in_client ping -6 -c 1 -W 1 "$guest6" >/dev/null 2>&1 && break; sleep 0.5; done
+for _ in $(seq 60); do in_client curl -gs --max-time 1 -o /dev/null "http://[$guest6]:8080/" && break; sleep 0.5; done
 in_client curl -gsS --max-time 5 --retry 30 --retry-delay 1 --retry-all-errors "http://[$host_ip6]:8080/"
 echo "\$ conntrack -L -f ipv6 -p tcp --orig-port-dst 8080   (on the host: the guest answered the caller's own address)"
 in_host conntrack -L -f ipv6 -p tcp --orig-port-dst 8080 2>/dev/null | head -n 1
