@@ -151,8 +151,8 @@ guest6=$("$bin/brokkr" status -o json | sed -n 's/.*"address6": *"\([^"]*\)".*/\
 ip -n $client_ns -6 route add fd00:6272:6b72::/64 via $host_ip6
 for _ in $(seq 60); do in_client curl -gs --max-time 1 -o /dev/null "http://[$guest6]:8080/" && break; sleep 0.5; done
 in_client curl -gsS --max-time 5 --retry 30 --retry-delay 1 --retry-all-errors "http://[$host_ip6]:8080/"
-echo "\$ conntrack -L -f ipv6 -p tcp --orig-port-dst 8080   (on the host: the guest answered the caller's own address)"
-in_host conntrack -L -f ipv6 -p tcp --orig-port-dst 8080 2>/dev/null | head -n 1
+echo "\$ conntrack -L -f ipv6 -p tcp --orig-dst $host_ip6 --orig-port-dst 8080   (on the host: the guest answered the caller's own address)"
+in_host conntrack -L -f ipv6 -p tcp --orig-dst $host_ip6 --orig-port-dst 8080 2>/dev/null | head -n 1
 
 step "auto mode: a caller on the host itself is sent to the guest when it connects (socket path)"
 echo "\$ curl http://127.0.0.1:8080/   (inside $host_ns, in $cgroup)"
