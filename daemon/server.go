@@ -20,9 +20,10 @@ import (
 // SocketName is the API socket's name under runDir.
 const SocketName = "brokkr.sock"
 
-// maxBody caps request bodies: a config is small; anything bigger is a
-// mistake or an attack, refused before it is read into memory.
-const maxBody = 4 << 20
+// maxBody caps request bodies at the largest config (a desired state at
+// the most exposures a host holds); anything bigger is a mistake or an
+// attack, refused before it is read into memory.
+const maxBody = config.MaxConfigBytes
 
 // Handler is the API: GET /v1/status, POST /v1/apply[?dryRun=1],
 // PUT|DELETE /v1/exposures/{name} (exposures.go),

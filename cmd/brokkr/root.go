@@ -117,7 +117,7 @@ func readConfigFile(path string) ([]byte, error) {
 	var b []byte
 	var err error
 	if path == "-" {
-		b, err = io.ReadAll(io.LimitReader(os.Stdin, 8<<20))
+		b, err = io.ReadAll(io.LimitReader(os.Stdin, config.MaxConfigBytes+1))
 	} else {
 		b, err = os.ReadFile(path)
 	}

@@ -18,29 +18,33 @@ import (
 
 // Defaults of the contract (docs/ARCHITECTURE.md, "External contract").
 const (
-	DefaultStateDir        = "/var/lib/brokkr"
-	DefaultRunDir          = "/run/brokkr"
-	DefaultBPFDir          = "/sys/fs/bpf/brokkr"
-	DefaultBridge          = "brokkr0"
-	DefaultCIDR            = "10.213.0.1/24"
-	DefaultCIDR6           = "fd00:6272:6b72::1/64" // a fixed ULA: "brkr" in ASCII is its global ID
-	DefaultMTU             = 1500
-	DefaultHypervisor      = "cloud-hypervisor"
-	DefaultMaxCreates      = 2
-	DefaultCPUs            = 1
-	DefaultMemory          = "256M"
-	DefaultCmdline         = "console=ttyS0"
-	DefaultPower           = string(spec.PowerRunning)
-	DefaultRestart         = string(spec.RestartAlways)
-	DefaultProtocol        = string(spec.TCP)
-	DefaultHostAddress     = "" // every host address of both families
-	DefaultMode            = string(spec.ModeAuto)
-	DefaultMaxConns        = 256
-	MaxExposureNameLen     = 63
-	HypervisorCHV          = "cloud-hypervisor"
-	HypervisorQEMU         = "qemu"
-	minMTU, maxMTU         = 576, 65535
-	maxConfigBytes         = 4 << 20
+	DefaultStateDir    = "/var/lib/brokkr"
+	DefaultRunDir      = "/run/brokkr"
+	DefaultBPFDir      = "/sys/fs/bpf/brokkr"
+	DefaultBridge      = "brokkr0"
+	DefaultCIDR        = "10.213.0.1/24"
+	DefaultCIDR6       = "fd00:6272:6b72::1/64" // a fixed ULA: "brkr" in ASCII is its global ID
+	DefaultMTU         = 1500
+	DefaultHypervisor  = "cloud-hypervisor"
+	DefaultMaxCreates  = 2
+	DefaultCPUs        = 1
+	DefaultMemory      = "256M"
+	DefaultCmdline     = "console=ttyS0"
+	DefaultPower       = string(spec.PowerRunning)
+	DefaultRestart     = string(spec.RestartAlways)
+	DefaultProtocol    = string(spec.TCP)
+	DefaultHostAddress = "" // every host address of both families
+	DefaultMode        = string(spec.ModeAuto)
+	DefaultMaxConns    = 256
+	MaxExposureNameLen = 63
+	HypervisorCHV      = "cloud-hypervisor"
+	HypervisorQEMU     = "qemu"
+	minMTU, maxMTU     = 576, 65535
+	// MaxConfigBytes bounds a config document: a desired state at
+	// spec.MaxExposures (131,072 exposures, ~85 bytes each as YAML) is
+	// ~11 MB; past 32 MiB a document is a mistake, refused before it is
+	// parsed.
+	MaxConfigBytes         = 32 << 20
 	maxConcurrentCreatesUp = 1024
 )
 
@@ -233,8 +237,8 @@ func Decode(data []byte) (*Config, error) {
 // readDocument reads the one YAML (or JSON) document of data; nil when it
 // is empty (or null).
 func readDocument(data []byte) (*yaml.Node, error) {
-	if len(data) > maxConfigBytes {
-		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), maxConfigBytes)}}
+	if len(data) > MaxConfigBytes {
+		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), MaxConfigBytes)}}
 	}
 	var root yaml.Node
 	dec := yaml.NewDecoder(bytes.NewReader(data))

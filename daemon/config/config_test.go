@@ -300,7 +300,7 @@ func TestParseSize(t *testing.T) {
 }
 
 func TestOversizedConfig(t *testing.T) {
-	_, err := Parse([]byte(strings.Repeat("#", maxConfigBytes+1)))
+	_, err := Parse([]byte(strings.Repeat("#", MaxConfigBytes+1)))
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "bytes, more than")
 }
