@@ -36,8 +36,15 @@ func kernelRig(tb testing.TB, n int, role string, pinned bool) (d *Daemon, echo 
 	nstest.Link(tb, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
 	var y strings.Builder
 	y.WriteString("exposures:\n")
+	// Past 40,000 a port of its own for each needs more host addresses:
+	// blocks of 40,000 on 10.99.K.1 (10.99.0.1 first, where the client
+	// calls), each a local address of the host.
+	const block = 40000
+	for k := 1; k*block < n; k++ {
+		host.MustRun(tb, "ip", "addr", "add", fmt.Sprintf("10.99.%d.1/32", k), "dev", "up0")
+	}
 	for i := 0; i < n; i++ {
-		fmt.Fprintf(&y, "  - {name: e-%d, target: 10.213.0.250, guestPort: 80, hostPort: %d, mode: nat}\n", i, 20001+i)
+		fmt.Fprintf(&y, "  - {name: e-%d, target: 10.213.0.250, guestPort: 80, hostAddress: 10.99.%d.1, hostPort: %d, mode: nat}\n", i, i/block, 20001+i%block)
 	}
 	cfg, err := config.Parse([]byte(y.String()))
 	if err != nil {
