@@ -11,6 +11,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 )
 
 // eui64 is the address a NIC with mac forms in prefix by SLAAC (RFC 4291
@@ -94,6 +96,9 @@ func TestTheGuestTakesItsIPv6AddressBySLAAC(t *testing.T) {
 // kept (the reply goes back to it, not to a masquerading host), counted in
 // the exposure's one slot.
 func TestAnIPv6CallerReachesTheGuestThroughAnExposureWithNoHostAddress(t *testing.T) {
+	// Where the nat path's programs cannot load, the fallback publishes
+	// IPv4 only (TestTheFallbackPublishesIPv4OnlyAndSaysSo).
+	kernelfeat.Require(t, kernelfeat.NatPath...)
 	e := sharedEnv(t)
 	before, _ := exposure(e.status(), "web-nat")
 	v := vm(e.status(), vmName)
@@ -128,4 +133,22 @@ func TestAnIPv6CallerReachesTheGuestThroughAnExposureWithNoHostAddress(t *testin
 	for _, w := range e.status().Warnings {
 		assert.NotContains(t, w, "IPv6 callers are not published", "the nat path carries IPv6")
 	}
+}
+
+// Where the nat path's programs cannot load (Debian 12's 6.1) the
+// fallback's nft sets are keyed by IPv4 connections: an exposure of both
+// families is published for IPv4 callers only, and status says why.
+func TestTheFallbackPublishesIPv4OnlyAndSaysSo(t *testing.T) {
+	if kernelfeat.Running().Missing(kernelfeat.NatPath...) == nil {
+		t.Skip("the nat path's programs load here: IPv6 callers are published")
+	}
+	e := sharedEnv(t)
+	st := e.status()
+	found := false
+	for _, w := range st.Warnings {
+		found = found || strings.Contains(w, "IPv6 callers are not published")
+	}
+	assert.True(t, found, "status says IPv6 callers are not published: %v", st.Warnings)
+	x, _ := exposure(st, "web-nat")
+	assert.Equal(t, "active", x.State, "an exposure of both families serves IPv4: %s", x.Reason)
 }

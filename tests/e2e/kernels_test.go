@@ -59,7 +59,7 @@ func newKernelEnv(t *testing.T) *env {
 	return e
 }
 
-func (e *env) attachGuest(bridge, addr, gw string) {
+func (e *env) attachGuest(bridge, addr, gw string) *nstest.NS {
 	t := e.t
 	g := nstest.New(t, "guest")
 	e.host.MustRun(t, "ip", "link", "add", "brk-e2k-g", "type", "veth", "peer", "name", "eth0", "netns", g.Name)
@@ -68,6 +68,7 @@ func (e *env) attachGuest(bridge, addr, gw string) {
 	g.MustRun(t, "ip", "link", "set", "eth0", "up")
 	g.MustRun(t, "ip", "route", "add", "default", "via", gw)
 	g.ServeEcho(t, "0.0.0.0:7000")
+	return g
 }
 
 // holdLocal opens a connection from the host namespace itself (a host-local
@@ -198,4 +199,64 @@ func TestKernelMatrixEveryPathKeepsItsCapAndItsCountersAcrossARestart(t *testing
 	assert.True(t, refused(e.client, natAddr), "capped-nat after the restart: a third caller is refused")
 	a.Close()
 	b.Close()
+}
+
+// kernelConfig6 is kernelConfig's capped nat exposure with the guest's
+// IPv6 address too, and no hostAddress: both families.
+const kernelConfig6 = `
+stateDir: {{state}}
+runDir: {{run}}
+bpfDir: {{bpf}}
+network:
+  bridge: brk-e2k0
+  cidr: 10.213.9.1/24
+hypervisor:
+  kind: qemu
+exposures:
+  - {name: capped-nat, target: 10.213.9.200, target6: "fd00:6272:6b72::c8", guestPort: 7000, hostPort: 7000, mode: nat, maxConns: 2}
+`
+
+// IPv6 callers on each kernel of the matrix: where the nat path runs, an
+// exposure of both families serves them to the guest's IPv6 address under
+// the one cap (one IPv4 and one IPv6 caller fill a cap of 2, a third of
+// either family is refused); on the fallback it serves IPv4 alone and
+// status says so.
+func TestKernelMatrixIPv6CallersShareTheOneCap(t *testing.T) {
+	e := newKernelEnv(t)
+	cfg := strings.NewReplacer("{{state}}", e.state, "{{run}}", e.run, "{{bpf}}", e.bpfDir).Replace(kernelConfig6)
+	require.NoError(t, os.WriteFile(e.cfgPath, []byte(cfg), 0o600))
+	e.startDaemon()
+	st := e.waitStatus("the exposure active", 20*time.Second, func(st api.Status) bool {
+		a, ok := exposure(st, "capped-nat")
+		return ok && a.State == "active"
+	})
+	guest := e.attachGuest("brk-e2k0", "10.213.9.200/24", "10.213.9.1")
+	guest.MustRun(t, "ip", "-6", "addr", "add", "fd00:6272:6b72::c8/64", "dev", "eth0", "nodad")
+	guest.MustRun(t, "ip", "-6", "route", "add", "default", "via", "fd00:6272:6b72::1")
+	guest.ServeEcho(t, "[::]:7000")
+	v4, v6 := hostIP+":7000", "["+hostIP6+"]:7000"
+	if k := kernelfeat.Running(); k.Missing(kernelfeat.NatPath...) != nil {
+		found := false
+		for _, w := range st.Warnings {
+			found = found || strings.Contains(w, "IPv6 callers are not published")
+		}
+		assert.True(t, found, "status says the fallback publishes IPv4 only: %v", st.Warnings)
+		c := hold(t, e.client, v4)
+		c.Close()
+		assert.True(t, refused(e.client, v6), "no IPv6 DNAT on the fallback")
+		return
+	}
+	a := hold(t, e.client, v4)
+	b := hold(t, e.client, v6)
+	assert.True(t, refused(e.client, v4), "a third caller over IPv4 is refused")
+	assert.True(t, refused(e.client, v6), "a third caller over IPv6 is refused")
+	a.Close()
+	b.Close()
+	st = e.waitStatus("the places given back", 10*time.Second, func(st api.Status) bool {
+		x, _ := exposure(st, "capped-nat")
+		return x.Active == 0
+	})
+	x, _ := exposure(st, "capped-nat")
+	assert.EqualValues(t, 2, x.Accepted, "one IPv4 and one IPv6 caller, in the one slot")
+	assert.EqualValues(t, 2, x.Refused, "one refused of each family")
 }
