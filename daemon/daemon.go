@@ -796,38 +796,10 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		var parts []part
 		vm := e.Target.VM
 		_, hasAddr := d.addrs.lookup(vm)
-		p, held := d.portParts[e.Name]
-		if held {
-			parts = append(parts, p) // no engine carries it
-		}
-		if !held && e.UsesKernel() {
-			if n, ok := ns[e.Name]; ok {
-				parts = append(parts, part{"nat", n.State, n.Reason})
-			} else if netErr != "" {
-				parts = append(parts, part{"nat", spec.StateFailed, netErr})
-			} else {
-				parts = append(parts, part{"nat", spec.StatePending, "the network plane has not reported it yet"})
-			}
-		}
-		if !held && d.sock != nil && e.UsesSocketPath() {
-			if p, ok := d.sockParts[e.Name]; ok {
-				parts = append(parts, p)
-			} else {
-				parts = append(parts, part{"socket", spec.StatePending, "the socket path has not reported it yet"})
-			}
-		}
-		if binds := e.ProxyBinds(d.opts.IPv6Loopback, d.sock != nil); !held && len(binds) > 0 {
-			if p := ps[e.Name]; len(p) > 0 {
-				for _, s := range p {
-					if s.State == spec.StatePending && vm != "" && !hasAddr && netErr != "" {
-						// Waiting for a guest address the refused network cannot give.
-						s.State, s.Reason = spec.StateFailed, netErr
-					}
-					parts = append(parts, part{"proxy", s.State, s.Reason})
-				}
-			} else {
-				parts = append(parts, part{"proxy", spec.StatePending, "the proxy has not reported it yet"})
-			}
+		if p, held := d.portParts[e.Name]; held {
+			parts = append(parts, p) // its port is held elsewhere: no engine carries it
+		} else {
+			parts = d.engineParts(e, ns, ps, netErr, vm != "" && !hasAddr)
 		}
 		state, reason := mergeParts(parts)
 		r.State, r.Reason = string(state), reason
@@ -901,4 +873,43 @@ func joinReasons(r []string) string {
 		out += s
 	}
 	return out
+}
+
+// engineParts are the parts the engines report of e, one per path that
+// carries it: netplane's rows ns, the socket path's, the proxy's ps, and
+// pending where an engine has not reported it yet (failed with netErr
+// where the network was refused and a proxied VM waits for an address it
+// cannot get, noAddr).
+func (d *Daemon) engineParts(e spec.Exposure, ns map[string]netplane.ExposureStatus, ps map[string][]proxy.Status, netErr string, noAddr bool) []part {
+	var parts []part
+	if e.UsesKernel() {
+		if n, ok := ns[e.Name]; ok {
+			parts = append(parts, part{"nat", n.State, n.Reason})
+		} else if netErr != "" {
+			parts = append(parts, part{"nat", spec.StateFailed, netErr})
+		} else {
+			parts = append(parts, part{"nat", spec.StatePending, "the network plane has not reported it yet"})
+		}
+	}
+	if d.sock != nil && e.UsesSocketPath() {
+		if p, ok := d.sockParts[e.Name]; ok {
+			parts = append(parts, p)
+		} else {
+			parts = append(parts, part{"socket", spec.StatePending, "the socket path has not reported it yet"})
+		}
+	}
+	if len(e.ProxyBinds(d.opts.IPv6Loopback, d.sock != nil)) > 0 {
+		if p := ps[e.Name]; len(p) > 0 {
+			for _, s := range p {
+				if s.State == spec.StatePending && noAddr && netErr != "" {
+					// Waiting for a guest address the refused network cannot give.
+					s.State, s.Reason = spec.StateFailed, netErr
+				}
+				parts = append(parts, part{"proxy", s.State, s.Reason})
+			}
+		} else {
+			parts = append(parts, part{"proxy", spec.StatePending, "the proxy has not reported it yet"})
+		}
+	}
+	return parts
 }
