@@ -51,7 +51,7 @@ type udpFlow struct {
 }
 
 func newUDPRelay(m *Manager, ex *exposure, conn *net.UDPConn, c checked, stop chan struct{}) *udpRelay {
-	return &udpRelay{m: m, ex: ex, conn: conn, target: c.Target, guestPort: strconv.Itoa(int(c.GuestPort)),
+	return &udpRelay{m: m, ex: ex, conn: conn, target: c.Target, guestPort: strconv.Itoa(int(c.guestPort())),
 		pktinfo: c.host.IsUnspecified(), stop: stop, flows: map[flowKey]*udpFlow{}}
 }
 
