@@ -36,7 +36,7 @@ func (d *Daemon) takePorts(e spec.Exposure) error {
 
 // hostSides are the host sides e holds: none where the proxy listens on
 // them (proxy mode; auto with loopback listeners, when there is no socket
-// path).
+// path); one per port of a range.
 func hostSides(e spec.Exposure, ipv6, sock bool) []hold.Side {
 	switch {
 	case e.Mode == spec.ModeProxy:
@@ -44,19 +44,26 @@ func hostSides(e spec.Exposure, ipv6, sock bool) []hold.Side {
 	case e.Mode == spec.ModeAuto && len(e.ProxyBinds(ipv6, sock)) > 0:
 		return nil
 	}
-	side := func(a netip.Addr) hold.Side { return hold.Side{Addr: a, Proto: string(e.Proto), Port: e.HostPort} }
+	// One side per port of a range and per address.
+	var sides []hold.Side
+	add := func(a netip.Addr) {
+		for _, p := range e.HostPorts() {
+			sides = append(sides, hold.Side{Addr: a, Proto: string(e.Proto), Port: p})
+		}
+	}
 	if !e.HostAddr.IsValid() {
 		// Every address of both families (:: with IPV6_V6ONLY, which also
 		// covers ::1).
+		add(netip.IPv4Unspecified())
 		if ipv6 {
-			return []hold.Side{side(netip.IPv4Unspecified()), side(netip.IPv6Unspecified())}
+			add(netip.IPv6Unspecified())
 		}
-		return []hold.Side{side(netip.IPv4Unspecified())}
+		return sides
 	}
-	sides := []hold.Side{side(e.HostAddr)}
+	add(e.HostAddr)
 	if e.Mode == spec.ModeAuto && e.HostAddr == netip.IPv4Unspecified() && ipv6 {
 		// The socket path serves ::1 too, as the loopback proxies would.
-		sides = append(sides, hold.Side{Addr: netip.IPv6Loopback(), Proto: string(e.Proto), Port: e.HostPort})
+		add(netip.IPv6Loopback())
 	}
 	return sides
 }
