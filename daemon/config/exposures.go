@@ -195,7 +195,7 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 }
 
 // rangeCarried are the modes whose paths carry a port range.
-var rangeCarried = map[spec.Mode]bool{spec.ModeProxy: true}
+var rangeCarried = map[spec.Mode]bool{spec.ModeNAT: true, spec.ModeProxy: true}
 
 func rangeModes() string {
 	var out []string

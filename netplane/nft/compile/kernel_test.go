@@ -136,3 +136,40 @@ func TestUpgradeFromAChainPerExposureTable(t *testing.T) {
 		})
 	}
 }
+
+// The nat path's tables of the release before port ranges (testdata/
+// before-ranges) take the interval maps and their rules in place: one
+// incremental batch, no set redefined (a set's flags cannot change),
+// nothing flushed, and the table lists what a fresh load lists.
+func TestUpgradeToPortRanges(t *testing.T) {
+	nstest.RequireRoot(t)
+	cases := map[string]compile.GoldenCase{}
+	for _, c := range compile.GoldenCases() {
+		cases[c.Name()] = c
+	}
+	for _, name := range []string{"cap-kernel", "dual-stack-nat"} {
+		t.Run(name, func(t *testing.T) {
+			c := cases[name]
+			old := nstest.New(t, "old")
+			path, err := filepath.Abs(filepath.Join("testdata", "before-ranges", name+".nft"))
+			require.NoError(t, err)
+			old.MustRun(t, "nft", "-f", path)
+			tb, err := nft.Open(old.Path)
+			require.NoError(t, err)
+			defer tb.Close()
+			res, err := tb.Converge(c.Rules())
+			require.NoError(t, err)
+			require.NoError(t, res.Replaced, "one incremental batch")
+			for _, ch := range res.Changes {
+				assert.False(t, ch.Flush, "%v", ch)
+			}
+			fresh := nstest.New(t, "new")
+			golden, err := filepath.Abs(compile.GoldenPath(name))
+			require.NoError(t, err)
+			fresh.MustRun(t, "nft", "-f", golden)
+			for _, fam := range []string{"inet", "bridge"} {
+				require.Equal(t, listTable(t, fresh, fam), listTable(t, old, fam), "%s table %s", name, fam)
+			}
+		})
+	}
+}
