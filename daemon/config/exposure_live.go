@@ -34,7 +34,7 @@ func NewLiveExposures(c *Config, model *spec.Desired) *LiveExposures {
 	l := &LiveExposures{ix: newExposureIndex(cidr, c.Network.CIDR, network.CIDR6, vms), keys: make(map[string]bindsAt, len(c.Exposures))}
 	for i, e := range c.Exposures {
 		l.ix.insert(e, model.Exposures[i], i)
-		l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort}
+		l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort, sockPortsOf(e, model.Exposures[i])}
 	}
 	return l
 }
@@ -49,9 +49,11 @@ func (l *LiveExposures) Check(e Exposure) (spec.Exposure, bool) {
 	n := len(l.keys)
 	if pos, replacing := l.ix.names[e.Name]; replacing {
 		// A replacement: its own old name and binds are no clash (check
-		// skips binds of the same name).
+		// skips binds of the same name), nor its ports on the socket path.
 		delete(l.ix.names, e.Name)
-		defer func() { l.ix.names[e.Name] = pos }()
+		old := l.keys[e.Name].sock
+		l.ix.sockPorts -= old
+		defer func() { l.ix.names[e.Name] = pos; l.ix.sockPorts += old }()
 	} else {
 		n++
 	}
@@ -69,7 +71,7 @@ func (l *LiveExposures) Put(e Exposure, me spec.Exposure) {
 		l.Remove(e.Name)
 	}
 	l.ix.insert(e, me, pos)
-	l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort}
+	l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort, sockPortsOf(e, me)}
 }
 
 // Remove forgets the named exposure (no-op when there is none).
@@ -81,10 +83,12 @@ func (l *LiveExposures) Remove(name string) {
 	delete(l.keys, name)
 	delete(l.ix.names, name)
 	l.ix.forget(name, k.proto, k.port)
+	l.ix.sockPorts -= k.sock
 }
 
 // bindsAt is where an exposure's binds are in the index.
 type bindsAt struct {
 	proto string
 	port  Port
+	sock  int // its ports on the socket path (sockPortsOf)
 }

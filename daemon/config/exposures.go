@@ -3,7 +3,6 @@ package config
 import (
 	"fmt"
 	"net/netip"
-	"strings"
 
 	"github.com/brokkr/brokkr/internal/spec"
 )
@@ -30,6 +29,9 @@ type exposureIndex struct {
 	ranges map[portKey][]hostBind
 	// allowTotal counts the allowFrom prefixes of the exposures so far.
 	allowTotal int
+	// sockPorts counts the host ports the socket path translates for the
+	// exposures inserted (sockPortsOf).
+	sockPorts int
 }
 
 type portKey struct {
@@ -178,9 +180,6 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 	} else if me.HostAddr.IsValid() && me.UsesKernel() {
 		ix.checkFamilies(p, e, me, col)
 	}
-	if me.IsRange() && !rangeCarried[me.Mode] {
-		col.add(p+".hostPort", "%s: a port range is carried with mode %s only, in this build", e.HostPort.quoted(), rangeModes())
-	}
 	// Set after the mode's checks: auto's address rules are auto's, with a
 	// header or without (removing one must not make a config invalid).
 	me.ProxyProtocol = checkProxyProtocol(p, e, me, col)
@@ -191,20 +190,22 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 	}
 	me.AllowFrom = ix.checkAllowFrom(p, e, col)
 	ix.checkBinds(p, e, me, col)
+	if n := sockPortsOf(e, me); n > 0 && ix.sockPorts+n > spec.MaxSocketPathPorts {
+		col.add(p+".hostPort", "%s: the socket path would translate %d host ports with it, more than the %d it holds (one per port of every auto exposure)",
+			e.HostPort.quoted(), ix.sockPorts+n, spec.MaxSocketPathPorts)
+	}
 	return me
 }
 
-// rangeCarried are the modes whose paths carry a port range.
-var rangeCarried = map[spec.Mode]bool{spec.ModeNAT: true, spec.ModeProxy: true}
-
-func rangeModes() string {
-	var out []string
-	for _, m := range []spec.Mode{spec.ModeAuto, spec.ModeNAT, spec.ModeProxy} {
-		if rangeCarried[m] {
-			out = append(out, string(m))
-		}
+// sockPortsOf is how many host ports the socket path translates for e
+// (one per port of an auto exposure it serves; 0 for one with ports that
+// are not valid).
+func sockPortsOf(e Exposure, me spec.Exposure) int {
+	first, last, ok := portSpan(e.HostPort)
+	if !ok || !me.UsesSocketPath() {
+		return 0
 	}
-	return strings.Join(out, " or ")
+	return last - first + 1
 }
 
 // checkProxyProtocol checks proxyProtocol: a PROXY header is written by the
@@ -386,6 +387,7 @@ func (ix *exposureIndex) insert(e Exposure, me spec.Exposure, pos int) {
 	if _, dup := ix.names[e.Name]; !dup && e.Name != "" {
 		ix.names[e.Name] = pos
 	}
+	ix.sockPorts += sockPortsOf(e, me)
 	first, last, _ := portSpan(e.HostPort)
 	for _, a := range claims(e, me) {
 		b := hostBind{addr: a, name: e.Name, pos: pos, first: first, last: last, addrText: e.HostAddress, portText: e.HostPort.quoted()}

@@ -2,6 +2,7 @@ package config
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -102,19 +103,58 @@ func TestPortRangeOverlap(t *testing.T) {
 	}
 }
 
-// A mode whose paths do not carry ranges refuses one, naming the modes
-// that do.
-func TestPortRangeModes(t *testing.T) {
-	for m := range map[spec.Mode]bool{spec.ModeAuto: true, spec.ModeNAT: true, spec.ModeProxy: true} {
-		in := "vms: [{name: a, kernel: /k}]\nexposures: [{name: e, vm: a, guestPort: 1, hostPort: '30000-30009', mode: " + string(m) + "}]\n"
+// Every mode carries a range; the socket path's translations, one per
+// port of every auto exposure, are bounded by its map, and a state past
+// it is refused naming the bound (Compile and LiveExposures alike).
+func TestPortRangeModesAndTheSocketPathBound(t *testing.T) {
+	for _, m := range []string{"auto", "nat", "proxy"} {
+		in := "vms: [{name: a, kernel: /k}]\nexposures: [{name: e, vm: a, guestPort: 1, hostPort: '30000-30009', mode: " + m + "}]\n"
 		_, err := Parse([]byte(in))
-		if rangeCarried[m] {
-			assert.NoError(t, err, m)
-		} else {
-			require.Error(t, err, m)
-			assert.Equal(t, `exposures[0].hostPort: "30000-30009": a port range is carried with mode `+rangeModes()+` only, in this build`, err.Error())
-		}
+		assert.NoError(t, err, m)
 	}
+	c, err := Parse([]byte("vms: [{name: a, kernel: /k}]\n"))
+	require.NoError(t, err)
+	zero := 0
+	ranges := spec.MaxSocketPathPorts / spec.MaxPortRange
+	for i := range ranges {
+		// Half of them TCP, half UDP: one protocol has 65535 ports.
+		first := 1 + i/2*spec.MaxPortRange
+		c.Exposures = append(c.Exposures, Exposure{Name: fmt.Sprint("r", i), VM: "a", Protocol: []string{"tcp", "udp"}[i%2], GuestPort: P(80),
+			HostPort: Range(first, first+spec.MaxPortRange-1), Mode: "auto", MaxConns: &zero})
+	}
+	model, errs := Compile(c)
+	require.Empty(t, errs, "exactly as many ports as the socket path holds")
+	live := NewLiveExposures(c, model)
+	more := []Exposure{
+		{Name: "one", VM: "a", Protocol: "udp", GuestPort: P(80), HostPort: P(40000), Mode: "auto", MaxConns: &zero},
+		{Name: "two", VM: "a", Protocol: "udp", GuestPort: P(80), HostPort: Range(40000, 40001), Mode: "auto", MaxConns: &zero},
+	}
+	for i, e := range more {
+		next, _, _ := c.WithExposure(e)
+		_, errs = Compile(next)
+		require.Len(t, errs, 1, e.Name)
+		assert.Equal(t, fmt.Sprintf("exposures[%d].hostPort: %s: the socket path would translate %d host ports with it, more than the %d it holds (one per port of every auto exposure)",
+			ranges, e.HostPort.quoted(), spec.MaxSocketPathPorts+1+i, spec.MaxSocketPathPorts), errs[0].Error())
+		_, ok := live.Check(e)
+		assert.False(t, ok, e.Name)
+	}
+	// In proxy mode the socket path has no part in it; a replacement at
+	// the bound keeps its own count.
+	proxied := more[1]
+	proxied.Mode = "proxy"
+	_, ok := live.Check(proxied)
+	assert.True(t, ok)
+	again := c.Exposures[3]
+	again.GuestPort = P(81)
+	_, ok = live.Check(again)
+	assert.True(t, ok, "a replacement at the bound")
+	next, _, _ := c.WithExposure(again)
+	_, errs = Compile(next)
+	assert.Empty(t, errs)
+	// Removing a range frees its ports for another.
+	live.Remove("r1")
+	_, ok = live.Check(more[1])
+	assert.True(t, ok)
 }
 
 // desired.json and the API's body keep a single port an integer; a range

@@ -232,6 +232,11 @@ type Exposure struct {
 // socket per port of it.
 const MaxPortRange = 4096
 
+// MaxSocketPathPorts is how many host ports the socket path translates at
+// once, every exposure's together: one entry each (a range one per port)
+// in its pinned sock_targets map, whose size it is.
+const MaxSocketPathPorts = 65536
+
 // IsRange reports whether the exposure publishes a range of host ports.
 func (e Exposure) IsRange() bool { return e.HostPortLast > e.HostPort }
 
