@@ -110,7 +110,9 @@ func TestPortRangeOnTheSocketPath(t *testing.T) {
 	}
 	m := &spec.Desired{Exposures: []spec.Exposure{{Name: "games", Mode: spec.ModeAuto, Proto: spec.TCP,
 		Target: spec.Target{Addr: netip.MustParseAddr("10.213.0.11")}, HostPort: 30000, HostPortLast: 30099,
-		GuestPort: 30000, GuestPortLast: 30099, MaxConns: 2}}}
+		GuestPort: 30000, GuestPortLast: 30099, MaxConns: 2},
+		{Name: "shifted", Mode: spec.ModeAuto, Proto: spec.TCP, Target: spec.Target{Addr: netip.MustParseAddr("10.213.0.11")},
+			HostPort: 33000, HostPortLast: 33049, GuestPort: 30050, GuestPortLast: 30099}}}
 	none := func(string) (netip.Addr, bool) { return netip.Addr{}, false }
 	parts, err := sp.converge(m, none, none)
 	require.NoError(t, err)
@@ -140,6 +142,12 @@ func TestPortRangeOnTheSocketPath(t *testing.T) {
 		require.NoError(t, err, port)
 		c.Close()
 		assert.Equal(t, strconv.Itoa(port), seen)
+	}
+	for port, guestPort := range map[int]string{33000: "30050", 33049: "30099"} {
+		c, seen, err := call(port)
+		require.NoError(t, err, port)
+		c.Close()
+		assert.Equal(t, guestPort, seen, "a shifted range: each port to its own")
 	}
 	for _, port := range []int{29999, 30100} {
 		_, _, err := call(port)

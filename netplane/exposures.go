@@ -192,7 +192,7 @@ func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, Exposure
 	}
 	x := nft.Exposure{
 		Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort, HostPortLast: e.HostPortLast,
-		GuestPort: e.GuestPort, KeepPort: e.GuestRange(), GuestAddr: target, GuestAddr6: target6, MaxConns: e.MaxConns,
+		GuestPort: e.GuestPort, GuestPortLast: e.GuestPortLast, GuestAddr: target, GuestAddr6: target6, MaxConns: e.MaxConns,
 	}
 	// The mark is the counter slot: the nat path's programs write it, the
 	// set-based cap's watcher reads it.

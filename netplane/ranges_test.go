@@ -65,8 +65,8 @@ func servePorts(t *testing.T, ns *nstest.NS, ports ...int) {
 }
 
 // A port range on the nat path is one exposure: each port of it reaches
-// the guest (the first, a middle and the last; the port kept, or every
-// port to one guest port), the ports beside it are not published, one cap
+// the guest (the first, a middle and the last; the port kept, every port
+// to one guest port, or each to its own in a shifted range), the ports beside it are not published, one cap
 // of 2 held on two ports of the range refuses a third caller on a third
 // port, and every caller counts in the one slot.
 func TestPortRangeOnTheNatPath(t *testing.T) {
@@ -79,6 +79,7 @@ func TestPortRangeOnTheNatPath(t *testing.T) {
 		{Name: "same", Target: web, Proto: spec.TCP, HostPort: 30000, HostPortLast: 30099, GuestPort: 30000, GuestPortLast: 30099, MaxConns: 2},
 		{Name: "fan", Target: web, Proto: spec.TCP, HostAddr: mustAddr("10.99.0.1"), HostPort: 31000, HostPortLast: 31009, GuestPort: 80},
 		{Name: "one", Target: web, Proto: spec.TCP, HostPort: 8080, GuestPort: 80},
+		{Name: "shift", Target: web, Proto: spec.TCP, HostPort: 32000, HostPortLast: 32001, GuestPort: 30099, GuestPortLast: 30100},
 	}}
 	rep := p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
@@ -102,7 +103,7 @@ func TestPortRangeOnTheNatPath(t *testing.T) {
 				return false
 			}
 		}
-		return len(r.Exposures) == 3
+		return len(r.Exposures) == 4
 	})
 
 	call := func(port int) (net.Conn, string, error) {
@@ -144,6 +145,9 @@ func TestPortRangeOnTheNatPath(t *testing.T) {
 		reaches(port, "80")
 	}
 	reaches(8080, "80")
+	reaches(32000, "30099") // shifted: each port to its own
+	reaches(32001, "30100")
+	refused(32002, "beside the range: not published")
 	refused(29999, "beside the range: not published")
 	refused(30100, "beside the range: not published")
 	refused(31010, "beside the range: not published")

@@ -65,7 +65,7 @@ func randomExposure(r *rand.Rand) Exposure {
 		case 0:
 			e.GuestPort = e.HostPort
 		case 1:
-			e.GuestPort = Range(e.HostPort.First+1, e.HostPort.Last+1) // shifted: refused
+			e.GuestPort = Range(e.HostPort.First+1, e.HostPort.Last+1) // shifted (or past 65535: refused)
 		}
 	}
 	if r.IntN(6) == 0 {

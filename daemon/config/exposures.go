@@ -87,8 +87,9 @@ func checkPort(f string, p Port, col *collector) bool {
 }
 
 // checkPorts checks hostPort and guestPort and sets the model's ports: a
-// guest range is the host range's own ports (the same length, each port
-// kept), or the guest port is one for every host port.
+// guest range is as long as the host range (the same ports, kept, or
+// others: host port first+i to guest port first+i), or the guest port is
+// one for every host port.
 func checkPorts(p string, e Exposure, me *spec.Exposure, col *collector) {
 	guestOK := checkPort(p+".guestPort", e.GuestPort, col)
 	hostOK := checkPort(p+".hostPort", e.HostPort, col)
@@ -112,8 +113,6 @@ func checkPorts(p string, e Exposure, me *spec.Exposure, col *collector) {
 		col.add(p+".guestPort", "%s is a range and hostPort %s is one port; give one guest port", e.GuestPort.quoted(), e.HostPort.quoted())
 	case gl-gf != hl-hf:
 		col.add(p+".guestPort", "%s is %d ports and hostPort %s is %d; give a range of the same length, or one port", e.GuestPort.quoted(), gl-gf+1, e.HostPort.quoted(), hl-hf+1)
-	case gf != hf:
-		col.add(p+".guestPort", "%s is not hostPort's ports %s: a guest range keeps each port (a shifted range is not carried); give the same range, or one port", e.GuestPort.quoted(), e.HostPort.quoted())
 	default:
 		me.GuestPortLast = uint16(gl)
 	}

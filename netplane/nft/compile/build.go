@@ -66,6 +66,8 @@ const (
 	MapExpAny6Range   = "exp-any6-range"   // l4proto . dport range : mark, IPv6 callers (interval)
 	MapExpTargetAddr  = "exp-target-addr"  // mark : guest address (a range's port kept)
 	MapExpTargetAddr6 = "exp-target-addr6" // mark : guest IPv6 address (a range's port kept)
+	MapExpTargetPort  = "exp-target-port"  // mark . dport : guest address . port (a shifted range, one per port)
+	MapExpTargetPort6 = "exp-target-port6" // mark . dport : guest IPv6 address . port
 	MapExpCap         = "exp-cap"          // set-based cap: mark : goto cap-NAME
 	SetCappedTCP      = "capped-tcp"       // set-based cap: mark ids of capped TCP exposures
 	MapOverflow       = "overflow"         // l4proto : port of the cap's slow-path listener
@@ -142,7 +144,9 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		// A range whose guest ports are its own: the address only (a
 		// mark has an element in exp-target or in exp-target-addr).
 		publish = append(publish, rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_TCP), dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4)...)...),
-			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_UDP), dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4)...)...))
+			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_UDP), dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4)...)...),
+			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_TCP), dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4)...)...),
+			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_UDP), dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4)...)...))
 	}
 	inet.addChain(&ChainSpec{Name: chainPublish, Rules: publish})
 	if !setBased {
@@ -169,6 +173,8 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 			rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnat6ToTarget()...)...),
 			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_TCP), dnatToAddr(MapExpTargetAddr6, unix.NFPROTO_IPV6)...)...),
 			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_UDP), dnatToAddr(MapExpTargetAddr6, unix.NFPROTO_IPV6)...)...),
+			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_TCP), dnatByPort(MapExpTargetPort6, unix.NFPROTO_IPV6)...)...),
+			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_UDP), dnatByPort(MapExpTargetPort6, unix.NFPROTO_IPV6)...)...),
 		}})
 	}
 	addSharedMaps(inet, setBased)
@@ -273,6 +279,7 @@ var (
 	targetData  = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService)
 	expAddr6Key = nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetProto, nftables.TypeInetService)
 	target6Data = nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetService)
+	markPortKey = nftables.MustConcatSetType(nftables.TypeMark, nftables.TypeInetService)
 )
 
 // addSharedMaps adds the maps every exposure has elements in. With the
@@ -309,6 +316,10 @@ func addSharedMaps(inet *TableSpec, setBased bool) {
 			Comment: "each port range's guest, by its mark: the port kept", Elems: map[string]ElemSpec{}})
 		inet.addSet(&SetSpec{Name: MapExpTargetAddr6, Key: nftables.TypeMark, Data: nftables.TypeIP6Addr, IsMap: true, PerExposure: true,
 			Comment: "each port range's guest ipv6 address, by its mark: the port kept", Elems: map[string]ElemSpec{}})
+		inet.addSet(&SetSpec{Name: MapExpTargetPort, Key: markPortKey, Data: targetData, IsMap: true, PerExposure: true,
+			Comment: "each shifted port range's guest port, by its mark and the port dialled", Elems: map[string]ElemSpec{}})
+		inet.addSet(&SetSpec{Name: MapExpTargetPort6, Key: markPortKey, Data: target6Data, IsMap: true, PerExposure: true,
+			Comment: "each shifted port range's guest ipv6 address and port, by its mark and the port dialled", Elems: map[string]ElemSpec{}})
 		return
 	}
 	inet.addSet(&SetSpec{Name: MapExpCap, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,
@@ -372,7 +383,7 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 		dispatch = buf[at:len(buf):len(buf)]
 		at = len(buf)
 		buf = append(buf, guest...)
-		if !e.KeepPort {
+		if !e.keepsPort() {
 			buf = binary.BigEndian.AppendUint16(buf, e.GuestPort)
 			buf = append(buf, 0, 0)
 		}
@@ -384,8 +395,23 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 	if e.IsRange() {
 		any4, addr4, any6, addr6 = MapExpAnyRange, MapExpAddrRange, MapExpAny6Range, MapExpAddr6Range
 	}
-	if e.KeepPort {
+	if e.keepsPort() {
 		target4, target6 = MapExpTargetAddr, MapExpTargetAddr6
+	}
+	// A shifted range: one target element per port, mark . host port to
+	// the guest address . its port.
+	byPort := func(set string, guest []byte) {
+		for i := 0; i <= int(e.HostPortLast)-int(e.HostPort); i++ {
+			// key (8) then value (address . port), one buffer
+			b := make([]byte, 0, 8+len(guest)+4)
+			b = append(b, mark...)
+			b = binary.BigEndian.AppendUint16(b, e.HostPort+uint16(i))
+			b = append(b, 0, 0)
+			b = append(b, guest...)
+			b = binary.BigEndian.AppendUint16(b, e.GuestPort+uint16(i))
+			b = append(b, 0, 0)
+			add(set, ElemSpec{Key: b[:8:8], Val: b[8:]})
+		}
 	}
 	if v4 {
 		var addr []byte
@@ -400,7 +426,11 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 		} else {
 			add(addr4, ElemSpec{Key: dispatch, Val: mark})
 		}
-		add(target4, ElemSpec{Key: mark, Val: target})
+		if e.shifted() {
+			byPort(MapExpTargetPort, g[:])
+		} else {
+			add(target4, ElemSpec{Key: mark, Val: target})
+		}
 	}
 	if v6 {
 		var addr []byte
@@ -415,7 +445,11 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 		} else {
 			add(addr6, ElemSpec{Key: dispatch, Val: mark})
 		}
-		add(target6, ElemSpec{Key: mark, Val: target})
+		if e.shifted() {
+			byPort(MapExpTargetPort6, g[:])
+		} else {
+			add(target6, ElemSpec{Key: mark, Val: target})
+		}
 	}
 	if !setBased || e.MaxConns <= 0 {
 		return u, nil
@@ -848,6 +882,21 @@ func dnatToAddr(set string, family uint32) []expr.Any {
 	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
 		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: set},
 		&expr.NAT{Type: expr.NATTypeDestNAT, Family: family, RegAddrMin: 1, RegAddrMax: 1}}
+}
+
+// dnatByPort DNATs by the mark and the port dialled to the guest address
+// and port set maps them to: dnat ip|ip6 to ct mark . th dport map
+// @exp-target-port[6]. The key is the mark (reg32 00) and the port (reg32
+// 01); the data lands as dnatToTarget's (IPv4) and dnat6ToTarget's do.
+func dnatByPort(set string, family uint32) []expr.Any {
+	proto := uint32(9)
+	if family == unix.NFPROTO_IPV6 {
+		proto = 2
+	}
+	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
+		&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: set},
+		&expr.NAT{Type: expr.NATTypeDestNAT, Family: family, RegAddrMin: 1, RegAddrMax: 1, RegProtoMin: proto, RegProtoMax: proto, Specified: true}}
 }
 
 // dnat6ToTarget: dnat ip6 to ct mark map @exp-target6. The data is an IPv6

@@ -349,7 +349,7 @@ func FuzzPlan(f *testing.F) {
 			r.Cap = MarksOnly{}
 		}
 		ga, _ := netip.ParseAddr(guest)
-		r.Exposures = append(r.Exposures, Exposure{Name: name, Protocol: proto, HostPort: hp, HostPortLast: last, GuestPort: gp, KeepPort: keep,
+		r.Exposures = append(r.Exposures, Exposure{Name: name, Protocol: proto, HostPort: hp, HostPortLast: last, GuestPort: gp, GuestPortLast: map[bool]uint16{true: gp + (last - hp)}[keep],
 			MaxConns: max, GuestAddr: ga, MarkID: mark})
 		s := applied(t, refRules())
 		if p, err := s.Plan(r, nil); err == nil && marksOnly {

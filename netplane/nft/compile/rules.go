@@ -102,16 +102,26 @@ type Exposure struct {
 	// GuestAddr6 is the guest's IPv6 address; the zero Addr: IPv6 callers
 	// are not published (nor are they under the set-based cap).
 	GuestAddr6 netip.Addr
-	// GuestPort is where every host port goes; with KeepPort a range's
-	// callers keep the port they dialled (the guest's range is the host's).
-	GuestPort uint16
-	KeepPort  bool
+	// GuestPort is where every host port goes, or with GuestPortLast (0:
+	// none) the first port of a guest range as long as the host's: host
+	// port HostPort+i to GuestPort+i. The same range keeps the port the
+	// caller dialled (one element, exp-target-addr); a shifted one is an
+	// element per port (exp-target-port).
+	GuestPort     uint16
+	GuestPortLast uint16
 	MaxConns  int    // 0 = unlimited
 	MarkID    uint32 // the ct mark id: the exposure's counter slot + 1, unique
 }
 
 // IsRange reports whether the exposure publishes a range of host ports.
 func (e Exposure) IsRange() bool { return e.HostPortLast > e.HostPort }
+
+// keepsPort reports whether each host port goes to the same guest port.
+func (e Exposure) keepsPort() bool { return e.GuestPortLast != 0 && e.GuestPort == e.HostPort }
+
+// shifted reports whether each host port goes to a guest port of its own,
+// another one.
+func (e Exposure) shifted() bool { return e.GuestPortLast != 0 && e.GuestPort != e.HostPort }
 
 // loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
 // alone (DNAT from loopback would need route_localnet, which brokkr never
@@ -224,8 +234,8 @@ func (e Exposure) buildableAlways() error {
 		return fieldErr(f+".hostAddr", "%s is IPv6 and the exposure has no IPv6 guest address", e.HostAddr)
 	case e.HostPortLast != 0 && e.HostPortLast <= e.HostPort:
 		return fieldErr(f+".hostPortLast", "%d is not above hostPort %d", e.HostPortLast, e.HostPort)
-	case e.KeepPort && !e.IsRange():
-		return fieldErr(f+".keepPort", "is for a range of host ports")
+	case e.GuestPortLast != 0 && (!e.IsRange() || int(e.GuestPortLast)-int(e.GuestPort) != int(e.HostPortLast)-int(e.HostPort)):
+		return fieldErr(f+".guestPortLast", "%d: a guest range is as long as the host's range", e.GuestPortLast)
 	case e.MaxConns < 0 || e.MaxConns > MaxConnsLimit:
 		return fieldErr(f+".maxConns", "%d is outside 0..%d", e.MaxConns, MaxConnsLimit)
 	case id == 0 || id > ctmark.IDMask:

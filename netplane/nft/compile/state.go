@@ -492,7 +492,7 @@ func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *de
 // flushes the exposure's host side; a change of the cap's objects does not.
 func routing(set string) bool {
 	switch set {
-	case MapExpAddr, MapExpAny, MapExpTarget, MapExpAddrRange, MapExpAnyRange, MapExpTargetAddr:
+	case MapExpAddr, MapExpAny, MapExpTarget, MapExpAddrRange, MapExpAnyRange, MapExpTargetAddr, MapExpTargetPort:
 		return true
 	}
 	return false
@@ -802,7 +802,7 @@ func (w *want) changes(s *State, touched0 map[string]bool) []Change {
 				Change{*cur, Created, cur.HostSide(), touched(n) && published(*cur)})
 		default:
 			// Only where the flows go decides: a new cap keeps them.
-			retarget := old.GuestAddr != cur.GuestAddr || old.GuestPort != cur.GuestPort || old.KeepPort != cur.KeepPort || old.MarkID != cur.MarkID
+			retarget := old.GuestAddr != cur.GuestAddr || old.GuestPort != cur.GuestPort || old.GuestPortLast != cur.GuestPortLast || old.MarkID != cur.MarkID
 			out = append(out, Change{*cur, Changed, cur.HostSide(), touched(n) && published(*cur) && retarget})
 		}
 	}
