@@ -200,13 +200,13 @@ func TestPlanRefusesImpossibleInput(t *testing.T) {
 		},
 		"exposures[web].name": func(r *Rules) { r.Exposures = append(r.Exposures, r.Exposures[0]) },
 		// The set-based cap publishes no range.
-		"exposures[web].hostPort":     func(r *Rules) { r.Exposures[0].HostPortLast = 8090 },
-		"exposures[web].hostPortLast": func(r *Rules) { r.Exposures[0].HostPortLast = 8079; r.Cap = MarksOnly{} },
+		"exposures[web].hostPort":      func(r *Rules) { r.Exposures[0].HostPortLast = 8090 },
+		"exposures[web].hostPortLast":  func(r *Rules) { r.Exposures[0].HostPortLast = 8079; r.Cap = MarksOnly{} },
 		"exposures[web].guestPortLast": func(r *Rules) { r.Exposures[0].GuestPortLast = 81; r.Cap = MarksOnly{} },
-		"subnet":                      func(r *Rules) { r.Subnet = netip.Prefix{} },
-		"bridge":                      func(r *Rules) { r.Bridge = "a-name-longer-than-ifnamsiz" },
-		"guests[0].mac":               func(r *Rules) { r.Guests[0].MAC = nil },
-		"guests[0].addr":              func(r *Rules) { r.Guests[0].Addr = netip.MustParseAddr("2001:db8::2") },
+		"subnet":                       func(r *Rules) { r.Subnet = netip.Prefix{} },
+		"bridge":                       func(r *Rules) { r.Bridge = "a-name-longer-than-ifnamsiz" },
+		"guests[0].mac":                func(r *Rules) { r.Guests[0].MAC = nil },
+		"guests[0].addr":               func(r *Rules) { r.Guests[0].Addr = netip.MustParseAddr("2001:db8::2") },
 	} {
 		r := baseRules(tcpTo("web", 8080, g1, 80))
 		r.Guests = []Guest{g1}

@@ -109,8 +109,8 @@ type Exposure struct {
 	// element per port (exp-target-port).
 	GuestPort     uint16
 	GuestPortLast uint16
-	MaxConns  int    // 0 = unlimited
-	MarkID    uint32 // the ct mark id: the exposure's counter slot + 1, unique
+	MaxConns      int    // 0 = unlimited
+	MarkID        uint32 // the ct mark id: the exposure's counter slot + 1, unique
 }
 
 // IsRange reports whether the exposure publishes a range of host ports.
