@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/brokkr/brokkr/bpf"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/brokkr/brokkr/internal/spec"
 )
@@ -140,5 +141,43 @@ func TestPortRangeKeepsThePortOnTheProxy(t *testing.T) {
 		_, err := c.Read(b)
 		require.NoError(t, err)
 		assert.Equal(t, fmt.Sprint(base+i), string(b))
+	}
+}
+
+// A range's listeners, one per port, are handed over each to its own port
+// (listener names differ by port) and serve in the next Manager. The
+// listeners are bound in a namespace of the test's own (fixed ports).
+func TestFreezeHandsOverARangesListeners(t *testing.T) {
+	nstest.RequireRoot(t)
+	host := nstest.New(t, "host")
+	host.MustRun(t, "ip", "link", "set", "lo", "up")
+	store := bpf.NewInMemory("test")
+	defer store.Close()
+	g := &guests{addrs: map[string]string{"vm1": "127.0.0.1"}}
+	e := spec.Exposure{Name: "range", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: 30000, HostPortLast: 30004,
+		GuestPort: uint16(echoServer(t, "g:"))}
+	specs := Specs(e, netip.MustParseAddr("127.0.0.1"))
+	m1 := NewManager(g.resolve, store)
+	var before []Status
+	require.NoError(t, host.Do(func() error { before = m1.Converge(specs); return nil }))
+	for _, s := range before {
+		require.Equal(t, StateActive, s.State, s.Reason)
+	}
+	snap := m1.Freeze()
+	m1.StopAll()
+	require.Len(t, snap.Listeners, 5, "one listener per port")
+
+	m2 := NewManager(g.resolve, store)
+	defer m2.StopAll()
+	m2.Inherit(snap.Listeners)
+	var after []Status
+	require.NoError(t, host.Do(func() error { after = m2.Converge(specs); return nil }))
+	assert.Empty(t, m2.DropUnclaimed(), "each inherited listener was claimed by its own port")
+	for i, s := range after {
+		require.Equal(t, StateActive, s.State, s.Reason)
+		assert.Equal(t, before[i].BoundAddr, s.BoundAddr)
+		c := dialIn(t, host, "tcp4", s.BoundAddr)
+		require.NoError(t, c.SetDeadline(time.Now().Add(5*time.Second)))
+		assert.Equal(t, "g:hi", roundTrip(t, c, "g:", "hi"))
 	}
 }
