@@ -114,6 +114,7 @@ func (d *Daemon) portWarnings(m *spec.Desired) []string {
 	}
 	var out []string
 	for _, e := range m.Exposures {
+		var inUse []error
 		for _, sd := range hostSides(e, d.opts.IPv6Loopback, d.sock != nil) {
 			err := d.opts.Holds.Check(sd)
 			var iu *hold.InUseError
@@ -121,8 +122,15 @@ func (d *Daemon) portWarnings(m *spec.Desired) []string {
 				continue
 			}
 			if err != nil {
-				out = append(out, fmt.Sprintf("exposure %s: %v: it stays failed (no DNAT, the holder keeps its callers) until the port frees", e.Name, err))
+				inUse = append(inUse, err)
 			}
+		}
+		if e.IsRange() && len(inUse) > 1 {
+			// A range names its first port in use and counts the others.
+			inUse = []error{fmt.Errorf("%w (and %d more of its ports)", inUse[0], len(inUse)-1)}
+		}
+		for _, err := range inUse {
+			out = append(out, fmt.Sprintf("exposure %s: %v: it stays failed (no DNAT, the holder keeps its callers) until the port frees", e.Name, err))
 		}
 	}
 	return out

@@ -75,3 +75,30 @@ func TestARangesPortsAreHeld(t *testing.T) {
 	assert.NoError(t, listen("tcp4", "127.0.0.1:30100"), "beside the range")
 	assert.NoError(t, listen("tcp4", "127.0.0.1:29999"), "beside the range")
 }
+
+// inUseHolds says every side of ports is in use by one program.
+type inUseHolds struct{ ports map[uint16]bool }
+
+func (h inUseHolds) Sync(map[string][]hold.Side) map[string]error { return nil }
+func (h inUseHolds) Take([]hold.Side) error                        { return nil }
+func (h inUseHolds) Check(sd hold.Side) error {
+	if h.ports[sd.Port] {
+		return &hold.InUseError{Side: sd, Holder: "pid 7 (squat)"}
+	}
+	return nil
+}
+
+// A range's ports in use are one warning, naming the first and counting
+// the others; a single port's sides each their own, as before.
+func TestPortWarningsOfARange(t *testing.T) {
+	d := &Daemon{opts: Options{Holds: inUseHolds{ports: map[uint16]bool{30001: true, 30002: true, 30005: true, 8080: true}}}}
+	m := &spec.Desired{Exposures: []spec.Exposure{
+		{Name: "r", Mode: spec.ModeNAT, Proto: spec.TCP, HostAddr: netip.IPv4Unspecified(), HostPort: 30000, HostPortLast: 30009},
+		{Name: "one", Mode: spec.ModeNAT, Proto: spec.TCP, HostPort: 8080},
+		{Name: "free", Mode: spec.ModeNAT, Proto: spec.TCP, HostPort: 30000, HostPortLast: 30000},
+	}}
+	assert.Equal(t, []string{
+		"exposure r: 0.0.0.0:30001/tcp is in use by pid 7 (squat) (and 2 more of its ports): it stays failed (no DNAT, the holder keeps its callers) until the port frees",
+		"exposure one: 0.0.0.0:8080/tcp is in use by pid 7 (squat): it stays failed (no DNAT, the holder keeps its callers) until the port frees",
+	}, d.portWarnings(m))
+}
