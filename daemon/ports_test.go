@@ -80,7 +80,7 @@ func TestARangesPortsAreHeld(t *testing.T) {
 type inUseHolds struct{ ports map[uint16]bool }
 
 func (h inUseHolds) Sync(map[string][]hold.Side) map[string]error { return nil }
-func (h inUseHolds) Take([]hold.Side) error                        { return nil }
+func (h inUseHolds) Take([]hold.Side) error                       { return nil }
 func (h inUseHolds) Check(sd hold.Side) error {
 	if h.ports[sd.Port] {
 		return &hold.InUseError{Side: sd, Holder: "pid 7 (squat)"}
