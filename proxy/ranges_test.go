@@ -181,3 +181,41 @@ func TestFreezeHandsOverARangesListeners(t *testing.T) {
 		assert.Equal(t, "g:hi", roundTrip(t, c, "g:", "hi"))
 	}
 }
+
+// The slot is labelled with the range's first port whichever port a
+// connection handed over came in on (bpftool and brokkr stats show the
+// exposure's shape, not its last adopted caller's port).
+func TestARangesSlotKeepsItsFirstPort(t *testing.T) {
+	nstest.RequireRoot(t)
+	host := nstest.New(t, "host")
+	host.MustRun(t, "ip", "link", "set", "lo", "up")
+	store := bpf.NewInMemory("test")
+	defer store.Close()
+	g := &guests{addrs: map[string]string{"vm1": "127.0.0.1"}}
+	e := spec.Exposure{Name: "range", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: 30000, HostPortLast: 30004,
+		GuestPort: uint16(echoServer(t, "g:"))}
+	specs := Specs(e, netip.MustParseAddr("127.0.0.1"))
+	m1 := NewManager(g.resolve, store)
+	require.NoError(t, host.Do(func() error { m1.Converge(specs); return nil }))
+	c := dialIn(t, host, "tcp4", "127.0.0.1:30003")
+	require.NoError(t, c.SetDeadline(time.Now().Add(5*time.Second)))
+	assert.Equal(t, "g:hi", roundTrip(t, c, "g:", "hi"))
+	snap := m1.Freeze()
+	m1.StopAll()
+	require.Len(t, snap.Pairs, 1)
+
+	m2 := NewManager(g.resolve, store)
+	defer m2.StopAll()
+	m2.Inherit(snap.Listeners)
+	require.NoError(t, host.Do(func() error { m2.Converge(specs); return nil }))
+	m2.Adopt(snap.Pairs)
+	m2.Resume()
+	assert.Equal(t, "g:again", roundTrip(t, c, "g:", "again"), "the adopted connection carries on")
+	var port uint32
+	for _, en := range store.Entries() {
+		if en.Name == "range" {
+			port = en.HostPort
+		}
+	}
+	assert.EqualValues(t, 30000, port)
+}

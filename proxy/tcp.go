@@ -32,8 +32,8 @@ const (
 // converge to rebind.
 func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, to spec.Target, guestPort int) {
 	target := strconv.Itoa(guestPort)
-	var hostPort uint16
-	if a, ok := ln.Addr().(*net.TCPAddr); ok {
+	hostPort := ex.slotPort
+	if a, ok := ln.Addr().(*net.TCPAddr); ok && hostPort == 0 {
 		hostPort = uint16(a.Port)
 	}
 	if !m.held(stop) {
