@@ -1,6 +1,8 @@
 package compile_test
 
 import (
+	"net/netip"
+	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -171,5 +173,70 @@ func TestUpgradeToPortRanges(t *testing.T) {
 				require.Equal(t, listTable(t, fresh, fam), listTable(t, old, fam), "%s table %s", name, fam)
 			}
 		})
+	}
+}
+
+// Ranges changed in place: one grown, one moved onto ports another range
+// just left, one shifted range made a kept one, one withdrawn. One
+// incremental batch (the interval elements deleted with their last key,
+// deletions before additions so a range may take ports another left), and
+// the table lists what a fresh load of the new rules lists.
+func TestPortRangesChangeInPlace(t *testing.T) {
+	nstest.RequireRoot(t)
+	var before compile.Rules
+	for _, c := range compile.GoldenCases() {
+		if c.Name() == "port-ranges" {
+			before = c.Rules()
+		}
+	}
+	require.NotEmpty(t, before.Exposures)
+	ns := nstest.New(t, "rt")
+	tb, err := nft.Open(ns.Path)
+	require.NoError(t, err)
+	defer tb.Close()
+	_, err = tb.Converge(before)
+	require.NoError(t, err)
+
+	after := before
+	after.Exposures = nil
+	for _, e := range before.Exposures {
+		switch e.Name {
+		case "games": // grown
+			e.HostPortLast, e.GuestPortLast = 30199, 30199
+		case "voice": // moved
+			e.HostPort, e.HostPortLast = 41000, 41009
+		case "shifted": // onto the ports voice left, kept
+			e.HostPort, e.HostPortLast, e.GuestPort, e.GuestPortLast = 40000, 40002, 40000, 40002
+			e.HostAddr = netip.MustParseAddr("192.0.2.1")
+		case "games6": // withdrawn
+			continue
+		}
+		after.Exposures = append(after.Exposures, e)
+	}
+	res, err := tb.Converge(after)
+	require.NoError(t, err)
+	require.NoError(t, res.Replaced, "one incremental batch")
+	changed := map[string]bool{}
+	for _, ch := range res.Changes {
+		if ch.Flush {
+			changed[ch.Exposure.Name] = true
+		}
+	}
+	assert.Equal(t, map[string]bool{"games": true, "voice": true, "shifted": true, "games6": true}, changed, "%v", res.Changes)
+
+	inet, bridge, err := compile.Whole(after)
+	require.NoError(t, err)
+	var text []string
+	for _, tab := range []*compile.TableSpec{inet, bridge} {
+		s, err := compile.Render(tab)
+		require.NoError(t, err)
+		text = append(text, s)
+	}
+	path := filepath.Join(t.TempDir(), "after.nft")
+	require.NoError(t, os.WriteFile(path, []byte(strings.Join(text, "\n")), 0o644))
+	fresh := nstest.New(t, "new")
+	fresh.MustRun(t, "nft", "-f", path)
+	for _, fam := range []string{"inet", "bridge"} {
+		require.Equal(t, listTable(t, fresh, fam), listTable(t, ns, fam), "table %s", fam)
 	}
 }

@@ -492,7 +492,8 @@ func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *de
 // flushes the exposure's host side; a change of the cap's objects does not.
 func routing(set string) bool {
 	switch set {
-	case MapExpAddr, MapExpAny, MapExpTarget, MapExpAddrRange, MapExpAnyRange, MapExpTargetAddr, MapExpTargetPort:
+	case MapExpAddr, MapExpAny, MapExpTarget, MapExpAddrRange, MapExpAnyRange, MapExpTargetAddr, MapExpTargetPort,
+		MapExpAddr6Range, MapExpAny6Range, MapExpTargetAddr6, MapExpTargetPort6:
 		return true
 	}
 	return false
