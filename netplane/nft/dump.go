@@ -357,11 +357,6 @@ func (e *elem) spec() compile.ElemSpec {
 func parseElem(b []byte) elem {
 	var e elem
 	var end []byte // an interval element's last key: its key is first . last (compile.SetSpec.Interval)
-	defer func() {
-		if end != nil {
-			e.key = append(append(make([]byte, 0, len(e.key)+len(end)), e.key...), end...)
-		}
-	}()
 	walk(b, func(typ uint16, d []byte) {
 		switch typ {
 		case unix.NFTA_SET_ELEM_KEY:
@@ -402,6 +397,9 @@ func parseElem(b []byte) elem {
 			})
 		}
 	})
+	if end != nil {
+		e.key = append(append(make([]byte, 0, len(e.key)+len(end)), e.key...), end...)
+	}
 	return e
 }
 

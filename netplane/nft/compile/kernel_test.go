@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -238,5 +239,54 @@ func TestPortRangesChangeInPlace(t *testing.T) {
 	fresh.MustRun(t, "nft", "-f", path)
 	for _, fam := range []string{"inet", "bridge"} {
 		require.Equal(t, listTable(t, fresh, fam), listTable(t, ns, fam), "table %s", fam)
+	}
+}
+
+// A batch large enough to be verified (an element looked up after it per
+// message, and its last) of interval elements and of a shifted range's
+// per-port targets verifies: the lookups send an interval element's last
+// key too, and no replace follows.
+func TestManyPortRangesVerify(t *testing.T) {
+	nstest.RequireRoot(t)
+	var r compile.Rules
+	for _, c := range compile.GoldenCases() {
+		if c.Name() == "port-ranges" {
+			r = c.Rules()
+		}
+	}
+	g := r.Exposures[0].GuestAddr
+	r.Exposures = nil
+	for i := range 1500 {
+		first := uint16(10000 + 10*i)
+		r.Exposures = append(r.Exposures, compile.Exposure{Name: "r" + strconv.Itoa(i), Protocol: "tcp", HostPort: first, HostPortLast: first + 9,
+			GuestAddr: g, GuestPort: first, GuestPortLast: first + 9, MarkID: uint32(i + 1)})
+	}
+	r.Exposures = append(r.Exposures, compile.Exposure{Name: "shifted", Protocol: "udp", HostPort: 2000, HostPortLast: 3999,
+		GuestAddr: g, GuestPort: 5000, GuestPortLast: 6999, MarkID: 2000})
+	ns := nstest.New(t, "rt")
+	tb, err := nft.Open(ns.Path)
+	require.NoError(t, err)
+	defer tb.Close()
+	res, err := tb.Converge(r)
+	require.NoError(t, err)
+	require.NoError(t, res.Replaced, "verified, not replaced")
+	out := ns.MustRun(t, "nft", "list", "map", "inet", compile.TableName, compile.MapExpAnyRange)
+	assert.Equal(t, 1500, strings.Count(out, "comment \"r"), "every range is one element")
+	assert.Contains(t, out, "tcp . 24990-24999")
+	out = ns.MustRun(t, "nft", "list", "map", "inet", compile.TableName, compile.MapExpTargetPort)
+	assert.Equal(t, 2000, strings.Count(out, "comment \"shifted\""), "one target per port")
+	assert.Contains(t, out, ". 3999 comment \"shifted\" : ")
+
+	// A new process reads the tables back whole (the interval elements'
+	// keys joined again): nothing to repair, nothing flushed.
+	tb2, err := nft.Open(ns.Path)
+	require.NoError(t, err)
+	defer tb2.Close()
+	res, err = tb2.Converge(r)
+	require.NoError(t, err)
+	require.NoError(t, res.Replaced)
+	assert.Empty(t, res.Repaired)
+	for _, ch := range res.Changes {
+		assert.False(t, ch.Flush, "%v", ch)
 	}
 }
