@@ -289,4 +289,15 @@ func TestManyPortRangesVerify(t *testing.T) {
 	for _, ch := range res.Changes {
 		assert.False(t, ch.Flush, "%v", ch)
 	}
+
+	// Another program deletes a range's element: the next pass puts it
+	// back, a repair.
+	ns.MustRun(t, "nft", "delete", "element", "inet", compile.TableName, compile.MapExpAnyRange, "{ tcp . 10010-10019 }")
+	res, err = tb2.Converge(r)
+	require.NoError(t, err)
+	require.NoError(t, res.Replaced)
+	require.Len(t, res.Repaired, 1, "%v", res.Repaired)
+	assert.Contains(t, res.Repaired[0].String(), compile.MapExpAnyRange)
+	out = ns.MustRun(t, "nft", "list", "map", "inet", compile.TableName, compile.MapExpAnyRange)
+	assert.Contains(t, out, "tcp . 10010-10019 comment \"r1\"")
 }
