@@ -131,12 +131,8 @@ type exposure struct {
 	udp       *udpRelay
 	stop      chan struct{} // closed when the current socket is closed on purpose
 	boundAddr string
-	// slotPort labels the slot with the exposure's host port (a range's
-	// first) where a carried connection's place is counted; 0: the port
-	// bound (HostPort 0, the OS picked it).
-	slotPort uint16
-	reason   string
-	lost     string // why the serving loop gave its socket back, until rebound
+	reason    string
+	lost      string // why the serving loop gave its socket back, until rebound
 
 	maxConns atomic.Int64              // 0 = unlimited; updated in place
 	idle     atomic.Int64              // UDP flow idle timeout in ns; updated in place
@@ -321,7 +317,6 @@ func (m *Manager) relabel(c checked) {
 // (m.mu held).
 func (m *Manager) bind(ex *exposure, c checked) error {
 	stop := make(chan struct{})
-	ex.slotPort = c.HostPort
 	switch c.Proto {
 	case "tcp":
 		name := listenerName(c.Name, c.listenKey())
@@ -336,7 +331,7 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 		m.loops.Add(1)
 		go func() {
 			defer m.loops.Done()
-			m.serveTCP(ex, ln, stop, c.Target, int(c.guestPort()))
+			m.serveTCP(ex, ln, stop, c.Target, int(c.guestPort()), c.HostPort)
 		}()
 	case "udp":
 		name := listenerName(c.Name, c.listenKey())
