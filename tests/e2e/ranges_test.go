@@ -45,6 +45,8 @@ func TestPortRangesThroughTheRealDaemon(t *testing.T) {
 	require.NoError(t, os.WriteFile(e.cfgPath, []byte(cfg), 0o600))
 	t.Cleanup(e.logOnFailure)
 	e.startDaemon()
+	require.Eventually(t, func() bool { _, err := e.host.Run("ip", "link", "show", "brk-e2r0"); return err == nil },
+		20*time.Second, 50*time.Millisecond, "the daemon made the bridge")
 	g := nstest.New(t, "guest")
 	e.host.MustRun(t, "ip", "link", "add", "brk-e2r-g", "type", "veth", "peer", "name", "eth0", "netns", g.Name)
 	e.host.MustRun(t, "ip", "link", "set", "brk-e2r-g", "master", "brk-e2r0", "up")
