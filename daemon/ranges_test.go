@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/brokkr/brokkr/daemon/api"
+	"github.com/brokkr/brokkr/daemon/config"
 )
 
 const rangeConfig = `
@@ -59,4 +60,30 @@ func TestMergePartsBoundsItsReasons(t *testing.T) {
 	_, why := mergeParts(parts)
 	assert.Equal(t, "proxy: a; proxy: b; proxy: c; proxy: d; and 2 more", why)
 	require.NotEmpty(t, why)
+}
+
+// A range put through the API is journalled and replayed as a range, and
+// compacted into desired.json as the config spells it (a string); a PUT
+// overlapping it is refused naming the field, and changes nothing.
+func TestAPortRangeIsJournalledAndReplayed(t *testing.T) {
+	r := newRig(t, rigConfig)
+	put(t, r, "games", `{"vm": "db", "guestPort": "40000-40009", "hostPort": "30000-30009", "mode": "nat", "protocol": "udp"}`)
+	w := do(t, r.d.Handler(), "PUT", "/v1/exposures/bad", `{"vm": "db", "guestPort": 1, "hostPort": 30005, "mode": "nat", "protocol": "udp"}`)
+	assert.Equal(t, 422, w.Code, w.Body.String())
+	assert.Contains(t, w.Body.String(), `hostPort: 30005/udp on every address overlaps exposures[5] (\"30000-30009\"/udp on every address)`)
+
+	again := newRigWith(t, r.host)
+	var got config.Exposure
+	for _, e := range again.d.Desired().Exposures {
+		if e.Name == "games" {
+			got = e
+		}
+	}
+	assert.Equal(t, config.Range(30000, 30009), got.HostPort)
+	assert.Equal(t, config.Range(40000, 40009), got.GuestPort)
+	assert.Contains(t, string(desiredFile(t, again)), `"guestPort": "40000-40009",
+      "hostPort": "30000-30009",`)
+	for _, e := range again.d.Desired().Exposures {
+		assert.NotEqual(t, "bad", e.Name)
+	}
 }
