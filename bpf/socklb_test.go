@@ -12,6 +12,7 @@ import (
 
 	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/stretchr/testify/assert"
@@ -530,4 +531,15 @@ func TestSockLBCountingCostPerPacket(t *testing.T) {
 		r := tp.slot.Read()
 		return r.BytesIn == n*100+16<<20 && r.BytesOut == n*100+16<<20
 	})
+}
+
+// The socket path's bound in the model is its map's size: the config
+// refuses a state with more host ports to translate than sock_targets (and
+// sock_targets6) hold.
+func TestSockTargetsHoldMaxSocketPathPorts(t *testing.T) {
+	cs, err := loadSocklb()
+	require.NoError(t, err)
+	for _, m := range []string{"sock_targets", "sock_targets6"} {
+		assert.EqualValues(t, spec.MaxSocketPathPorts, cs.Maps[m].MaxEntries, m)
+	}
 }

@@ -791,7 +791,8 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 			continue
 		}
 		r := api.Exposure{Name: ce.Name, VM: ce.VM, Target: ce.Target, Target6: ce.Target6, Mode: ce.Mode, HostAddress: ce.HostAddress,
-			HostPort: ce.HostPort, Protocol: ce.Protocol, GuestPort: ce.GuestPort, MaxConns: *ce.MaxConns,
+			HostPort: int(e.HostPort), HostPortLast: int(e.HostPortLast), Protocol: ce.Protocol,
+			GuestPort: int(e.GuestPort), GuestPortLast: int(e.GuestPortLast), MaxConns: *ce.MaxConns,
 			ProxyProtocol: ce.ProxyProtocol}
 		var parts []part
 		vm := e.Target.VM
@@ -847,19 +848,32 @@ type part struct {
 }
 
 // mergeParts: failed beats pending beats active; reasons name their path.
+// maxReasons bounds the reasons a status row names: a port range's
+// listeners may each say why they failed.
+const maxReasons = 4
+
 func mergeParts(parts []part) (spec.ExposureState, string) {
 	state := spec.StateActive
 	var reasons []string
+	more := 0 // distinct reasons past maxReasons (a range's listeners, one per port)
 	for _, p := range parts {
 		if p.state.Rank() > state.Rank() {
 			state = p.state
 		}
 		if r := p.path + ": " + p.reason; p.reason != "" && !slices.Contains(reasons, r) {
-			reasons = append(reasons, r) // the 127.0.0.1 and ::1 listeners often say the same
+			// The 127.0.0.1 and ::1 listeners often say the same.
+			if len(reasons) < maxReasons {
+				reasons = append(reasons, r)
+			} else {
+				more++
+			}
 		}
 	}
 	if len(parts) == 0 {
 		return spec.StatePending, "no path carries this exposure"
+	}
+	if more > 0 {
+		reasons = append(reasons, fmt.Sprintf("and %d more", more))
 	}
 	return state, joinReasons(reasons)
 }

@@ -134,7 +134,7 @@ func TestPutAndDeleteOneExposure(t *testing.T) {
 	assert.Empty(t, plan.Exposures.Added)
 	got := r.d.Desired()
 	assert.Equal(t, []string{"web-auto", "web-nat", "web-proxy", "lo-auto", "ext", "db-extra"}, exposureNamesOf(got), "in its place")
-	assert.Equal(t, 81, got.Exposures[1].GuestPort)
+	assert.Equal(t, config.P(81), got.Exposures[1].GuestPort)
 	assert.Equal(t, "tcp", got.Exposures[1].Protocol)
 	assert.Equal(t, config.DefaultMaxConns, *got.Exposures[1].MaxConns)
 	assert.Equal(t, "set db-extra/nat -", un.got()[0])
@@ -210,7 +210,7 @@ func TestPutOfAnInvalidExposureNamesTheFieldAndChangesNothing(t *testing.T) {
 		{"a misspelt key", "/v1/exposures/x", "vm: web\nguestPort: 80\nhostPort: 9000\nmaxconns: 3\n",
 			[]string{`maxconns: unknown key "maxconns"`}},
 		{"a wrong type", "/v1/exposures/x", "vm: web\nguestPort: eighty\nhostPort: 9000\n",
-			[]string{`guestPort: "eighty" is not an integer`}},
+			[]string{`guestPort: "eighty" is not a port or a range of ports (8080, "30000-30099")`}},
 		{"a name other than the URL's", "/v1/exposures/x", `{"name": "y", "vm": "web", "guestPort": 80, "hostPort": 9000}`,
 			[]string{`name: "y" is not the name in the URL ("x")`}},
 		{"a bad name in the URL", "/v1/exposures/-x", `{"vm": "web", "guestPort": 80, "hostPort": 9000}`,
@@ -239,7 +239,7 @@ func TestPutOfAnInvalidExposureNamesTheFieldAndChangesNothing(t *testing.T) {
 	gen, _ := r.d.Generations()
 	assert.Equal(t, gen0, gen)
 	assert.Len(t, r.d.Desired().Exposures, 5)
-	assert.Equal(t, 8081, r.d.Desired().Exposures[1].HostPort)
+	assert.Equal(t, config.P(8081), r.d.Desired().Exposures[1].HostPort)
 	assert.Empty(t, un.got(), "nothing published")
 }
 

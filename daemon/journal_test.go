@@ -96,7 +96,7 @@ func TestJournalReplaysInOrder(t *testing.T) {
 	again := newRigWith(t, r.host)
 	got := again.d.Desired()
 	assert.Equal(t, want, exposureNamesOf(got))
-	assert.Equal(t, 9003, got.Exposures[0].HostPort)
+	assert.Equal(t, config.P(9003), got.Exposures[0].HostPort)
 	assert.Equal(t, "nat", got.Exposures[5].Mode)
 	// Compacted at start: the file holds it all, the journal is empty.
 	l, _, err := config.Load(desiredFile(t, again))
@@ -523,7 +523,7 @@ func TestChangesReachTheKernelInRounds(t *testing.T) {
 	want := map[string]int{}
 	for _, e := range r.d.Desired().Exposures {
 		if strings.HasPrefix(e.Name, "r-") {
-			want[e.Name] = e.HostPort
+			want[e.Name] = e.HostPort.First
 		}
 	}
 	kn.mu.Lock()

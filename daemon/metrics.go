@@ -2,7 +2,6 @@ package daemon
 
 import (
 	"net/http"
-	"strconv"
 	"sync"
 	"time"
 
@@ -149,7 +148,7 @@ func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
 	st := c.d.Status()
 	for _, e := range st.Exposures {
 		n := e.Name
-		ch <- prometheus.MustNewConstMetric(descExpInfo, prometheus.GaugeValue, 1, n, e.Mode, e.Protocol, e.HostAddress, strconv.Itoa(e.HostPort))
+		ch <- prometheus.MustNewConstMetric(descExpInfo, prometheus.GaugeValue, 1, n, e.Mode, e.Protocol, e.HostAddress, e.HostPorts())
 		ch <- prometheus.MustNewConstMetric(descActive, prometheus.GaugeValue, float64(e.Active), n)
 		ch <- prometheus.MustNewConstMetric(descAccepted, prometheus.CounterValue, float64(e.Accepted), n)
 		ch <- prometheus.MustNewConstMetric(descRefused, prometheus.CounterValue, float64(e.Refused), n)

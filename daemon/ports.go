@@ -35,7 +35,7 @@ func (d *Daemon) takePorts(e spec.Exposure) error {
 
 // hostSides are the host sides e holds: none where the proxy listens on
 // them (proxy mode; auto with loopback listeners, when there is no socket
-// path).
+// path); one per port of a range.
 func hostSides(e spec.Exposure, ipv6, sock bool) []hold.Side {
 	switch {
 	case e.Mode == spec.ModeProxy:
@@ -43,9 +43,12 @@ func hostSides(e spec.Exposure, ipv6, sock bool) []hold.Side {
 	case e.Mode == spec.ModeAuto && len(e.ProxyBinds(ipv6, sock)) > 0:
 		return nil
 	}
+	// One side per address and per port of a range.
 	var sides []hold.Side
 	for _, a := range e.HostAddrs(ipv6) {
-		sides = append(sides, hold.Side{Addr: a, Proto: string(e.Proto), Port: e.HostPort})
+		for _, p := range e.HostPorts() {
+			sides = append(sides, hold.Side{Addr: a, Proto: string(e.Proto), Port: p})
+		}
 	}
 	return sides
 }
@@ -96,6 +99,7 @@ func (d *Daemon) portWarnings(m *spec.Desired) []string {
 	}
 	var out []string
 	for _, e := range m.Exposures {
+		var inUse []error
 		for _, sd := range hostSides(e, d.opts.IPv6Loopback, d.sock != nil) {
 			err := d.opts.Holds.Check(sd)
 			var iu *hold.InUseError
@@ -103,8 +107,15 @@ func (d *Daemon) portWarnings(m *spec.Desired) []string {
 				continue
 			}
 			if err != nil {
-				out = append(out, fmt.Sprintf("exposure %s: %v: it stays failed (no DNAT, the holder keeps its callers) until the port frees", e.Name, err))
+				inUse = append(inUse, err)
 			}
+		}
+		if e.IsRange() && len(inUse) > 1 {
+			// A range names its first port in use and counts the others.
+			inUse = []error{fmt.Errorf("%w (and %d more of its ports)", inUse[0], len(inUse)-1)}
+		}
+		for _, err := range inUse {
+			out = append(out, fmt.Sprintf("exposure %s: %v: it stays failed (no DNAT, the holder keeps its callers) until the port frees", e.Name, err))
 		}
 	}
 	return out

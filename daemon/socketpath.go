@@ -97,13 +97,11 @@ func (p *sockPath) converge(m *spec.Desired, lookup, lookup6 func(vm string) (ne
 			g, _ = lookup(e.Target.VM) // the zero Addr while it has none
 			t.Guest6, _ = lookup6(e.Target.VM)
 		}
-		if g.Is4() {
-			t.Guest = netip.AddrPortFrom(g, e.GuestPort)
-		} else {
+		if !g.Is4() {
 			// No IPv4 address yet: its callers are refused at once
 			// rather than left to time out; with no address at all,
 			// every caller is.
-			t.Guest = netip.AddrPortFrom(netip.IPv4Unspecified(), e.GuestPort)
+			g = netip.IPv4Unspecified()
 			t.Down = !t.Guest6.IsValid()
 		}
 		// A wildcard of either family, or of both, is the one wildcard key:
@@ -113,13 +111,23 @@ func (p *sockPath) converge(m *spec.Desired, lookup, lookup6 func(vm string) (ne
 		if e.Wildcard() {
 			host = netip.IPv4Unspecified()
 		}
-		k := sockKey{host, proto, e.HostPort}
-		want[k] = t
-		if old, ok := p.have[k]; ok && old != t {
-			stale = true
+		// One translation per port: a range's, each to its guest port, all
+		// in the one slot (the connect hook looks up the port dialled).
+		var setErr error
+		for _, port := range e.HostPorts() {
+			t.Guest = netip.AddrPortFrom(g, e.GuestPortOf(port))
+			k := sockKey{host, proto, port}
+			want[k] = t
+			if old, ok := p.have[k]; ok && old != t {
+				stale = true
+			}
+			if err := p.lb.SetTarget(k.host, k.proto, k.port, t); err != nil {
+				setErr = err
+				break
+			}
 		}
-		if err := p.lb.SetTarget(k.host, k.proto, k.port, t); err != nil {
-			parts[e.Name] = part{"socket", spec.StateFailed, err.Error()}
+		if setErr != nil {
+			parts[e.Name] = part{"socket", spec.StateFailed, setErr.Error()}
 			continue
 		}
 		if t.Down {

@@ -96,7 +96,7 @@ func proxySpecs(m *spec.Desired, ipv6, sock bool) []proxy.Spec {
 	var out []proxy.Spec
 	for _, e := range m.Exposures {
 		for _, addr := range e.ProxyBinds(ipv6, sock) {
-			out = append(out, proxy.Spec{Exposure: e, Listen: addr})
+			out = append(out, proxy.Specs(e, addr)...)
 		}
 	}
 	return out

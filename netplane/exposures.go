@@ -192,9 +192,15 @@ func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, Exposure
 		}
 		target6 = netip.Addr{}
 	}
+	// A port range is the nat path's alone: the set-based cap keys its
+	// sets and its slow path by one port.
+	if _, set := p.caps.tableCap().(nft.SetBasedCap); set && e.IsRange() {
+		st.State, st.Reason = spec.StateFailed, "hostPort "+e.HostPortText()+": "+nft.ErrRangeSetCap
+		return nft.Exposure{}, st, false
+	}
 	x := nft.Exposure{
-		Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort,
-		GuestPort: e.GuestPort, GuestAddr: target, GuestAddr6: target6, MaxConns: e.MaxConns,
+		Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort, HostPortLast: e.HostPortLast,
+		GuestPort: e.GuestPort, GuestPortLast: e.GuestPortLast, GuestAddr: target, GuestAddr6: target6, MaxConns: e.MaxConns,
 	}
 	// The mark is the counter slot: the nat path's programs write it, the
 	// set-based cap's watcher reads it.

@@ -336,8 +336,8 @@ func closeIf(f *os.File) {
 // collectUDP moves a frozen relay's socket and flows into snap. A socket
 // that cannot be duplicated ends here, and so do the places of its flows.
 func (m *Manager) collectUDP(r *udpRelay, name string, snap *Snapshot) {
-	var hostPort uint16
-	if a, ok := r.conn.LocalAddr().(*net.UDPAddr); ok {
+	hostPort := r.slotPort
+	if a, ok := r.conn.LocalAddr().(*net.UDPAddr); ok && hostPort == 0 {
 		hostPort = uint16(a.Port)
 	}
 	sock, err := r.conn.File()

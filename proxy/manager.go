@@ -110,11 +110,13 @@ func guestDialer() net.Dialer {
 		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: keepIdle, Interval: -1, Count: -1}}
 }
 
-// listenerKey names one listener: the exposure and the host address it
-// binds (unmapped; the unspecified address of its family for "any").
+// listenerKey names one listener: the exposure, the host address it
+// binds (unmapped; the unspecified address of its family for "any") and
+// the port (one of a range's; HostPort for a single port).
 type listenerKey struct {
 	id   string
 	addr netip.Addr
+	port uint16
 }
 
 // exposure is one listener's running state. It lives as long as its key is
@@ -270,7 +272,7 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 		if err := m.bind(ex, c); err != nil {
 			ex.reason = err.Error()
 			if errors.Is(err, syscall.EADDRINUSE) && m.holders != nil {
-				if h := m.holders(string(c.Proto), netip.AddrPortFrom(c.host, c.HostPort)); h != "" {
+				if h := m.holders(string(c.Proto), netip.AddrPortFrom(c.host, c.port())); h != "" {
 					ex.reason += ": held by " + h
 				}
 			}
@@ -297,13 +299,13 @@ func (m *Manager) convergeOne(c checked, invalid error, owner bool) Status {
 }
 
 // relabel rewrites the slot's protocol and host port (the port the OS picked
-// for HostPort 0, or a changed one) so bpftool shows the exposure's shape. An
-// Attach of a name already held finds the same slot; releasing that extra
-// hold at once leaves the exposure's own.
+// for HostPort 0, or a changed one; a range's first) so bpftool shows the
+// exposure's shape. An Attach of a name already held finds the same slot;
+// releasing that extra hold at once leaves the exposure's own.
 func (m *Manager) relabel(c checked) {
 	port := c.HostPort
 	ex := m.live[c.key()]
-	if ap, err := netip.ParseAddrPort(ex.boundAddr); err == nil {
+	if ap, err := netip.ParseAddrPort(ex.boundAddr); err == nil && port == 0 {
 		port = ap.Port()
 	}
 	if sl, err := m.stats.Attach(c.Name, bpf.ProtoNumber(string(c.Proto)), port); err == nil {
@@ -329,7 +331,7 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 		m.loops.Add(1)
 		go func() {
 			defer m.loops.Done()
-			m.serveTCP(ex, ln, stop, c.Target, int(c.GuestPort))
+			m.serveTCP(ex, ln, stop, c.Target, int(c.guestPort()), c.HostPort)
 		}()
 	case "udp":
 		name := listenerName(c.Name, c.listenKey())

@@ -16,10 +16,28 @@ import (
 // slot) and the address this listener binds, one of the exposure's
 // ProxyBinds. HostPort 0 lets the OS pick (tests and benchmarks;
 // Status.BoundAddr says what was picked).
+//
+// A port range is one listener per port and address, all counting into
+// the exposure's one slot and cap: Port is the port of the range this
+// listener binds (0: HostPort, a single port).
 type Spec struct {
 	spec.Exposure
 	Listen  netip.Addr    // the zero Addr = 0.0.0.0, every IPv4 address
+	Port    uint16        // the port of HostPorts this listener binds; 0: HostPort
 	UDPIdle time.Duration // idle timeout of a UDP flow; 0 = 60 s
+}
+
+// Specs are the listeners of exposure e on address addr: one, or one per
+// port of a range.
+func Specs(e spec.Exposure, addr netip.Addr) []Spec {
+	if !e.IsRange() {
+		return []Spec{{Exposure: e, Listen: addr}}
+	}
+	out := make([]Spec, 0, e.PortCount())
+	for _, p := range e.HostPorts() {
+		out = append(out, Spec{Exposure: e, Listen: addr, Port: p})
+	}
+	return out
 }
 
 // Resolver returns the guest's current address for a VM ("" = none yet).

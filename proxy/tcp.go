@@ -30,10 +30,14 @@ const (
 // backlog keeps callers waiting instead of refused. Any other accept error is
 // a broken listener: the loop gives it back, with the reason, for the next
 // converge to rebind.
-func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, to spec.Target, guestPort int) {
+//
+// slotPort labels the slot where a carried connection's place is counted
+// on a hand-over: the exposure's host port (a range's first); 0: the port
+// bound (HostPort 0, the OS picked it).
+func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, to spec.Target, guestPort int, slotPort uint16) {
 	target := strconv.Itoa(guestPort)
-	var hostPort uint16
-	if a, ok := ln.Addr().(*net.TCPAddr); ok {
+	hostPort := slotPort
+	if a, ok := ln.Addr().(*net.TCPAddr); ok && hostPort == 0 {
 		hostPort = uint16(a.Port)
 	}
 	if !m.held(stop) {

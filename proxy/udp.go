@@ -27,6 +27,7 @@ type udpRelay struct {
 	conn      *net.UDPConn
 	target    spec.Target
 	guestPort string
+	slotPort  uint16        // the slot's label on a hand-over: the exposure's host port (a range's first); 0: the port bound
 	pktinfo   bool          // wildcard bind: learn each datagram's local address
 	stop      chan struct{} // the exposure's: closed when its socket is closed on purpose
 	frozen    atomic.Bool   // stopped for a hand-over (handover.go)
@@ -51,8 +52,8 @@ type udpFlow struct {
 }
 
 func newUDPRelay(m *Manager, ex *exposure, conn *net.UDPConn, c checked, stop chan struct{}) *udpRelay {
-	return &udpRelay{m: m, ex: ex, conn: conn, target: c.Target, guestPort: strconv.Itoa(int(c.GuestPort)),
-		pktinfo: c.host.IsUnspecified(), stop: stop, flows: map[flowKey]*udpFlow{}}
+	return &udpRelay{m: m, ex: ex, conn: conn, target: c.Target, guestPort: strconv.Itoa(int(c.guestPort())),
+		slotPort: c.HostPort, pktinfo: c.host.IsUnspecified(), stop: stop, flows: map[flowKey]*udpFlow{}}
 }
 
 // freeze stops the read loop and every flow's reader at their next wait,

@@ -24,10 +24,21 @@ type checked struct {
 	idle time.Duration
 }
 
+// port is the host port the listener binds.
+func (c checked) port() uint16 {
+	if c.Port != 0 {
+		return c.Port
+	}
+	return c.HostPort
+}
+
+// guestPort is where the listener's callers go on the guest.
+func (c checked) guestPort() uint16 { return c.GuestPortOf(c.port()) }
+
 // bindKey is what two exposures must not share: one socket per protocol,
 // address and port.
 func (c checked) bindKey() string {
-	return string(c.Proto) + " " + netip.AddrPortFrom(c.host, c.HostPort).String()
+	return string(c.Proto) + " " + netip.AddrPortFrom(c.host, c.port()).String()
 }
 
 // listenKey says which changes need a new socket. MaxConns, UDPIdle and
@@ -35,15 +46,15 @@ func (c checked) bindKey() string {
 // applied in place (to the connections accepted after it), without dropping
 // the listener or its connections.
 func (c checked) listenKey() string {
-	return c.bindKey() + " -> " + c.Target.String() + ":" + strconv.Itoa(int(c.GuestPort))
+	return c.bindKey() + " -> " + c.Target.String() + ":" + strconv.Itoa(int(c.guestPort()))
 }
 
 // key is the listener's name in the Manager.
-func (c checked) key() listenerKey { return listenerKey{c.Name, c.host} }
+func (c checked) key() listenerKey { return listenerKey{c.Name, c.host, c.port()} }
 
 // hostAddrPort is the address the listener binds.
 func (c checked) hostAddrPort() string {
-	return netip.AddrPortFrom(c.host, c.HostPort).String()
+	return netip.AddrPortFrom(c.host, c.port()).String()
 }
 
 func fill(s Spec) checked {
@@ -74,12 +85,12 @@ func validateAll(desired []Spec) (checks []checked, errs []error, owners []bool)
 		c := fill(s)
 		out[i] = c
 		if j, seen := keys[c.key()]; seen {
-			errs[i] = fmt.Errorf("name: %q on %s is used by an earlier exposure (#%d)", s.Name, c.host, j)
+			errs[i] = fmt.Errorf("name: %q on %s is used by an earlier exposure (#%d)", s.Name, netip.AddrPortFrom(c.host, c.port()), j)
 			continue
 		}
 		keys[c.key()] = i
 		owners[i] = true
-		if c.HostPort == 0 {
+		if c.port() == 0 {
 			continue // the OS picks a free port: nothing to clash with
 		}
 		if j, seen := binds[c.bindKey()]; seen {

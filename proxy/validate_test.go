@@ -24,18 +24,22 @@ func TestFillGivesTheDefaults(t *testing.T) {
 func TestValidateAllFailsDuplicatesAfterTheFirst(t *testing.T) {
 	a := Spec{Exposure: spec.Exposure{Name: "a", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: 8080, GuestPort: 80}, Listen: netip.MustParseAddr("127.0.0.1")}
 	dupID := a
-	dupID.HostPort = 8081
+	dupID.GuestPort = 81
 	dupBind := Spec{Exposure: spec.Exposure{Name: "b", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: 8080, GuestPort: 81}, Listen: netip.MustParseAddr("127.0.0.1")}
 	otherProto := dupBind
 	otherProto.Name, otherProto.Proto = "c", "udp"
 	mapped := Spec{Exposure: spec.Exposure{Name: "d", Target: spec.Target{VM: "vm1"}, Proto: "tcp", HostPort: 8080, GuestPort: 82}, Listen: netip.MustParseAddr("::ffff:127.0.0.1")}
-	_, errs, owners := validateAll([]Spec{a, dupID, dupBind, otherProto, mapped})
+	// Another port of a's range is a listener of its own.
+	ranged := a
+	ranged.HostPortLast, ranged.Port = 8082, 8082
+	_, errs, owners := validateAll([]Spec{a, dupID, dupBind, otherProto, mapped, ranged})
 	assert.NoError(t, errs[0])
-	assert.ErrorContains(t, errs[1], `name: "a" on 127.0.0.1 is used by an earlier exposure`)
+	assert.ErrorContains(t, errs[1], `name: "a" on 127.0.0.1:8080 is used by an earlier exposure`)
 	assert.ErrorContains(t, errs[2], `hostPort: tcp 127.0.0.1:8080 is already published by exposure "a"`)
 	assert.NoError(t, errs[3], "the same port over another protocol is another socket")
 	assert.ErrorContains(t, errs[4], "already published", "an IPv4-mapped address is the IPv4 address")
-	assert.Equal(t, []bool{true, false, true, true, true}, owners)
+	assert.NoError(t, errs[5])
+	assert.Equal(t, []bool{true, false, true, true, true, true}, owners)
 }
 
 func TestADuplicateFailsAloneAndTheOthersConverge(t *testing.T) {

@@ -38,7 +38,8 @@ Refused in fleet mode (the node's desired state is the document in etcd), as a l
 apply is. Exit status: 0 done, 1 refused (the fields named), 2 a daemon error.`,
 		Example: `  brokkr expose add web-http --vm web --guest-port 80 --host-port 8080
   brokkr expose add ssh-ext --target 10.213.0.200 --guest-port 22 --host-port 2222 --mode proxy --max-conns 8
-  brokkr expose add dns --vm ns --protocol udp --guest-port 53 --host-port 5353 --host-address 127.0.0.1`,
+  brokkr expose add dns --vm ns --protocol udp --guest-port 53 --host-port 5353 --host-address 127.0.0.1
+  brokkr expose add games --vm game --protocol udp --guest-port 30000-30099 --host-port 30000-30099 --mode proxy`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := checkOutput(out); err != nil {
@@ -99,8 +100,8 @@ apply is. Exit status: 0 done, 1 refused (the fields named), 2 a daemon error.`,
 	f.StringVar(&vm, "vm", "", "the VM whose port is published")
 	f.StringVar(&target, "target", "", "instead of --vm: an address on the bridge that brokkr does not run")
 	f.StringVar(&target6, "target6", "", "with or instead of --target: that guest's IPv6 address on the bridge")
-	f.StringVar(&guestPort, "guest-port", "", "the guest's port (required)")
-	f.StringVar(&hostPort, "host-port", "", "the host's port (required)")
+	f.StringVar(&guestPort, "guest-port", "", "the guest's port (required): one for every host port, or a range the same as --host-port's")
+	f.StringVar(&hostPort, "host-port", "", "the host's port (required), or a range of ports: 30000-30099 (one exposure, one cap)")
 	f.StringVar(&mode, "mode", "", fmt.Sprintf("auto, nat or proxy (default %s)", config.DefaultMode))
 	f.StringVar(&protocol, "protocol", "", fmt.Sprintf("tcp or udp (default %s)", config.DefaultProtocol))
 	f.StringVar(&hostAddress, "host-address", "", "the host address to publish on (default: every address of both families; 0.0.0.0 IPv4 only, :: IPv6 only)")

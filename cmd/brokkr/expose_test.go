@@ -41,7 +41,7 @@ func TestExposeAddRefusesBadFlags(t *testing.T) {
 		{[]string{"--vm", "web", "--target", "10.213.0.200", "--guest-port", "80", "--host-port", "8080"}, "are both given; give one"},
 		{[]string{"--vm", "web", "--host-port", "8080"}, "--guest-port is required"},
 		{[]string{"--vm", "web", "--guest-port", "80"}, "--host-port is required"},
-		{[]string{"--vm", "web", "--guest-port", "eighty", "--host-port", "8080"}, `guestPort: "eighty" is not an integer`},
+		{[]string{"--vm", "web", "--guest-port", "eighty", "--host-port", "8080"}, `guestPort: "eighty" is not a port or a range of ports`},
 		{[]string{"--vm", "web", "--guest-port", "80", "--host-port", "8080", "--max-conns", "many"}, "invalid argument"},
 	} {
 		args := append([]string{"expose", "add", "x", "--socket", f.sock}, tc.args...)

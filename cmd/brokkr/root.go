@@ -249,7 +249,7 @@ func listen(e api.Exposure) string {
 	case strings.Contains(a, ":"):
 		a = "[" + a + "]"
 	}
-	return fmt.Sprintf("%s:%d/%s", a, e.HostPort, e.Protocol)
+	return fmt.Sprintf("%s:%s/%s", a, e.HostPorts(), e.Protocol)
 }
 
 func printExposures(w io.Writer, es []api.Exposure) {
@@ -264,8 +264,8 @@ func printExposures(w io.Writer, es []api.Exposure) {
 		if e.MaxConns > 0 {
 			capS = fmt.Sprint(e.MaxConns)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s:%d\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", e.Name, e.State, e.Mode,
-			listen(e), to, e.GuestPort, capS,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s:%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", e.Name, e.State, e.Mode,
+			listen(e), to, e.GuestPorts(), capS,
 			e.Active, e.Accepted, e.Refused, e.Dropped, e.Denied, human(e.BytesIn), human(e.BytesOut), e.Reason)
 	}
 	tw.Flush()

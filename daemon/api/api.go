@@ -3,6 +3,8 @@
 // daemon and the end-to-end tests so the three cannot disagree.
 package api
 
+import "strconv"
+
 // DefaultSocket is where the CLI looks for the daemon unless told otherwise.
 const DefaultSocket = "/run/brokkr/brokkr.sock"
 
@@ -82,20 +84,40 @@ type Exposure struct {
 	Mode        string `json:"mode"`
 	Reason      string `json:"reason"`
 	HostAddress string `json:"hostAddress"`
-	HostPort    int    `json:"hostPort"`
-	Protocol    string `json:"protocol"`
-	GuestPort   int    `json:"guestPort"`
-	MaxConns    int    `json:"maxConns"`
-	Active      uint64 `json:"active"`
-	Accepted    uint64 `json:"accepted"`
-	Refused     uint64 `json:"refused"`
-	Dropped     uint64 `json:"dropped"`
-	Denied      uint64 `json:"denied"` // callers allowFrom turned away
-	BytesIn     uint64 `json:"bytesIn"`
-	BytesOut    uint64 `json:"bytesOut"`
+	HostPort    int    `json:"hostPort"` // the first port of a range
+	// HostPortLast is the last port of a host port range ("hostPort:
+	// 30000-30099"), absent for one port.
+	HostPortLast int    `json:"hostPortLast,omitempty"`
+	Protocol     string `json:"protocol"`
+	GuestPort    int    `json:"guestPort"`
+	// GuestPortLast is the last port of a guest range (each host port to
+	// its own), absent when every host port goes to GuestPort.
+	GuestPortLast int    `json:"guestPortLast,omitempty"`
+	MaxConns      int    `json:"maxConns"`
+	Active        uint64 `json:"active"`
+	Accepted      uint64 `json:"accepted"`
+	Refused       uint64 `json:"refused"`
+	Dropped       uint64 `json:"dropped"`
+	Denied        uint64 `json:"denied"` // callers allowFrom turned away
+	BytesIn       uint64 `json:"bytesIn"`
+	BytesOut      uint64 `json:"bytesOut"`
 
 	// ProxyProtocol: the PROXY header (v1, v2) the proxy writes; "" none.
 	ProxyProtocol string `json:"proxyProtocol,omitempty"`
+}
+
+// HostPorts is the host port or range as the config writes it ("8080",
+// "30000-30099").
+func (e Exposure) HostPorts() string { return portText(e.HostPort, e.HostPortLast) }
+
+// GuestPorts is the guest port or range.
+func (e Exposure) GuestPorts() string { return portText(e.GuestPort, e.GuestPortLast) }
+
+func portText(first, last int) string {
+	if last > first {
+		return strconv.Itoa(first) + "-" + strconv.Itoa(last)
+	}
+	return strconv.Itoa(first)
 }
 
 // Changes lists names added, changed and removed between two configs.

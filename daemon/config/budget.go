@@ -20,10 +20,20 @@ const DefaultNoFile = 65536
 // An exposure counts when the proxy may carry it (spec.Exposure.ProxyBinds
 // without the socket path, which may fail to attach): its listeners share
 // its one cap.
+//
+// A port range also holds a descriptor per port of it and host address: a
+// listener of the proxy or a held port (at most, every address of both
+// families). Those are counted beside the caps, and named, where there are
+// ranges.
 func DescriptorBudget(m *spec.Desired, nofile uint64) string {
-	var sum uint64
-	var named, unlimited []string
+	var sum, ports uint64
+	var named, unlimited, ranges []string
 	for _, e := range m.Exposures {
+		if e.IsRange() {
+			n := uint64(e.PortCount()) * 2 // both families, or a loopback listener beside a held port
+			ports += n
+			ranges = append(ranges, fmt.Sprintf("%s (%d)", e.Name, n))
+		}
 		if len(e.ProxyBinds(false, false)) == 0 {
 			continue
 		}
@@ -38,9 +48,12 @@ func DescriptorBudget(m *spec.Desired, nofile uint64) string {
 	case len(unlimited) > 0:
 		return fmt.Sprintf("descriptor budget: proxied exposures without a cap (maxConns 0) can take every one of brokkrd's %d descriptors: %s; give them a maxConns",
 			nofile, strings.Join(unlimited, ", "))
-	case 2*sum > nofile:
+	case 2*sum > nofile && ports == 0:
 		return fmt.Sprintf("descriptor budget: at their caps the proxied exposures hold 2 × %d = %d descriptors, more than brokkrd's RLIMIT_NOFILE of %d: %s; lower maxConns or raise LimitNOFILE",
 			sum, 2*sum, nofile, strings.Join(named, ", "))
+	case 2*sum+ports > nofile:
+		return fmt.Sprintf("descriptor budget: at their caps the proxied exposures hold 2 × %d = %d descriptors, and the port ranges' listeners and held ports up to %d (%s), more than brokkrd's RLIMIT_NOFILE of %d: %s; lower maxConns, shorten the ranges or raise LimitNOFILE",
+			sum, 2*sum, ports, strings.Join(ranges, ", "), nofile, strings.Join(named, ", "))
 	}
 	return ""
 }

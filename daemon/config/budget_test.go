@@ -32,3 +32,18 @@ exposures:
 	assert.Contains(t, w, "auto-any")
 	assert.NotContains(t, w, "px")
 }
+
+// A port range's listeners and held ports are descriptors too.
+func TestDescriptorBudgetCountsThePortRanges(t *testing.T) {
+	_, m, err := Load([]byte(`
+exposures:
+  - {name: px, target: 10.213.0.200, guestPort: 80, hostPort: 80, mode: proxy, maxConns: 100}
+  - {name: games, target: 10.213.0.200, guestPort: 80, hostPort: "30000-34095", mode: nat, maxConns: 0}
+`))
+	require.NoError(t, err)
+	// 2 × 100 + 2 × 4096 = 8392.
+	assert.Empty(t, DescriptorBudget(m, 8392))
+	w := DescriptorBudget(m, 8391)
+	assert.Contains(t, w, "2 × 100 = 200 descriptors, and the port ranges' listeners and held ports up to 8192 (games (8192))")
+	assert.Contains(t, w, "8391")
+}

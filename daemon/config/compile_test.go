@@ -96,6 +96,8 @@ func FuzzCompile(f *testing.F) {
 	f.Add([]byte("exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2, hostAddress: '::', mode: proxy}]"))
 	f.Add([]byte("network: {cidr: 10.213.0.254/29}\nexposures: [{name: e, target: 10.213.0.253, guestPort: 65535, hostPort: 1, mode: nat}]"))
 	f.Add([]byte("exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: 2}, {name: f, target: 10.213.0.9, guestPort: 1, hostPort: 2, protocol: udp}]"))
+	f.Add([]byte("exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: '30000-30099', mode: proxy}, {name: f, target: 10.213.0.9, guestPort: '40-50', hostPort: '40-50', mode: proxy}]"))
+	f.Add([]byte("exposures: [{name: e, target: 10.213.0.9, guestPort: 1, hostPort: '3-1', mode: proxy}, {name: f, target: 10.213.0.9, guestPort: 1, hostPort: 2, mode: proxy}]"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		_, m, err := Load(data)
 		if err != nil {
@@ -139,6 +141,10 @@ func FuzzCompile(f *testing.F) {
 				e.MaxConns < 0 || e.MaxConns > spec.MaxConnsLimit || (e.HostAddr.IsValid() && e.HostAddr.Zone() != "") {
 				t.Fatalf("accepted exposure %+v", e)
 			}
+			if e.HostPortLast != 0 && (e.HostPortLast <= e.HostPort || e.PortCount() > spec.MaxPortRange) ||
+				e.GuestPortLast != 0 && (!e.IsRange() || int(e.GuestPortLast)-int(e.GuestPort) != int(e.HostPortLast)-int(e.HostPort)) {
+				t.Fatalf("accepted ports %+v", e)
+			}
 			switch {
 			case e.Target.IsVM() == (e.Target.Addr.IsValid() || e.Target.Addr6.IsValid()):
 				t.Fatalf("target is not exactly one of a VM and addresses: %+v", e.Target)
@@ -162,11 +168,13 @@ func FuzzCompile(f *testing.F) {
 				claims = append(claims, netip.IPv4Unspecified(), netip.IPv6Unspecified())
 			}
 			for _, a := range claims {
-				k := bind{e.Proto, a.Unmap(), e.HostPort}
-				if other, ok := binds[k]; ok && other != e.Name {
-					t.Fatalf("exposures %s and %s both bind %v", other, e.Name, k)
+				for _, port := range e.HostPorts() {
+					k := bind{e.Proto, a.Unmap(), port}
+					if other, ok := binds[k]; ok && other != e.Name {
+						t.Fatalf("exposures %s and %s both bind %v", other, e.Name, k)
+					}
+					binds[k] = e.Name
 				}
-				binds[k] = e.Name
 			}
 		}
 	})
@@ -180,7 +188,7 @@ func TestMoreExposuresThanSlotsAreRefusedWhole(t *testing.T) {
 		c := Defaults()
 		for i := range n {
 			c.Exposures = append(c.Exposures, Exposure{Name: "e" + strconv.Itoa(i), Target: "10.213.0.9",
-				GuestPort: 80, HostPort: 1 + i%65535, HostAddress: "10.0." + strconv.Itoa(i/65535) + ".1"})
+				GuestPort: P(80), HostPort: P(1 + i%65535), HostAddress: "10.0." + strconv.Itoa(i/65535) + ".1"})
 		}
 		c.applyDefaults()
 		return c

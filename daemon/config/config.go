@@ -137,8 +137,8 @@ type Exposure struct {
 	Target      string `yaml:"target" json:"target,omitempty"`
 	Target6     string `yaml:"target6" json:"target6,omitempty"`
 	Protocol    string `yaml:"protocol" json:"protocol"`
-	GuestPort   int    `yaml:"guestPort" json:"guestPort"`
-	HostPort    int    `yaml:"hostPort" json:"hostPort"`
+	GuestPort   Port   `yaml:"guestPort" json:"guestPort"`
+	HostPort    Port   `yaml:"hostPort" json:"hostPort"`
 	HostAddress string `yaml:"hostAddress" json:"hostAddress"`
 	Mode        string `yaml:"mode" json:"mode"`
 	MaxConns    *int   `yaml:"maxConns" json:"maxConns"`

@@ -267,7 +267,7 @@ exposures:
 		`network.colour: unknown key "colour"`,
 		`vms[0].cpus: "many" is not an integer`,
 		`vms[0].maxconns: unknown key "maxconns"`,
-		`exposures[0].guestPort: "eighty" is not an integer`,
+		`exposures[0].guestPort: "eighty" is not a port or a range of ports (8080, "30000-30099")`,
 	}, got)
 }
 

@@ -22,7 +22,7 @@ import (
 // changes. Not safe for concurrent use.
 type LiveExposures struct {
 	ix   *exposureIndex
-	keys map[string]portKey // name → where its binds are
+	keys map[string]bindsAt // name → where its binds are
 }
 
 // NewLiveExposures indexes c's exposures; model is c compiled (Compile
@@ -31,10 +31,10 @@ func NewLiveExposures(c *Config, model *spec.Desired) *LiveExposures {
 	var col collector // c compiled: nothing is reported
 	network, cidr := compileNetwork(c.Network, &col)
 	_, vms := compileVMs(c.VMs, &col)
-	l := &LiveExposures{ix: newExposureIndex(cidr, c.Network.CIDR, network.CIDR6, vms), keys: make(map[string]portKey, len(c.Exposures))}
+	l := &LiveExposures{ix: newExposureIndex(cidr, c.Network.CIDR, network.CIDR6, vms), keys: make(map[string]bindsAt, len(c.Exposures))}
 	for i, e := range c.Exposures {
 		l.ix.insert(e, model.Exposures[i], i)
-		l.keys[e.Name] = portKey{e.Protocol, e.HostPort}
+		l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort, sockPortsOf(e, model.Exposures[i])}
 	}
 	return l
 }
@@ -49,9 +49,11 @@ func (l *LiveExposures) Check(e Exposure) (spec.Exposure, bool) {
 	n := len(l.keys)
 	if pos, replacing := l.ix.names[e.Name]; replacing {
 		// A replacement: its own old name and binds are no clash (check
-		// skips binds of the same name).
+		// skips binds of the same name), nor its ports on the socket path.
 		delete(l.ix.names, e.Name)
-		defer func() { l.ix.names[e.Name] = pos }()
+		old := l.keys[e.Name].sock
+		l.ix.sockPorts -= old
+		defer func() { l.ix.names[e.Name] = pos; l.ix.sockPorts += old }()
 	} else {
 		n++
 	}
@@ -69,7 +71,7 @@ func (l *LiveExposures) Put(e Exposure, me spec.Exposure) {
 		l.Remove(e.Name)
 	}
 	l.ix.insert(e, me, pos)
-	l.keys[e.Name] = portKey{e.Protocol, e.HostPort}
+	l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort, sockPortsOf(e, me)}
 }
 
 // Remove forgets the named exposure (no-op when there is none).
@@ -80,15 +82,13 @@ func (l *LiveExposures) Remove(name string) {
 	}
 	delete(l.keys, name)
 	delete(l.ix.names, name)
-	binds := l.ix.binds[k][:0:0]
-	for _, b := range l.ix.binds[k] {
-		if b.name != name {
-			binds = append(binds, b)
-		}
-	}
-	if len(binds) == 0 {
-		delete(l.ix.binds, k)
-	} else {
-		l.ix.binds[k] = binds
-	}
+	l.ix.forget(name, k.proto, k.port)
+	l.ix.sockPorts -= k.sock
+}
+
+// bindsAt is where an exposure's binds are in the index.
+type bindsAt struct {
+	proto string
+	port  Port
+	sock  int // its ports on the socket path (sockPortsOf)
 }

@@ -32,8 +32,8 @@ func randomExposure(r *rand.Rand) Exposure {
 	e := Exposure{
 		Name:        pick(s("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l"), "", "-bad"),
 		Protocol:    pick(s("tcp", "tcp", "udp"), "sctp"),
-		GuestPort:   pickInt(n(80, 22), 0, 65536),
-		HostPort:    pickInt(n(8080, 8081, 8082, 8083, 53, 54), 0, 70000),
+		GuestPort:   P(pickInt(n(80, 22), 0, 65536)),
+		HostPort:    P(pickInt(n(8080, 8081, 8082, 8083, 53, 54), 0, 70000)),
 		HostAddress: pick(s("0.0.0.0", "127.0.0.1", "192.0.2.7", "192.0.2.8", "::1", "::", "2001:db8::1"), "224.0.0.1", "nope", "fe80::1%eth0"),
 		Mode:        pick(s("auto", "auto", "nat", "proxy"), "bogus"),
 		MaxConns:    &mc,
@@ -49,6 +49,24 @@ func randomExposure(r *rand.Rand) Exposure {
 		}
 	default:
 		e.VM = pick(s("web", "db"))
+	}
+	// Ranges that meet the single ports and each other (and now and then
+	// one that is not valid), with a guest port for all or the same range.
+	if r.IntN(4) == 0 {
+		ranges := []Port{Range(8080, 8082), Range(8082, 8083), Range(50, 60), Range(8083, 8083), Range(7000, 7000+spec.MaxPortRange-1)}
+		e.HostPort = ranges[r.IntN(len(ranges))]
+		switch r.IntN(12) {
+		case 0:
+			e.HostPort = Range(8083, 8080)
+		case 1:
+			e.HostPort = Range(1, spec.MaxPortRange+1)
+		}
+		switch r.IntN(4) {
+		case 0:
+			e.GuestPort = e.HostPort
+		case 1:
+			e.GuestPort = Range(e.HostPort.First+1, e.HostPort.Last+1) // shifted (or past 65535: refused)
+		}
 	}
 	if r.IntN(6) == 0 {
 		e.ProxyProtocol = pick(s("v1", "v2"), "v3")
@@ -146,22 +164,22 @@ func TestLiveExposuresCapacity(t *testing.T) {
 	}
 	zero := 0
 	for i := 0; i < spec.MaxExposures; i++ {
-		c.Exposures = append(c.Exposures, Exposure{Name: fmt.Sprint("e", i), VM: "web", Protocol: "tcp", GuestPort: 80,
-			HostPort: 1 + i%60000, HostAddress: fmt.Sprintf("192.0.2.%d", 1+i/60000), Mode: "nat", MaxConns: &zero})
+		c.Exposures = append(c.Exposures, Exposure{Name: fmt.Sprint("e", i), VM: "web", Protocol: "tcp", GuestPort: P(80),
+			HostPort: P(1 + i%60000), HostAddress: fmt.Sprintf("192.0.2.%d", 1+i/60000), Mode: "nat", MaxConns: &zero})
 	}
 	model, errs := Compile(c)
 	if len(errs) > 0 {
 		t.Fatal(errs[:1])
 	}
 	live := NewLiveExposures(c, model)
-	more := Exposure{Name: "more", VM: "web", Protocol: "tcp", GuestPort: 80, HostPort: 7, HostAddress: "192.0.2.9", Mode: "nat", MaxConns: &zero}
+	more := Exposure{Name: "more", VM: "web", Protocol: "tcp", GuestPort: P(80), HostPort: P(7), HostAddress: "192.0.2.9", Mode: "nat", MaxConns: &zero}
 	next, _, _ := c.WithExposure(more)
 	_, errs = Compile(next)
 	if _, ok := live.Check(more); ok || len(errs) == 0 {
 		t.Fatalf("one more than the limit: Check %v, Compile %v", ok, errs)
 	}
 	again := c.Exposures[5]
-	again.GuestPort = 81
+	again.GuestPort = P(81)
 	next, _, _ = c.WithExposure(again)
 	_, errs = Compile(next)
 	if _, ok := live.Check(again); !ok || len(errs) > 0 {

@@ -19,7 +19,7 @@ func TestDecodeExposure(t *testing.T) {
 	_, err = DecodeExposure([]byte("vm: web\nhostPort: [1]\nport: 3\n"))
 	var ce Errors
 	require.ErrorAs(t, err, &ce)
-	assert.Equal(t, `hostPort: a list is not allowed here (an integer is expected); port: unknown key "port"`,
+	assert.Equal(t, `hostPort: a list is not a port or a range of ports (8080, "30000-30099"); port: unknown key "port"`,
 		ce[0].Error()+"; "+ce[1].Error())
 
 	for _, body := range []string{"", "null", "3", "[]", "a: 1\n---\nb: 2\n"} {
@@ -34,12 +34,12 @@ func TestWithAndWithoutExposureCopy(t *testing.T) {
 	c, err := Parse([]byte("vms: [{name: web, kernel: /k}]\nexposures:\n  - {name: a, vm: web, guestPort: 80, hostPort: 1}\n  - {name: b, vm: web, guestPort: 80, hostPort: 2}\n"))
 	require.NoError(t, err)
 	e := c.Exposures[0]
-	e.HostPort = 9
+	e.HostPort = P(9)
 	next, pos, replaced := c.WithExposure(e)
 	assert.True(t, replaced)
 	assert.Equal(t, 0, pos)
-	assert.Equal(t, 9, next.Exposures[0].HostPort)
-	assert.Equal(t, 1, c.Exposures[0].HostPort)
+	assert.Equal(t, P(9), next.Exposures[0].HostPort)
+	assert.Equal(t, P(1), c.Exposures[0].HostPort)
 
 	e.Name = "c"
 	next, pos, replaced = c.WithExposure(e)

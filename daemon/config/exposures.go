@@ -17,36 +17,112 @@ type exposureIndex struct {
 	cidr6    netip.Prefix // the valid network.cidr6; the zero Prefix: IPv4 only
 	vms      map[string]int
 	names    map[string]int // name → position in the exposures list
-	// binds are the host sides claimed, by (protocol, port): an overlap is
-	// only possible within one such list, so a check stays linear in the
-	// exposures on the same port, not in all of them.
+	// binds are the host sides of single ports claimed, by (protocol,
+	// port): an overlap is only possible within one such list, so a check
+	// stays linear in the exposures on the same port, not in all of them.
 	binds map[portKey][]hostBind
+	// ranges are the host sides of port ranges, under every block of
+	// rangeBlock ports they touch (a range of spec.MaxPortRange ports is in
+	// a few): a check looks at the ranges of its own blocks only. A single
+	// port is checked against the ranges of its block, a range against the
+	// single ports of each of its ports.
+	ranges map[portKey][]hostBind
 	// allowTotal counts the allowFrom prefixes of the exposures so far.
 	allowTotal int
+	// sockPorts counts the host ports the socket path translates for the
+	// exposures inserted (sockPortsOf).
+	sockPorts int
 }
 
 type portKey struct {
 	proto string
-	port  int
+	port  int // a port, or in ranges a block (port / rangeBlock)
 }
 
-// hostBind is one claimed host address of an exposure.
+// rangeBlock is the width of the blocks the ranges are indexed by.
+const rangeBlock = 1024
+
+// hostBind is one claimed host address of an exposure, on its ports
+// first..last.
 type hostBind struct {
-	addr     netip.Addr
-	name     string
-	pos      int
-	addrText string // hostAddress as written
+	addr        netip.Addr
+	name        string
+	pos         int
+	first, last int
+	addrText    string // hostAddress as written
+	portText    string // hostPort as written
 }
 
 func newExposureIndex(cidr netip.Prefix, cidrText string, cidr6 netip.Prefix, vms map[string]int) *exposureIndex {
-	return &exposureIndex{cidr: cidr, cidrText: cidrText, cidr6: cidr6, vms: vms, names: map[string]int{}, binds: map[portKey][]hostBind{}}
+	return &exposureIndex{cidr: cidr, cidrText: cidrText, cidr6: cidr6, vms: vms, names: map[string]int{},
+		binds: map[portKey][]hostBind{}, ranges: map[portKey][]hostBind{}}
+}
+
+// portSpan is p's ports, first..last, and whether p is a valid host or
+// guest port: 1..65535, first ≤ last, at most spec.MaxPortRange of them.
+func portSpan(p Port) (first, last int, ok bool) {
+	first, last = p.First, p.Last
+	if !p.IsRange() {
+		last = first
+	}
+	ok = first >= 1 && last <= 65535 && first <= last && last-first < spec.MaxPortRange
+	return first, last, ok
+}
+
+// checkPort reports what is wrong with hostPort or guestPort p (field f).
+func checkPort(f string, p Port, col *collector) bool {
+	first, last, ok := portSpan(p)
+	switch {
+	case ok:
+	case !p.IsRange():
+		col.add(f, "%d is out of range (1..65535)", p.First)
+	case first < 1 || last > 65535:
+		col.add(f, "%s is out of range (1..65535)", p.quoted())
+	case first > last:
+		col.add(f, "%s: the first port is above the last", p.quoted())
+	default:
+		col.add(f, "%s is %d ports, more than the %d a range may have", p.quoted(), last-first+1, spec.MaxPortRange)
+	}
+	return ok
+}
+
+// checkPorts checks hostPort and guestPort and sets the model's ports: a
+// guest range is as long as the host range (the same ports, kept, or
+// others: host port first+i to guest port first+i), or the guest port is
+// one for every host port.
+func checkPorts(p string, e Exposure, me *spec.Exposure, col *collector) {
+	guestOK := checkPort(p+".guestPort", e.GuestPort, col)
+	hostOK := checkPort(p+".hostPort", e.HostPort, col)
+	hf, hl, _ := portSpan(e.HostPort)
+	gf, gl, _ := portSpan(e.GuestPort)
+	if hostOK {
+		me.HostPort = uint16(hf)
+		if hl > hf {
+			me.HostPortLast = uint16(hl)
+		}
+	}
+	if !guestOK {
+		return
+	}
+	me.GuestPort = uint16(gf)
+	if gl == gf || !hostOK {
+		return
+	}
+	switch {
+	case hl == hf:
+		col.add(p+".guestPort", "%s is a range and hostPort %s is one port; give one guest port", e.GuestPort.quoted(), e.HostPort.quoted())
+	case gl-gf != hl-hf:
+		col.add(p+".guestPort", "%s is %d ports and hostPort %s is %d; give a range of the same length, or one port", e.GuestPort.quoted(), gl-gf+1, e.HostPort.quoted(), hl-hf+1)
+	default:
+		me.GuestPortLast = uint16(gl)
+	}
 }
 
 // claims are the host addresses e takes on its port ("" both unspecified
 // ones; auto on 0.0.0.0 also takes ::1 for IPv6 loopback callers); nil
 // when e's host side is invalid.
 func claims(e Exposure, me spec.Exposure) []netip.Addr {
-	if (!me.HostAddr.IsValid() && e.HostAddress != "") || e.HostPort < 1 || e.HostPort > 65535 || (e.Protocol != "tcp" && e.Protocol != "udp") {
+	if _, _, ok := portSpan(e.HostPort); !ok || (!me.HostAddr.IsValid() && e.HostAddress != "") || (e.Protocol != "tcp" && e.Protocol != "udp") {
 		return nil
 	}
 	return me.HostAddrs(true)
@@ -56,7 +132,7 @@ func claims(e Exposure, me spec.Exposure) []netip.Addr {
 // index and returns its model. It does not insert it.
 func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposure {
 	me := spec.Exposure{Name: e.Name, Target: spec.Target{VM: e.VM}, Proto: spec.Proto(e.Protocol),
-		HostPort: uint16(e.HostPort), GuestPort: uint16(e.GuestPort), Mode: spec.Mode(e.Mode), MaxConns: *e.MaxConns}
+		Mode: spec.Mode(e.Mode), MaxConns: *e.MaxConns}
 	switch {
 	case e.Name == "":
 		col.add(p+".name", "is required")
@@ -73,12 +149,7 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 	if me.Proto != spec.TCP && me.Proto != spec.UDP {
 		col.add(p+".protocol", "%q is not one of tcp, udp", e.Protocol)
 	}
-	if e.GuestPort < 1 || e.GuestPort > 65535 {
-		col.add(p+".guestPort", "%d is out of range (1..65535)", e.GuestPort)
-	}
-	if e.HostPort < 1 || e.HostPort > 65535 {
-		col.add(p+".hostPort", "%d is out of range (1..65535)", e.HostPort)
-	}
+	checkPorts(p, e, &me, col)
 	var ha netip.Addr // "": every host address of both families
 	var err error
 	if e.HostAddress != "" {
@@ -110,7 +181,22 @@ func (ix *exposureIndex) check(p string, e Exposure, col *collector) spec.Exposu
 	}
 	me.AllowFrom = ix.checkAllowFrom(p, e, col)
 	ix.checkBinds(p, e, me, col)
+	if n := sockPortsOf(e, me); n > 0 && ix.sockPorts+n > spec.MaxSocketPathPorts {
+		col.add(p+".hostPort", "%s: the socket path would translate %d host ports with it, more than the %d it holds (one per port of every auto exposure)",
+			e.HostPort.quoted(), ix.sockPorts+n, spec.MaxSocketPathPorts)
+	}
 	return me
+}
+
+// sockPortsOf is how many host ports the socket path translates for e
+// (one per port of an auto exposure it serves; 0 for one with ports that
+// are not valid).
+func sockPortsOf(e Exposure, me spec.Exposure) int {
+	first, last, ok := portSpan(e.HostPort)
+	if !ok || !me.UsesSocketPath() {
+		return 0
+	}
+	return last - first + 1
 }
 
 // checkProxyProtocol checks proxyProtocol: a PROXY header is written by the
@@ -239,18 +325,44 @@ func (ix *exposureIndex) checkTarget6(p string, e Exposure, me *spec.Exposure, c
 }
 
 // checkBinds reports the first earlier exposure whose host side overlaps
-// e's (same protocol and port, overlapping addresses).
+// e's (same protocol, overlapping ports and addresses).
 func (ix *exposureIndex) checkBinds(p string, e Exposure, me spec.Exposure, col *collector) {
-	k := portKey{e.Protocol, e.HostPort}
+	first, last, _ := portSpan(e.HostPort)
 	for _, a := range claims(e, me) {
-		for _, other := range ix.binds[k] {
-			if other.name != e.Name && addrsOverlap(other.addr, a) {
-				col.add(p+".hostPort", "%d/%s on %s overlaps exposures[%d] (%d/%s on %s)", e.HostPort, e.Protocol, shownAddr(e.HostAddress),
-					other.pos, k.port, k.proto, shownAddr(other.addrText))
-				return
+		if other, ok := ix.overlap(e.Protocol, first, last, a, e.Name); ok {
+			col.add(p+".hostPort", "%s/%s on %s overlaps exposures[%d] (%s/%s on %s)", e.HostPort.quoted(), e.Protocol, shownAddr(e.HostAddress),
+				other.pos, other.portText, e.Protocol, shownAddr(other.addrText))
+			return
+		}
+	}
+}
+
+// overlap finds a claimed host side of another exposure than name on
+// protocol proto, ports first..last, overlapping address a: among the
+// single ports of each port of the span, then among the ranges of its
+// blocks.
+func (ix *exposureIndex) overlap(proto string, first, last int, a netip.Addr, name string) (hostBind, bool) {
+	hit := func(b hostBind) bool {
+		return b.name != name && b.first <= last && first <= b.last && addrsOverlap(b.addr, a)
+	}
+	for port := first; port <= last; port++ {
+		for _, other := range ix.binds[portKey{proto, port}] {
+			if hit(other) {
+				return other, true
 			}
 		}
 	}
+	if len(ix.ranges) == 0 {
+		return hostBind{}, false
+	}
+	for blk := first / rangeBlock; blk <= last/rangeBlock; blk++ {
+		for _, other := range ix.ranges[portKey{proto, blk}] {
+			if hit(other) {
+				return other, true
+			}
+		}
+	}
+	return hostBind{}, false
 }
 
 // shownAddr is a hostAddress as a message names it.
@@ -266,8 +378,46 @@ func (ix *exposureIndex) insert(e Exposure, me spec.Exposure, pos int) {
 	if _, dup := ix.names[e.Name]; !dup && e.Name != "" {
 		ix.names[e.Name] = pos
 	}
-	k := portKey{e.Protocol, e.HostPort}
+	ix.sockPorts += sockPortsOf(e, me)
+	first, last, _ := portSpan(e.HostPort)
 	for _, a := range claims(e, me) {
-		ix.binds[k] = append(ix.binds[k], hostBind{addr: a, name: e.Name, pos: pos, addrText: e.HostAddress})
+		b := hostBind{addr: a, name: e.Name, pos: pos, first: first, last: last, addrText: e.HostAddress, portText: e.HostPort.quoted()}
+		if first == last {
+			k := portKey{e.Protocol, first}
+			ix.binds[k] = append(ix.binds[k], b)
+			continue
+		}
+		for blk := first / rangeBlock; blk <= last/rangeBlock; blk++ {
+			k := portKey{e.Protocol, blk}
+			ix.ranges[k] = append(ix.ranges[k], b)
+		}
+	}
+}
+
+// forget removes the binds of the named exposure, on protocol proto and
+// host port hp.
+func (ix *exposureIndex) forget(name, proto string, hp Port) {
+	drop := func(m map[portKey][]hostBind, k portKey) {
+		binds := m[k][:0:0]
+		for _, b := range m[k] {
+			if b.name != name {
+				binds = append(binds, b)
+			}
+		}
+		if len(binds) == 0 {
+			delete(m, k)
+		} else {
+			m[k] = binds
+		}
+	}
+	first, last, ok := portSpan(hp)
+	switch {
+	case !ok:
+	case first == last:
+		drop(ix.binds, portKey{proto, first})
+	default:
+		for blk := first / rangeBlock; blk <= last/rangeBlock; blk++ {
+			drop(ix.ranges, portKey{proto, blk})
+		}
 	}
 }

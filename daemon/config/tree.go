@@ -80,6 +80,8 @@ func typeName(t reflect.Type) string {
 	return t.String()
 }
 
+var portType = reflect.TypeOf(Port{})
+
 func (w *walker) walk(n *yaml.Node, t reflect.Type, path string) {
 	for n.Kind == yaml.AliasNode {
 		n = n.Alias
@@ -92,6 +94,13 @@ func (w *walker) walk(n *yaml.Node, t reflect.Type, path string) {
 	}
 	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
 		return // unset: the default
+	}
+	if t == portType {
+		// A port or a range: an integer or a string (Port.UnmarshalYAML).
+		if n.Kind != yaml.ScalarNode || n.Decode(&Port{}) != nil {
+			w.add(path, "%s is not a port or a range of ports (8080, \"30000-30099\")", kindName(n))
+		}
+		return
 	}
 	switch t.Kind() {
 	case reflect.Struct:

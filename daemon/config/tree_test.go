@@ -25,7 +25,7 @@ func TestShapeErrorsFromTheNodeTree(t *testing.T) {
 		"vms:\n  - name: a\n    kernel: /k\n    disk: {source: /d, colour: red}\n": {`vms[0].disk.colour: unknown key "colour"`},
 		"? [a]\n: 1\n":                  {`(top level): a list is not a key (keys are names)`},
 		"network: {<<: 3}\n":            {`network: << merges "3"; only a mapping or a list of mappings can be merged`},
-		"exposures: [{guestPort: 1.5}]": {`exposures[0].guestPort: "1.5" is not an integer`},
+		"exposures: [{guestPort: 1.5}]": {`exposures[0].guestPort: "1.5" is not a port or a range of ports (8080, "30000-30099")`},
 		"network: {a.b: 1, \"x y\": 2}": {`network["a.b"]: unknown key "a.b"`, `network["x y"]: unknown key "x y"`},
 	} {
 		assert.Equal(t, want, errorsOf(t, in), in)

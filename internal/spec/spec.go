@@ -8,6 +8,7 @@ package spec
 
 import (
 	"net/netip"
+	"strconv"
 	"time"
 )
 
@@ -194,11 +195,19 @@ type Exposure struct {
 	// HostAddr is where callers dial: the zero Addr is every host address
 	// of both families (hostAddress ""), the unspecified address of a
 	// family every address of that family, else one host address.
-	HostAddr  netip.Addr
-	HostPort  uint16
-	GuestPort uint16
-	Mode      Mode
-	MaxConns  int // 0 = unlimited
+	HostAddr netip.Addr
+	// HostPort is the host port, or the first of a range whose last is
+	// HostPortLast (0: a single port). A range is one exposure: one slot,
+	// one cap, one set of counters across every port of it.
+	HostPort     uint16
+	HostPortLast uint16
+	// GuestPort is the guest port every host port goes to, or with
+	// GuestPortLast (0: one guest port) the first of a range as long as
+	// the host's, host port HostPort+i to GuestPort+i (GuestPortOf).
+	GuestPort     uint16
+	GuestPortLast uint16
+	Mode          Mode
+	MaxConns      int // 0 = unlimited
 	// ProxyProtocol: a PROXY header to the guest on every connection the
 	// proxy carries (TCP only; refused with nat). An auto exposure with one
 	// is carried wholly by the proxy (UsesKernel, UsesSocketPath, ProxyBinds):
@@ -216,6 +225,79 @@ type Exposure struct {
 	// not load): the proxy then carries every caller, on what auto listens
 	// on (hostAddress, and ::1 beside 0.0.0.0).
 	AllByProxy bool
+}
+
+// MaxPortRange is the most ports one exposure's range may have: the
+// socket path, the proxy and the held ports take one entry, listener or
+// socket per port of it.
+const MaxPortRange = 4096
+
+// MaxSocketPathPorts is how many host ports the socket path translates at
+// once, every exposure's together: one entry each (a range one per port)
+// in its pinned sock_targets map, whose size it is.
+const MaxSocketPathPorts = 65536
+
+// IsRange reports whether the exposure publishes a range of host ports.
+func (e Exposure) IsRange() bool { return e.HostPortLast > e.HostPort }
+
+// LastHostPort is the last host port: HostPortLast for a range, else
+// HostPort.
+func (e Exposure) LastHostPort() uint16 {
+	if e.IsRange() {
+		return e.HostPortLast
+	}
+	return e.HostPort
+}
+
+// PortCount is how many host ports the exposure publishes.
+func (e Exposure) PortCount() int { return int(e.LastHostPort()) - int(e.HostPort) + 1 }
+
+// HostPorts lists the host ports, first to last.
+func (e Exposure) HostPorts() []uint16 {
+	out := make([]uint16, 0, e.PortCount())
+	for p := int(e.HostPort); p <= int(e.LastHostPort()); p++ {
+		out = append(out, uint16(p))
+	}
+	return out
+}
+
+// GuestRange reports whether each host port goes to a guest port of its
+// own (a guest range), not all to GuestPort.
+func (e Exposure) GuestRange() bool { return e.IsRange() && e.GuestPortLast > e.GuestPort }
+
+// GuestPortOf is the guest port host port hp goes to (hp one of
+// HostPorts).
+func (e Exposure) GuestPortOf(hp uint16) uint16 {
+	if e.GuestRange() {
+		return e.GuestPort + (hp - e.HostPort)
+	}
+	return e.GuestPort
+}
+
+// SamePorts reports whether every host port goes to the same port on the
+// guest (a single port or a range published as it is).
+func (e Exposure) SamePorts() bool {
+	return e.HostPort == e.GuestPort && (!e.IsRange() || e.GuestRange() && e.GuestPortLast == e.HostPortLast)
+}
+
+// PortText is a port or a range as the config writes it: "8080",
+// "30000-30099".
+func PortText(first, last uint16) string {
+	if last > first {
+		return strconv.Itoa(int(first)) + "-" + strconv.Itoa(int(last))
+	}
+	return strconv.Itoa(int(first))
+}
+
+// HostPortText is the host port or range ("30000-30099").
+func (e Exposure) HostPortText() string { return PortText(e.HostPort, e.HostPortLast) }
+
+// GuestPortText is the guest port or range.
+func (e Exposure) GuestPortText() string {
+	if e.GuestRange() {
+		return PortText(e.GuestPort, e.GuestPortLast)
+	}
+	return PortText(e.GuestPort, 0)
 }
 
 // HostFamilies reports which address families the exposure's callers may

@@ -285,3 +285,37 @@ func TestSocketFilterDropsUnmatchedEvents(t *testing.T) {
 		}
 	}
 }
+
+// A range's entries are deleted by the range: every port of it, none
+// beside it, filtered or from one shared dump.
+func TestDeleteAHostSideRange(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		perWalk int
+	}{{"one filtered dump per side", 0}, {"one shared dump", 1 << 30}} {
+		t.Run(tc.name, func(t *testing.T) {
+			defer func(old int) { entriesPerWalk = old }(entriesPerWalk)
+			entriesPerWalk = tc.perWalk
+			ns := nstest.New(t, "ct")
+			for i, port := range []string{"29999", "30000", "30050", "30099", "30100"} {
+				insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", strconv.Itoa(40000+i), port, "1")
+			}
+			insert(t, ns, "tcp", "10.99.0.2", "10.99.0.1", "40010", "30050", "1") // other protocol: kept
+			insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40011", "5353", "1")
+			c, err := Dial(ns.Path)
+			require.NoError(t, err)
+			defer c.Close()
+			n, err := c.DeleteHostSides([]HostSide{
+				{Proto: unix.IPPROTO_UDP, Port: 5353},
+				{Proto: unix.IPPROTO_UDP, Addr: netip.MustParseAddr("10.99.0.1"), Port: 30000, PortLast: 30099},
+			})
+			require.NoError(t, err)
+			assert.Equal(t, []int{1, 3}, n)
+			out, _ := ns.Run("conntrack", "-L")
+			assert.Equal(t, 3, strings.Count(out, " mark="), out)
+			for _, kept := range []string{"dport=29999", "dport=30100", "tcp"} {
+				assert.Contains(t, out, kept)
+			}
+		})
+	}
+}

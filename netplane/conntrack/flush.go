@@ -14,12 +14,17 @@ import (
 
 // HostSide is what a published port is on the host: protocol, host
 // address (invalid = every address of both families, a family's
-// unspecified address every address of that family) and host port.
+// unspecified address every address of that family) and host port, or
+// the ports Port to PortLast of a range.
 type HostSide struct {
-	Proto uint8
-	Addr  netip.Addr
-	Port  uint16
+	Proto    uint8
+	Addr     netip.Addr
+	Port     uint16
+	PortLast uint16 // 0: the one port Port
 }
+
+// isRange reports whether h is a range of ports.
+func (h HostSide) isRange() bool { return h.PortLast > h.Port }
 
 func (h HostSide) anyAddr() bool { return !h.Addr.IsValid() || h.Addr.IsUnspecified() }
 
@@ -32,7 +37,7 @@ func (h HostSide) families() (v4, v6 bool) {
 }
 
 func (h HostSide) matches(t tuple) bool {
-	if t.proto != h.Proto || t.dst.Port() != h.Port {
+	if p := t.dst.Port(); t.proto != h.Proto || p != h.Port && (!h.isRange() || p < h.Port || p > h.PortLast) {
 		return false
 	}
 	if h.anyAddr() {
@@ -189,9 +194,13 @@ const (
 func filteredDump(h HostSide, fam netfilter.ProtoFamily) (netlink.Message, error) {
 	proto := netfilter.Attribute{Type: ctaTupleProto, Nested: true, Children: []netfilter.Attribute{
 		{Type: ctaProtoNum, Data: []byte{h.Proto}},
-		{Type: ctaProtoDstPort, Data: binary.BigEndian.AppendUint16(nil, h.Port)},
 	}}
-	flags := uint32(filterProtoNum | filterProtoDstPort)
+	flags := uint32(filterProtoNum)
+	if !h.isRange() {
+		// A range's ports are matched here (the filter takes one port).
+		proto.Children = append(proto.Children, netfilter.Attribute{Type: ctaProtoDstPort, Data: binary.BigEndian.AppendUint16(nil, h.Port)})
+		flags |= filterProtoDstPort
+	}
 	orig := netfilter.Attribute{Type: ctaTupleOrig, Nested: true}
 	// An IPv6 address is matched here, not by the kernel: its IPv6
 	// address filter is inverted (6.18 returns the entries to other
@@ -226,7 +235,12 @@ func (c *Conn) deleteDumped(req netlink.Message, sides []HostSide, counts []int)
 		return fmt.Errorf("conntrack: dump: %w", err)
 	}
 	byPort := make(map[[2]uint16][]int, len(sides))
+	var ranges []int // the sides of ranges, matched against every entry
 	for i, h := range sides {
+		if h.isRange() {
+			ranges = append(ranges, i)
+			continue
+		}
 		k := [2]uint16{uint16(h.Proto), h.Port}
 		byPort[k] = append(byPort[k], i)
 	}
@@ -235,16 +249,25 @@ func (c *Conn) deleteDumped(req netlink.Message, sides []HostSide, counts []int)
 		if !ok {
 			continue
 		}
-		for _, i := range byPort[[2]uint16{uint16(t.proto), t.dst.Port()}] {
-			if !sides[i].matches(t) {
-				continue
+		i := -1
+		for _, j := range byPort[[2]uint16{uint16(t.proto), t.dst.Port()}] {
+			if sides[j].matches(t) {
+				i = j
+				break
 			}
-			if err := c.c.Delete(t.flow()); err != nil && !errors.Is(err, unix.ENOENT) { // ENOENT: ended meanwhile
-				return fmt.Errorf("conntrack: delete: %w", err)
-			}
-			counts[i]++
-			break
 		}
+		for _, j := range ranges {
+			if i < 0 && sides[j].matches(t) {
+				i = j
+			}
+		}
+		if i < 0 {
+			continue
+		}
+		if err := c.c.Delete(t.flow()); err != nil && !errors.Is(err, unix.ENOENT) { // ENOENT: ended meanwhile
+			return fmt.Errorf("conntrack: delete: %w", err)
+		}
+		counts[i]++
 	}
 	return nil
 }

@@ -13,5 +13,8 @@ type (
 	SetBasedCap = compile.SetBasedCap
 )
 
+// ErrRangeSetCap is why the set-based cap publishes no port range.
+const ErrRangeSetCap = compile.ErrRangeSetCap
+
 // MaxConnsLimit bounds a cap (the cap set is sized to it).
 const MaxConnsLimit = compile.MaxConnsLimit

@@ -68,7 +68,7 @@ func (k *nlKernel) queue(conn *batchConn, o compile.Op) error {
 	case compile.DelTable:
 		conn.DelTable(tab)
 	case compile.DelElems:
-		return conn.SetDeleteElements(&nftables.Set{Table: tab, Name: x.Set}, toElems(x.Elems))
+		return conn.SetDeleteElements(&nftables.Set{Table: tab, Name: x.Set}, toElems(x.Elems, compile.IntervalSet(x.Set)))
 	case compile.FlushChain:
 		conn.FlushChain(&nftables.Chain{Table: tab, Name: x.Chain})
 	case compile.DelChain:
@@ -178,9 +178,13 @@ func toSet(tab *nftables.Table, s *compile.SetSpec) *nftables.Set {
 		// Host-endian types: without this nft prints them byte-reversed.
 		order = binaryutil.NativeEndian
 	}
-	return &nftables.Set{KeyByteOrder: order, Table: tab, Name: s.Name, IsMap: s.IsMap, Dynamic: s.Dynamic, Size: s.Size, Counter: s.Counter,
+	return &nftables.Set{KeyByteOrder: order, Table: tab, Name: s.Name, IsMap: s.IsMap, Dynamic: s.Dynamic, Interval: s.Interval, Size: s.Size, Counter: s.Counter,
 		KeyType: s.Key, DataType: s.Data, Comment: s.Comment, Concatenation: len(s.Key.Name) > 0 && s.Key.Bytes > 0 && isConcat(s.Key)}
 }
+
+// splitInterval is an interval element's key as the kernel takes it: its
+// first key (NFTA_SET_ELEM_KEY) and its last (NFTA_SET_ELEM_KEY_END).
+func splitInterval(k []byte) (first, last []byte) { return k[:len(k)/2], k[len(k)/2:] }
 
 func isConcat(d nftables.SetDatatype) bool {
 	for _, c := range d.Name {
@@ -191,10 +195,15 @@ func isConcat(d nftables.SetDatatype) bool {
 	return false
 }
 
-func toElems(es []compile.ElemSpec) []nftables.SetElement {
+// toElems are es for google/nftables; an interval set's keys are split into
+// the first key and the last (KeyEnd).
+func toElems(es []compile.ElemSpec, interval bool) []nftables.SetElement {
 	out := make([]nftables.SetElement, 0, len(es))
 	for _, e := range es {
 		se := nftables.SetElement{Key: e.Key, Val: e.Val, Comment: e.Comment}
+		if interval {
+			se.Key, se.KeyEnd = splitInterval(e.Key)
+		}
 		if e.Verdict != "" {
 			se.VerdictData = &expr.Verdict{Kind: expr.VerdictGoto, Chain: e.Verdict}
 		}

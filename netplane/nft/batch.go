@@ -180,11 +180,23 @@ func (w *attrWriter) cstr(typ uint16, s string) {
 	}
 }
 
+// key writes an element's key: an interval set's as its first key and its
+// last (NFTA_SET_ELEM_KEY_END).
+func (w *attrWriter) key(k []byte, interval bool) {
+	if !interval {
+		w.nest(unix.NFTA_SET_ELEM_KEY, func() { w.attr(unix.NFTA_DATA_VALUE, k) })
+		return
+	}
+	first, last := splitInterval(k)
+	w.nest(unix.NFTA_SET_ELEM_KEY, func() { w.attr(unix.NFTA_DATA_VALUE, first) })
+	w.nest(nftaSetElemKeyEnd, func() { w.attr(unix.NFTA_DATA_VALUE, last) })
+}
+
 // elem writes one set element (counting: the set's elements have counters,
 // and this one starts at e.Counter).
-func (w *attrWriter) elem(e *compile.ElemSpec, counting bool) {
+func (w *attrWriter) elem(e *compile.ElemSpec, counting, interval bool) {
 	w.nest(unix.NFTA_LIST_ELEM, func() {
-		w.nest(unix.NFTA_SET_ELEM_KEY, func() { w.attr(unix.NFTA_DATA_VALUE, e.Key) })
+		w.key(e.Key, interval)
 		switch {
 		case e.Verdict != "":
 			w.nest(unix.NFTA_SET_ELEM_DATA, func() {
@@ -228,7 +240,7 @@ func (b *batchConn) addElems(fam nftables.TableFamily, set string, counting bool
 		w.nest(unix.NFTA_SET_ELEM_LIST_ELEMENTS, func() {
 			start := len(w.b)
 			for n < len(elems) && n < maxElemCount && len(w.b)-start < maxElemBytes {
-				w.elem(&elems[n], counting)
+				w.elem(&elems[n], counting, compile.IntervalSet(set))
 				n++
 			}
 		})

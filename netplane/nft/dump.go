@@ -255,6 +255,7 @@ func dumpSets(c *netlink.Conn, family nftables.TableFamily) (map[string]setInfo,
 				f := u32()
 				sh.IsMap = f&unix.NFT_SET_MAP != 0
 				sh.Dynamic = f&unix.NFT_SET_EVAL != 0
+				sh.Interval = f&unix.NFT_SET_INTERVAL != 0
 			case unix.NFTA_SET_KEY_TYPE:
 				sh.KeyType = u32()
 			case unix.NFTA_SET_KEY_LEN:
@@ -293,6 +294,7 @@ type elem struct {
 
 // Element attributes past what x/sys/unix names.
 const (
+	nftaSetElemKeyEnd      = 10 // NFTA_SET_ELEM_KEY_END
 	nftaSetElemExpressions = 11 // NFTA_SET_ELEM_EXPRESSIONS
 	nftaSetExpr            = 17 // NFTA_SET_EXPR
 	nftaSetExpressions     = 18 // NFTA_SET_EXPRESSIONS
@@ -354,10 +356,13 @@ func (e *elem) spec() compile.ElemSpec {
 // parseElem decodes one NFTA_LIST_ELEM of a set element list.
 func parseElem(b []byte) elem {
 	var e elem
+	var end []byte // an interval element's last key: its key is first . last (compile.SetSpec.Interval)
 	walk(b, func(typ uint16, d []byte) {
 		switch typ {
 		case unix.NFTA_SET_ELEM_KEY:
 			e.key = find(d, unix.NFTA_DATA_VALUE)
+		case nftaSetElemKeyEnd:
+			end = find(d, unix.NFTA_DATA_VALUE)
 		case unix.NFTA_SET_ELEM_DATA:
 			if v := find(d, unix.NFTA_DATA_VERDICT); v != nil {
 				e.isVerdict = true
@@ -392,6 +397,9 @@ func parseElem(b []byte) elem {
 			})
 		}
 	})
+	if end != nil {
+		e.key = append(append(make([]byte, 0, len(e.key)+len(end)), e.key...), end...)
+	}
 	return e
 }
 
@@ -509,9 +517,7 @@ func lookupElems(c *netlink.Conn, family nftables.TableFamily, set string, keys 
 		w.cstr(unix.NFTA_SET_ELEM_LIST_TABLE, compile.TableName)
 		w.cstr(unix.NFTA_SET_ELEM_LIST_SET, set)
 		w.nest(unix.NFTA_SET_ELEM_LIST_ELEMENTS, func() {
-			w.nest(unix.NFTA_LIST_ELEM, func() {
-				w.nest(unix.NFTA_SET_ELEM_KEY, func() { w.attr(unix.NFTA_DATA_VALUE, k) })
-			})
+			w.nest(unix.NFTA_LIST_ELEM, func() { w.key(k, compile.IntervalSet(set)) })
 		})
 		msgs, err := c.Execute(netlink.Message{
 			Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_GETSETELEM), Flags: netlink.Request},

@@ -280,7 +280,7 @@ func (k *nlKernel) elemCounters(set string) (m map[string]compile.CounterValue, 
 func (k *nlKernel) flush(sides []compile.HostSide) ([]int, error) {
 	list := make([]conntrack.HostSide, len(sides))
 	for i, s := range sides {
-		list[i] = conntrack.HostSide{Proto: s.Proto, Addr: s.Addr, Port: s.Port}
+		list[i] = conntrack.HostSide{Proto: s.Proto, Addr: s.Addr, Port: s.Port, PortLast: s.PortLast}
 	}
 	return k.ct.DeleteHostSides(list)
 }

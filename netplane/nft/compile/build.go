@@ -41,36 +41,54 @@ func connMark(id uint32) []byte { return binaryutil.NativeEndian.PutUint32(id | 
 
 // Names of the fixed objects of table inet brokkr.
 const (
-	chainPrerouting  = "prerouting"   // nat prerouting: DNAT dispatch
-	chainOutput      = "output"       // nat output: DNAT dispatch for host-local callers
-	chainPostrouting = "postrouting"  // nat postrouting: hairpin + egress masquerade
-	chainDispatch    = "dispatch"     // the mark, by where the caller dialled
-	chainPublish     = "publish"      // the guest, by the mark
-	chainDispatch6   = "dispatch6"    // IPv6: the mark, by where the caller dialled
-	chainPublish6    = "publish6"     // IPv6: the guest, by the mark
-	chainGuard       = "guard"        // raw prerouting: drop remote packets to 127/8
-	chainInput       = "input"        // filter input: host isolation
-	chainFromGuests  = "from-guests"  // what a guest may send to the host itself
-	chainClosePre    = "close-pre"    // FIN/RST bookkeeping for the set-based cap (prerouting)
-	chainCloseOut    = "close-out"    // the same for host-local callers (output)
-	chainClose       = "close"        // the bookkeeping itself
-	MapExpAddr       = "exp-addr"     // ip daddr . l4proto . dport : mark
-	MapExpAny        = "exp-any"      // l4proto . dport : mark
-	MapExpTarget     = "exp-target"   // mark : guest address . guest port
-	MapExpAddr6      = "exp-addr6"    // ip6 daddr . l4proto . dport : mark
-	MapExpAny6       = "exp-any6"     // l4proto . dport : mark, IPv6 callers
-	MapExpTarget6    = "exp-target6"  // mark : guest IPv6 address . guest port
-	MapExpCap        = "exp-cap"      // set-based cap: mark : goto cap-NAME
-	SetCappedTCP     = "capped-tcp"   // set-based cap: mark ids of capped TCP exposures
-	MapOverflow      = "overflow"     // l4proto : port of the cap's slow-path listener
-	setGuestPorts    = "guest-ports"  // bridge table: ports under anti-spoof
-	setGuestAddrs    = "guest-addrs"  // bridge table: port . mac . ipv4
-	setGuestMACs     = "guest-macs"   // bridge table: port . mac
-	setGuestAddrs6   = "guest-addrs6" // bridge table: port . mac . ipv6 (SLAAC and link-local)
-	chainBrPre       = "prerouting"   // bridge table: anti-spoof dispatch
-	chainAntiSpoof   = "anti-spoof"   // bridge table: what a guest port may send
-	chainBrForward   = "forward"      // bridge table: guest isolation
+	chainPrerouting   = "prerouting"       // nat prerouting: DNAT dispatch
+	chainOutput       = "output"           // nat output: DNAT dispatch for host-local callers
+	chainPostrouting  = "postrouting"      // nat postrouting: hairpin + egress masquerade
+	chainDispatch     = "dispatch"         // the mark, by where the caller dialled
+	chainPublish      = "publish"          // the guest, by the mark
+	chainDispatch6    = "dispatch6"        // IPv6: the mark, by where the caller dialled
+	chainPublish6     = "publish6"         // IPv6: the guest, by the mark
+	chainGuard        = "guard"            // raw prerouting: drop remote packets to 127/8
+	chainInput        = "input"            // filter input: host isolation
+	chainFromGuests   = "from-guests"      // what a guest may send to the host itself
+	chainClosePre     = "close-pre"        // FIN/RST bookkeeping for the set-based cap (prerouting)
+	chainCloseOut     = "close-out"        // the same for host-local callers (output)
+	chainClose        = "close"            // the bookkeeping itself
+	MapExpAddr        = "exp-addr"         // ip daddr . l4proto . dport : mark
+	MapExpAny         = "exp-any"          // l4proto . dport : mark
+	MapExpTarget      = "exp-target"       // mark : guest address . guest port
+	MapExpAddr6       = "exp-addr6"        // ip6 daddr . l4proto . dport : mark
+	MapExpAny6        = "exp-any6"         // l4proto . dport : mark, IPv6 callers
+	MapExpTarget6     = "exp-target6"      // mark : guest IPv6 address . guest port
+	MapExpAddrRange   = "exp-addr-range"   // ip daddr . l4proto . dport range : mark (interval)
+	MapExpAnyRange    = "exp-any-range"    // l4proto . dport range : mark (interval)
+	MapExpAddr6Range  = "exp-addr6-range"  // ip6 daddr . l4proto . dport range : mark (interval)
+	MapExpAny6Range   = "exp-any6-range"   // l4proto . dport range : mark, IPv6 callers (interval)
+	MapExpTargetAddr  = "exp-target-addr"  // mark : guest address (a range's port kept)
+	MapExpTargetAddr6 = "exp-target-addr6" // mark : guest IPv6 address (a range's port kept)
+	MapExpTargetPort  = "exp-target-port"  // mark . dport : guest address . port (a shifted range, one per port)
+	MapExpTargetPort6 = "exp-target-port6" // mark . dport : guest IPv6 address . port
+	MapExpCap         = "exp-cap"          // set-based cap: mark : goto cap-NAME
+	SetCappedTCP      = "capped-tcp"       // set-based cap: mark ids of capped TCP exposures
+	MapOverflow       = "overflow"         // l4proto : port of the cap's slow-path listener
+	setGuestPorts     = "guest-ports"      // bridge table: ports under anti-spoof
+	setGuestAddrs     = "guest-addrs"      // bridge table: port . mac . ipv4
+	setGuestMACs      = "guest-macs"       // bridge table: port . mac
+	setGuestAddrs6    = "guest-addrs6"     // bridge table: port . mac . ipv6 (SLAAC and link-local)
+	chainBrPre        = "prerouting"       // bridge table: anti-spoof dispatch
+	chainAntiSpoof    = "anti-spoof"       // bridge table: what a guest port may send
+	chainBrForward    = "forward"          // bridge table: guest isolation
 )
+
+// IntervalSet reports whether set is one of the interval maps, whose
+// elements' keys are the first key followed by the last (SetSpec.Interval).
+func IntervalSet(set string) bool {
+	switch set {
+	case MapExpAddrRange, MapExpAnyRange, MapExpAddr6Range, MapExpAny6Range:
+		return true
+	}
+	return false
+}
 
 // Per-exposure object names (the set-based cap's, for capped exposures).
 func CapChain(name string) string       { return "cap-" + name }
@@ -102,11 +120,19 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 	inet.addChain(&ChainSpec{Name: chainOutput, Hook: &HookSpec{nftables.ChainTypeNAT, *nftables.ChainHookOutput, -100},
 		Rules: []RuleSpec{entry("published ports, host-local callers")}})
 	toPublish := &expr.Verdict{Kind: expr.VerdictGoto, Chain: chainPublish}
-	inet.addChain(&ChainSpec{Name: chainDispatch, Rules: []RuleSpec{
+	setCap, setBased := r.setBased()
+	dispatch := []RuleSpec{
 		rule(fam, "exposures bound to one address", append(append(loadAddrProtoPort(), markFrom(MapExpAddr)...), toPublish)...),
 		rule(fam, "exposures bound to every local address", append(append(loadProtoPort(), markFrom(MapExpAny)...), toPublish)...),
-	}})
-	setCap, setBased := r.setBased()
+	}
+	if !setBased {
+		// Port ranges: interval maps beside the exact ones (a set's flags
+		// cannot change in place), looked up after them.
+		dispatch = append(dispatch,
+			rule(fam, "port ranges bound to one address", append(append(loadAddrProtoPort(), markFrom(MapExpAddrRange)...), toPublish)...),
+			rule(fam, "port ranges on every local address", append(append(loadProtoPort(), markFrom(MapExpAnyRange)...), toPublish)...))
+	}
+	inet.addChain(&ChainSpec{Name: chainDispatch, Rules: dispatch})
 	var publish []RuleSpec
 	if setBased {
 		publish = append(publish, rule(fam, "capped exposures: the set-based cap",
@@ -114,6 +140,14 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 	}
 	publish = append(publish, rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnatToTarget()...)...),
 		rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnatToTarget()...)...))
+	if !setBased {
+		// A range whose guest ports are its own: the address only (a
+		// mark has an element in exp-target or in exp-target-addr).
+		publish = append(publish, rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_TCP), dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4)...)...),
+			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_UDP), dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4)...)...),
+			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_TCP), dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4)...)...),
+			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_UDP), dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4)...)...))
+	}
 	inet.addChain(&ChainSpec{Name: chainPublish, Rules: publish})
 	if !setBased {
 		// IPv6 callers: the same marks, one slot and one cap per exposure
@@ -131,10 +165,16 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		inet.addChain(&ChainSpec{Name: chainDispatch6, Rules: []RuleSpec{
 			rule(fam, "exposures bound to one ipv6 address", append(append(loadAddr6ProtoPort(), markFrom(MapExpAddr6)...), toPublish6)...),
 			rule(fam, "exposures bound to every local ipv6 address", append(append(loadProtoPort(), markFrom(MapExpAny6)...), toPublish6)...),
+			rule(fam, "port ranges bound to one ipv6 address", append(append(loadAddr6ProtoPort(), markFrom(MapExpAddr6Range)...), toPublish6)...),
+			rule(fam, "port ranges on every local ipv6 address", append(append(loadProtoPort(), markFrom(MapExpAny6Range)...), toPublish6)...),
 		}})
 		inet.addChain(&ChainSpec{Name: chainPublish6, Rules: []RuleSpec{
 			rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnat6ToTarget()...)...),
 			rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnat6ToTarget()...)...),
+			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_TCP), dnatToAddr(MapExpTargetAddr6, unix.NFPROTO_IPV6)...)...),
+			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_UDP), dnatToAddr(MapExpTargetAddr6, unix.NFPROTO_IPV6)...)...),
+			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_TCP), dnatByPort(MapExpTargetPort6, unix.NFPROTO_IPV6)...)...),
+			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_UDP), dnatByPort(MapExpTargetPort6, unix.NFPROTO_IPV6)...)...),
 		}})
 	}
 	addSharedMaps(inet, setBased)
@@ -239,6 +279,7 @@ var (
 	targetData  = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService)
 	expAddr6Key = nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetProto, nftables.TypeInetService)
 	target6Data = nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetService)
+	markPortKey = nftables.MustConcatSetType(nftables.TypeMark, nftables.TypeInetService)
 )
 
 // addSharedMaps adds the maps every exposure has elements in. With the
@@ -258,6 +299,27 @@ func addSharedMaps(inet *TableSpec, setBased bool) {
 			Comment: "exposures bound to every local ipv6 address: their mark", Elems: map[string]ElemSpec{}})
 		inet.addSet(&SetSpec{Name: MapExpTarget6, Key: nftables.TypeMark, Data: target6Data, IsMap: true, PerExposure: true,
 			Comment: "each exposure's guest ipv6 address, by its mark", Elems: map[string]ElemSpec{}})
+		for _, m := range []struct {
+			name    string
+			key     nftables.SetDatatype
+			comment string
+		}{
+			{MapExpAddrRange, expAddrKey, "port ranges bound to one address: their mark"},
+			{MapExpAnyRange, expAnyKey, "port ranges on every local address: their mark"},
+			{MapExpAddr6Range, expAddr6Key, "port ranges bound to one ipv6 address: their mark"},
+			{MapExpAny6Range, expAnyKey, "port ranges on every local ipv6 address: their mark"},
+		} {
+			inet.addSet(&SetSpec{Name: m.name, Key: m.key, Data: nftables.TypeMark, IsMap: true, Interval: true, PerExposure: true,
+				Comment: m.comment, Elems: map[string]ElemSpec{}})
+		}
+		inet.addSet(&SetSpec{Name: MapExpTargetAddr, Key: nftables.TypeMark, Data: nftables.TypeIPAddr, IsMap: true, PerExposure: true,
+			Comment: "each port range's guest, by its mark: the port kept", Elems: map[string]ElemSpec{}})
+		inet.addSet(&SetSpec{Name: MapExpTargetAddr6, Key: nftables.TypeMark, Data: nftables.TypeIP6Addr, IsMap: true, PerExposure: true,
+			Comment: "each port range's guest ipv6 address, by its mark: the port kept", Elems: map[string]ElemSpec{}})
+		inet.addSet(&SetSpec{Name: MapExpTargetPort, Key: markPortKey, Data: targetData, IsMap: true, PerExposure: true,
+			Comment: "each shifted port range's guest port, by its mark and the port dialled", Elems: map[string]ElemSpec{}})
+		inet.addSet(&SetSpec{Name: MapExpTargetPort6, Key: markPortKey, Data: target6Data, IsMap: true, PerExposure: true,
+			Comment: "each shifted port range's guest ipv6 address and port, by its mark and the port dialled", Elems: map[string]ElemSpec{}})
 		return
 	}
 	inet.addSet(&SetSpec{Name: MapExpCap, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,
@@ -289,7 +351,7 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 	if e.LoopbackOnly() {
 		return &unit{}, nil
 	}
-	if err := e.buildable(); err != nil {
+	if err := e.buildable(setBased); err != nil {
 		return nil, err
 	}
 	u := &unit{}
@@ -300,23 +362,56 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 	}
 	proto := ProtoNum(e.Protocol)
 	v4, v6 := e.families(setBased)
-	// mark (4) . dispatch key (8, 12 or 24) . guest address . port (8 or
-	// 20), for each family published
-	buf := make([]byte, 0, 4+(12+8)*2+24+20)
+	// mark (4) . dispatch key (8, 12 or 24; twice for a range: its first
+	// and its last key) . guest address . port (8 or 20), for each family
+	// published
+	buf := make([]byte, 0, 4+(12*2+8)*2+24*2+20)
 	buf = binary.NativeEndian.AppendUint32(buf, e.MarkID|ctmark.Owned)
 	mark := buf[0:4:4]
-	side := func(addr []byte, guest []byte) (dispatch, target []byte) {
-		at := len(buf)
+	key := func(addr []byte, port uint16) {
 		buf = append(buf, addr...)
 		buf = append(buf, proto, 0, 0, 0)
-		buf = binary.BigEndian.AppendUint16(buf, e.HostPort)
+		buf = binary.BigEndian.AppendUint16(buf, port)
 		buf = append(buf, 0, 0)
+	}
+	side := func(addr []byte, guest []byte) (dispatch, target []byte) {
+		at := len(buf)
+		key(addr, e.HostPort)
+		if e.IsRange() {
+			key(addr, e.HostPortLast)
+		}
 		dispatch = buf[at:len(buf):len(buf)]
 		at = len(buf)
 		buf = append(buf, guest...)
-		buf = binary.BigEndian.AppendUint16(buf, e.GuestPort)
-		buf = append(buf, 0, 0)
+		if !e.keepsPort() {
+			buf = binary.BigEndian.AppendUint16(buf, e.GuestPort)
+			buf = append(buf, 0, 0)
+		}
 		return dispatch, buf[at:len(buf):len(buf)]
+	}
+	// The maps of each family: exact or interval dispatch, the guest with
+	// its port or the port kept.
+	any4, addr4, target4, any6, addr6, target6 := MapExpAny, MapExpAddr, MapExpTarget, MapExpAny6, MapExpAddr6, MapExpTarget6
+	if e.IsRange() {
+		any4, addr4, any6, addr6 = MapExpAnyRange, MapExpAddrRange, MapExpAny6Range, MapExpAddr6Range
+	}
+	if e.keepsPort() {
+		target4, target6 = MapExpTargetAddr, MapExpTargetAddr6
+	}
+	// A shifted range: one target element per port, mark . host port to
+	// the guest address . its port.
+	byPort := func(set string, guest []byte) {
+		for i := 0; i <= int(e.HostPortLast)-int(e.HostPort); i++ {
+			// key (8) then value (address . port), one buffer
+			b := make([]byte, 0, 8+len(guest)+4)
+			b = append(b, mark...)
+			b = binary.BigEndian.AppendUint16(b, e.HostPort+uint16(i))
+			b = append(b, 0, 0)
+			b = append(b, guest...)
+			b = binary.BigEndian.AppendUint16(b, e.GuestPort+uint16(i))
+			b = append(b, 0, 0)
+			add(set, ElemSpec{Key: b[:8:8], Val: b[8:]})
+		}
 	}
 	if v4 {
 		var addr []byte
@@ -327,11 +422,15 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 		g := e.GuestAddr.As4()
 		dispatch, target := side(addr, g[:])
 		if e.Wildcard() {
-			add(MapExpAny, ElemSpec{Key: dispatch, Val: mark})
+			add(any4, ElemSpec{Key: dispatch, Val: mark})
 		} else {
-			add(MapExpAddr, ElemSpec{Key: dispatch, Val: mark})
+			add(addr4, ElemSpec{Key: dispatch, Val: mark})
 		}
-		add(MapExpTarget, ElemSpec{Key: mark, Val: target})
+		if e.shifted() {
+			byPort(MapExpTargetPort, g[:])
+		} else {
+			add(target4, ElemSpec{Key: mark, Val: target})
+		}
 	}
 	if v6 {
 		var addr []byte
@@ -342,11 +441,15 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 		g := e.GuestAddr6.As16()
 		dispatch, target := side(addr, g[:])
 		if e.Wildcard() {
-			add(MapExpAny6, ElemSpec{Key: dispatch, Val: mark})
+			add(any6, ElemSpec{Key: dispatch, Val: mark})
 		} else {
-			add(MapExpAddr6, ElemSpec{Key: dispatch, Val: mark})
+			add(addr6, ElemSpec{Key: dispatch, Val: mark})
 		}
-		add(MapExpTarget6, ElemSpec{Key: mark, Val: target})
+		if e.shifted() {
+			byPort(MapExpTargetPort6, g[:])
+		} else {
+			add(target6, ElemSpec{Key: mark, Val: target})
+		}
 	}
 	if !setBased || e.MaxConns <= 0 {
 		return u, nil
@@ -442,15 +545,31 @@ func Whole(r Rules) (inet, bridge *TableSpec, err error) {
 // dispatchSide decodes the host side from the key of an element of a
 // dispatch map (the maps looked up by address, protocol and port).
 func dispatchSide(set string, k []byte) (HostSide, bool) {
+	// An interval map's key is the first key and the last: the side is
+	// the range from the first's port to the last's.
+	last := func(h HostSide, end []byte) (HostSide, bool) {
+		if p := binary.BigEndian.Uint16(end); p > h.Port {
+			h.PortLast = p
+		}
+		return h, true
+	}
 	switch {
+	case set == MapExpAnyRange && len(k) == 16:
+		return last(HostSide{k[0], netip.IPv4Unspecified(), binary.BigEndian.Uint16(k[4:6]), 0}, k[12:14])
+	case set == MapExpAddrRange && len(k) == 24:
+		return last(HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]), 0}, k[20:22])
+	case set == MapExpAny6Range && len(k) == 16:
+		return last(HostSide{k[0], netip.IPv6Unspecified(), binary.BigEndian.Uint16(k[4:6]), 0}, k[12:14])
+	case set == MapExpAddr6Range && len(k) == 48:
+		return last(HostSide{k[16], netip.AddrFrom16([16]byte(k[0:16])), binary.BigEndian.Uint16(k[20:22]), 0}, k[44:46])
 	case set == MapExpAny && len(k) == 8:
-		return HostSide{k[0], netip.IPv4Unspecified(), binary.BigEndian.Uint16(k[4:6])}, true
+		return HostSide{k[0], netip.IPv4Unspecified(), binary.BigEndian.Uint16(k[4:6]), 0}, true
 	case set == MapExpAddr && len(k) == 12:
-		return HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10])}, true
+		return HostSide{k[4], netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]), 0}, true
 	case set == MapExpAny6 && len(k) == 8:
-		return HostSide{k[0], netip.IPv6Unspecified(), binary.BigEndian.Uint16(k[4:6])}, true
+		return HostSide{k[0], netip.IPv6Unspecified(), binary.BigEndian.Uint16(k[4:6]), 0}, true
 	case set == MapExpAddr6 && len(k) == 24:
-		return HostSide{k[16], netip.AddrFrom16([16]byte(k[0:16])), binary.BigEndian.Uint16(k[20:22])}, true
+		return HostSide{k[16], netip.AddrFrom16([16]byte(k[0:16])), binary.BigEndian.Uint16(k[20:22]), 0}, true
 	}
 	return HostSide{}, false
 }
@@ -755,6 +874,29 @@ func dnatToTarget() []expr.Any {
 	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
 		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: MapExpTarget},
 		&expr.NAT{Type: expr.NATTypeDestNAT, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, RegAddrMax: 1, RegProtoMin: 9, RegProtoMax: 9, Specified: true}}
+}
+
+// dnatToAddr DNATs to the address the mark maps to in set, the port
+// kept: dnat ip|ip6 to ct mark map @exp-target-addr[6].
+func dnatToAddr(set string, family uint32) []expr.Any {
+	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
+		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: set},
+		&expr.NAT{Type: expr.NATTypeDestNAT, Family: family, RegAddrMin: 1, RegAddrMax: 1}}
+}
+
+// dnatByPort DNATs by the mark and the port dialled to the guest address
+// and port set maps them to: dnat ip|ip6 to ct mark . th dport map
+// @exp-target-port[6]. The key is the mark (reg32 00) and the port (reg32
+// 01); the data lands as dnatToTarget's (IPv4) and dnat6ToTarget's do.
+func dnatByPort(set string, family uint32) []expr.Any {
+	proto := uint32(9)
+	if family == unix.NFPROTO_IPV6 {
+		proto = 2
+	}
+	return []expr.Any{&expr.Ct{Register: 1, Key: expr.CtKeyMARK},
+		&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+		&expr.Lookup{SourceRegister: 1, DestRegister: 1, IsDestRegSet: true, SetName: set},
+		&expr.NAT{Type: expr.NATTypeDestNAT, Family: family, RegAddrMin: 1, RegAddrMax: 1, RegProtoMin: proto, RegProtoMax: proto, Specified: true}}
 }
 
 // dnat6ToTarget: dnat ip6 to ct mark map @exp-target6. The data is an IPv6

@@ -93,6 +93,19 @@ func goldenCases() []goldenCase {
 	// The set-based cap publishes IPv4 only.
 	dualSet := baseRules(web6)
 	dualSet.Subnet6, dualSet.Guests = dual.Subnet6, []Guest{g1v6}
+	// Port ranges (nat path only): one interval element and one mark each,
+	// the port kept (exp-target-addr) or one guest port for all of it.
+	kept := Exposure{Name: "games", Protocol: "tcp", HostPort: 30000, HostPortLast: 30099, GuestAddr: g1.Addr, GuestAddr6: g1v6.Addr6,
+		GuestPort: 30000, GuestPortLast: 30099, MaxConns: 64}
+	fan := Exposure{Name: "voice", Protocol: "udp", HostAddr: netip.MustParseAddr("192.0.2.1"), HostPort: 40000, HostPortLast: 40009,
+		GuestAddr: g1.Addr, GuestPort: 27015}
+	kept6 := Exposure{Name: "games6", Protocol: "tcp", HostAddr: netip.MustParseAddr("2001:db8::1"), HostPort: 50000, HostPortLast: 50004,
+		GuestAddr6: g1v6.Addr6, GuestPort: 50000, GuestPortLast: 50004}
+	// Shifted: each host port to its own guest port, one element each.
+	shifted := Exposure{Name: "shifted", Protocol: "udp", HostPort: 41000, HostPortLast: 41002, GuestAddr: g1.Addr, GuestAddr6: g1v6.Addr6,
+		GuestPort: 51000, GuestPortLast: 51002}
+	ranges := baseRules(tcpTo("web", 8080, g1, 80), kept, fan, kept6, shifted)
+	ranges.Cap, ranges.Subnet6, ranges.Guests = MarksOnly{}, dual.Subnet6, []Guest{g1v6}
 	global6 := baseRules()
 	global6.Subnet6 = netip.MustParsePrefix("2001:db8:7::1/64")
 	return []goldenCase{
@@ -116,6 +129,7 @@ func goldenCases() []goldenCase {
 		{name: "ipv6-global-no-nat66", rules: global6},
 		{name: "dual-stack-nat", rules: dualNat},
 		{name: "dual-stack-set-cap", rules: dualSet},
+		{name: "port-ranges", rules: ranges},
 	}
 }
 
@@ -185,10 +199,14 @@ func TestPlanRefusesImpossibleInput(t *testing.T) {
 			r.Exposures[1].MarkID = 2
 		},
 		"exposures[web].name": func(r *Rules) { r.Exposures = append(r.Exposures, r.Exposures[0]) },
-		"subnet":              func(r *Rules) { r.Subnet = netip.Prefix{} },
-		"bridge":              func(r *Rules) { r.Bridge = "a-name-longer-than-ifnamsiz" },
-		"guests[0].mac":       func(r *Rules) { r.Guests[0].MAC = nil },
-		"guests[0].addr":      func(r *Rules) { r.Guests[0].Addr = netip.MustParseAddr("2001:db8::2") },
+		// The set-based cap publishes no range.
+		"exposures[web].hostPort":      func(r *Rules) { r.Exposures[0].HostPortLast = 8090 },
+		"exposures[web].hostPortLast":  func(r *Rules) { r.Exposures[0].HostPortLast = 8079; r.Cap = MarksOnly{} },
+		"exposures[web].guestPortLast": func(r *Rules) { r.Exposures[0].GuestPortLast = 81; r.Cap = MarksOnly{} },
+		"subnet":                       func(r *Rules) { r.Subnet = netip.Prefix{} },
+		"bridge":                       func(r *Rules) { r.Bridge = "a-name-longer-than-ifnamsiz" },
+		"guests[0].mac":                func(r *Rules) { r.Guests[0].MAC = nil },
+		"guests[0].addr":               func(r *Rules) { r.Guests[0].Addr = netip.MustParseAddr("2001:db8::2") },
 	} {
 		r := baseRules(tcpTo("web", 8080, g1, 80))
 		r.Guests = []Guest{g1}

@@ -49,11 +49,16 @@ type RuleSpec struct {
 }
 
 type SetSpec struct {
-	Name     string
-	Key      nftables.SetDatatype
-	Data     nftables.SetDatatype // zero unless a map
-	IsMap    bool
-	Dynamic  bool
+	Name    string
+	Key     nftables.SetDatatype
+	Data    nftables.SetDatatype // zero unless a map
+	IsMap   bool
+	Dynamic bool
+	// Interval: the key's last component is a range (a concatenation with
+	// flags interval, the kernel's pipapo set). Each element's Key is its
+	// first key followed by its last (NFTA_SET_ELEM_KEY and _KEY_END), so
+	// it is one key everywhere here; the runtime splits it on the wire.
+	Interval bool
 	Counter  bool // every element counts the packets that found it (NFTA_SET_EXPRESSIONS: counter)
 	Size     uint32
 	Comment  string

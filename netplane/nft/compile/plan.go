@@ -38,13 +38,15 @@ type ObsSet struct {
 type SetShape struct {
 	KeyType, KeyLen, DataType uint32
 	IsMap, Dynamic, Counter   bool
+	Interval                  bool
 	Size                      uint32
 }
 
 const verdictDataType = 0xffffff00 // NFT_DATA_VERDICT, how the kernel stores a vmap's data type
 
 func (s *SetSpec) Shape() SetShape {
-	sh := SetShape{KeyType: s.Key.GetNFTMagic(), KeyLen: s.Key.Bytes, IsMap: s.IsMap, Dynamic: s.Dynamic, Counter: s.Counter, Size: s.Size}
+	sh := SetShape{KeyType: s.Key.GetNFTMagic(), KeyLen: s.Key.Bytes, IsMap: s.IsMap, Dynamic: s.Dynamic, Counter: s.Counter,
+		Interval: s.Interval, Size: s.Size}
 	if s.IsMap {
 		sh.DataType = s.Data.GetNFTMagic()
 		if s.Data.Name == nftables.TypeVerdict.Name {

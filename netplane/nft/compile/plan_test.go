@@ -339,14 +339,28 @@ func TestLoopbackExposureGetsNoRules(t *testing.T) {
 // Any input either plans or is refused with an error: the compiler never
 // panics, whatever reaches it.
 func FuzzPlan(f *testing.F) {
-	f.Add("web", "tcp", uint16(8080), uint16(80), 3, "10.213.0.11", uint32(5))
-	f.Add("", "udp", uint16(0), uint16(0), -1, "::1", uint32(0))
-	f.Fuzz(func(t *testing.T, name, proto string, hp, gp uint16, max int, guest string, mark uint32) {
+	f.Add("web", "tcp", uint16(8080), uint16(0), uint16(80), false, false, 3, "10.213.0.11", uint32(5))
+	f.Add("", "udp", uint16(0), uint16(0), uint16(0), false, false, -1, "::1", uint32(0))
+	f.Add("games", "tcp", uint16(30000), uint16(30099), uint16(30000), true, false, 3, "10.213.0.11", uint32(5))
+	f.Add("games", "udp", uint16(30000), uint16(29999), uint16(30000), true, true, 3, "10.213.0.11", uint32(5))
+	f.Fuzz(func(t *testing.T, name, proto string, hp, last, gp uint16, keep, marksOnly bool, max int, guest string, mark uint32) {
 		r := refRules()
+		if marksOnly {
+			r.Cap = MarksOnly{}
+		}
 		ga, _ := netip.ParseAddr(guest)
-		r.Exposures = append(r.Exposures, Exposure{Name: name, Protocol: proto, HostPort: hp, GuestPort: gp, MaxConns: max, GuestAddr: ga, MarkID: mark})
+		r.Exposures = append(r.Exposures, Exposure{Name: name, Protocol: proto, HostPort: hp, HostPortLast: last, GuestPort: gp, GuestPortLast: map[bool]uint16{true: gp + (last - hp)}[keep],
+			MaxConns: max, GuestAddr: ga, MarkID: mark})
 		s := applied(t, refRules())
-		_, _ = s.Plan(r, nil)
+		if p, err := s.Plan(r, nil); err == nil && marksOnly {
+			// What plans renders (the golden files' printer takes every
+			// element the builder makes).
+			inet, _, err := Whole(r)
+			require.NoError(t, err)
+			_, err = Render(inet)
+			require.NoError(t, err)
+			_ = p
+		}
 		_, _ = s.PlanUpdate(nil, r.Exposures[2:], nil, nil)
 	})
 }
@@ -381,4 +395,26 @@ func BenchmarkPlanWhole10000(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// An exposure published for IPv6 callers alone flushes its host side when
+// it is retargeted or removed, as an IPv4 one does (its elements are in
+// the IPv6 maps).
+func TestPlanIPv6OnlyExposureRetargetAndRemovalFlush(t *testing.T) {
+	r := refRules()
+	r.Cap = MarksOnly{}
+	r.Subnet6 = netip.MustParsePrefix("fd00:6272:6b72::1/64")
+	v6 := Exposure{Name: "v6", Protocol: "udp", HostAddr: netip.IPv6Unspecified(), HostPort: 5300,
+		GuestAddr6: netip.MustParseAddr("fd00:6272:6b72::c8"), GuestPort: 53, MarkID: 77}
+	r.Exposures = append(r.Exposures, v6)
+	s := applied(t, r)
+	r.Exposures[len(r.Exposures)-1].GuestAddr6 = netip.MustParseAddr("fd00:6272:6b72::c9")
+	p, err := s.Plan(r, nil)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"v6 changed flush udp [::]:5300"}, changesOf(p), "retargeted")
+	s = applied(t, r)
+	r.Exposures = r.Exposures[:len(r.Exposures)-1]
+	p, err = s.Plan(r, nil)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"v6 removed flush udp [::]:5300"}, changesOf(p), "removed")
 }

@@ -92,6 +92,9 @@ func renderSet(b *strings.Builder, s *SetSpec) error {
 	if s.Dynamic {
 		b.WriteString("\t\tflags dynamic\n")
 	}
+	if s.Interval {
+		b.WriteString("\t\tflags interval\n")
+	}
 	if s.Counter {
 		b.WriteString("\t\tcounter\n")
 	}
@@ -101,7 +104,13 @@ func renderSet(b *strings.Builder, s *SetSpec) error {
 	var elems []string
 	for _, k := range sortedKeys(s.Elems) {
 		e := s.Elems[k]
-		key, err := renderKey(s.Key, e.Key)
+		var key string
+		var err error
+		if s.Interval {
+			key, err = renderInterval(s.Key, e.Key)
+		} else {
+			key, err = renderKey(s.Key, e.Key)
+		}
 		if err != nil {
 			return fmt.Errorf("element %x: %w", e.Key, err)
 		}
@@ -162,6 +171,32 @@ func renderKey(t nftables.SetDatatype, k []byte) (string, error) {
 		return "", fmt.Errorf("key longer than %s", t.Name)
 	}
 	return strings.Join(out, " . "), nil
+}
+
+// renderInterval prints an interval map's key, its first key followed by
+// its last: the components before the last are the same in both (the
+// builder makes only such keys), the last is a range ("tcp . 30000-30099";
+// one value when first and last are equal, as nft prints it).
+func renderInterval(t nftables.SetDatatype, k []byte) (string, error) {
+	if len(k)%2 != 0 {
+		return "", fmt.Errorf("interval key of odd length")
+	}
+	first, err := renderKey(t, k[:len(k)/2])
+	if err != nil {
+		return "", err
+	}
+	last, err := renderKey(t, k[len(k)/2:])
+	if err != nil {
+		return "", err
+	}
+	fi, li := strings.LastIndex(first, " . "), strings.LastIndex(last, " . ")
+	if first[:fi+1] != last[:li+1] {
+		return "", fmt.Errorf("interval %s to %s: only the last component may be a range", first, last)
+	}
+	if first == last {
+		return first, nil
+	}
+	return first + "-" + last[li+3:], nil
 }
 
 func renderValue(typ string, b []byte) (string, error) {
@@ -580,7 +615,7 @@ func (rr *ruleReader) nat(x *expr.NAT) error {
 	if x.Family == unix.NFPROTO_IPV6 {
 		fam = "ip6"
 	}
-	if x.Type != expr.NATTypeDestNAT || (x.Family != unix.NFPROTO_IPV4 && x.Family != unix.NFPROTO_IPV6) || !x.Specified ||
+	if x.Type != expr.NATTypeDestNAT || (x.Family != unix.NFPROTO_IPV4 && x.Family != unix.NFPROTO_IPV6) || x.Specified != (x.RegProtoMin != 0) ||
 		x.RegAddrMax != 0 && x.RegAddrMax != x.RegAddrMin || x.RegProtoMax != 0 && x.RegProtoMax != x.RegProtoMin ||
 		x.Random || x.FullyRandom || x.Persistent || x.Prefix {
 		return fmt.Errorf("nat other than dnat ip|ip6 to addr:port")
@@ -588,6 +623,11 @@ func (rr *ruleReader) nat(x *expr.NAT) error {
 	a, err := rr.get(x.RegAddrMin)
 	if err != nil {
 		return err
+	}
+	if x.RegProtoMin == 0 && a.kind == "mapped" && (fam == "ip" && a.len == 4 || fam == "ip6" && a.len == 16) {
+		// The address alone, from a map: the port is kept.
+		rr.emit("dnat " + fam + " to " + a.text)
+		return nil
 	}
 	p, err := rr.get(x.RegProtoMin)
 	if err != nil {

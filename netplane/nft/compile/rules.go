@@ -93,16 +93,35 @@ type Exposure struct {
 	Protocol string // tcp | udp
 	// HostAddr: the zero Addr is every local address of both families, an
 	// unspecified one every local address of its family.
-	HostAddr  netip.Addr
-	HostPort  uint16
-	GuestAddr netip.Addr // IPv4; the zero Addr: IPv4 callers are not published
+	HostAddr netip.Addr
+	HostPort uint16
+	// HostPortLast is the last port of a range of host ports (HostPort the
+	// first; 0: one port): one element of the interval maps, one mark.
+	HostPortLast uint16
+	GuestAddr    netip.Addr // IPv4; the zero Addr: IPv4 callers are not published
 	// GuestAddr6 is the guest's IPv6 address; the zero Addr: IPv6 callers
 	// are not published (nor are they under the set-based cap).
 	GuestAddr6 netip.Addr
-	GuestPort  uint16
-	MaxConns   int    // 0 = unlimited
-	MarkID     uint32 // the ct mark id: the exposure's counter slot + 1, unique
+	// GuestPort is where every host port goes, or with GuestPortLast (0:
+	// none) the first port of a guest range as long as the host's: host
+	// port HostPort+i to GuestPort+i. The same range keeps the port the
+	// caller dialled (one element, exp-target-addr); a shifted one is an
+	// element per port (exp-target-port).
+	GuestPort     uint16
+	GuestPortLast uint16
+	MaxConns      int    // 0 = unlimited
+	MarkID        uint32 // the ct mark id: the exposure's counter slot + 1, unique
 }
+
+// IsRange reports whether the exposure publishes a range of host ports.
+func (e Exposure) IsRange() bool { return e.HostPortLast > e.HostPort }
+
+// keepsPort reports whether each host port goes to the same guest port.
+func (e Exposure) keepsPort() bool { return e.GuestPortLast != 0 && e.GuestPort == e.HostPort }
+
+// shifted reports whether each host port goes to a guest port of its own,
+// another one.
+func (e Exposure) shifted() bool { return e.GuestPortLast != 0 && e.GuestPort != e.HostPort }
 
 // loopbackOnly: an exposure bound to 127.0.0.0/8 is the userspace proxy's
 // alone (DNAT from loopback would need route_localnet, which brokkr never
@@ -176,8 +195,21 @@ func (r Rules) buildable() error {
 }
 
 // buildable reports an exposure the builder cannot express (a mark id of 0
-// is never one).
-func (e Exposure) buildable() error {
+// is never one), under the cap setBased says.
+func (e Exposure) buildable(setBased bool) error {
+	if err := e.buildableAlways(); err != nil {
+		return err
+	}
+	if setBased && e.IsRange() {
+		return fieldErr("exposures["+e.Name+"].hostPort", "%d-%d: %s", e.HostPort, e.HostPortLast, ErrRangeSetCap)
+	}
+	return nil
+}
+
+// ErrRangeSetCap is why the set-based cap publishes no port range.
+const ErrRangeSetCap = "a port range is published on the BPF nat path only (the set-based cap keys its sets and slow path by one port)"
+
+func (e Exposure) buildableAlways() error {
 	id := e.MarkID
 	if e.LoopbackOnly() {
 		return nil
@@ -200,6 +232,10 @@ func (e Exposure) buildable() error {
 		return fieldErr(f+".hostAddr", "%s is IPv4 and the exposure has no IPv4 guest address", e.HostAddr)
 	case e.HostAddr.Is6() && !e.GuestAddr6.IsValid():
 		return fieldErr(f+".hostAddr", "%s is IPv6 and the exposure has no IPv6 guest address", e.HostAddr)
+	case e.HostPortLast != 0 && e.HostPortLast <= e.HostPort:
+		return fieldErr(f+".hostPortLast", "%d is not above hostPort %d", e.HostPortLast, e.HostPort)
+	case e.GuestPortLast != 0 && (!e.IsRange() || int(e.GuestPortLast)-int(e.GuestPort) != int(e.HostPortLast)-int(e.HostPort)):
+		return fieldErr(f+".guestPortLast", "%d: a guest range is as long as the host's range", e.GuestPortLast)
 	case e.MaxConns < 0 || e.MaxConns > MaxConnsLimit:
 		return fieldErr(f+".maxConns", "%d is outside 0..%d", e.MaxConns, MaxConnsLimit)
 	case id == 0 || id > ctmark.IDMask:

@@ -15,16 +15,21 @@ import (
 // (invalid: every local address) and host port. Conntrack entries of a
 // host side are flushed when what is published there changes.
 type HostSide struct {
-	Proto uint8
-	Addr  netip.Addr
-	Port  uint16
+	Proto    uint8
+	Addr     netip.Addr
+	Port     uint16
+	PortLast uint16 // the last port of a range (Port the first); 0: one port
 }
 
 // HostSide of e: its host address as given (the invalid one for every
 // address of both families, a family's unspecified one for every address
 // of that family).
 func (e Exposure) HostSide() HostSide {
-	return HostSide{ProtoNum(e.Protocol), e.HostAddr, e.HostPort}
+	h := HostSide{ProtoNum(e.Protocol), e.HostAddr, e.HostPort, 0}
+	if e.IsRange() {
+		h.PortLast = e.HostPortLast
+	}
+	return h
 }
 
 // clashes are the host sides another exposure may not have beside e's:
@@ -52,7 +57,11 @@ func (h HostSide) String() string {
 	if h.Addr.Is6() {
 		a = "[" + a + "]"
 	}
-	return protoName(h.Proto) + " " + a + ":" + strconv.Itoa(int(h.Port))
+	port := strconv.Itoa(int(h.Port))
+	if h.PortLast > h.Port {
+		port += "-" + strconv.Itoa(int(h.PortLast))
+	}
+	return protoName(h.Proto) + " " + a + ":" + port
 }
 
 // ChangeKind is what happened to an exposure.
@@ -341,7 +350,7 @@ func (w *want) check(s *State) error {
 		if e == nil || e.LoopbackOnly() {
 			continue
 		}
-		if err := e.buildable(); err != nil {
+		if err := e.buildable(w.setBased); err != nil {
 			return err
 		}
 		owner := func(m map[uint32]string, s map[uint32]string, id uint32) (string, bool) {
@@ -481,7 +490,25 @@ func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *de
 // routing reports whether a set's elements decide where a connection goes
 // (its mark by where it was dialled, its guest by its mark): a change there
 // flushes the exposure's host side; a change of the cap's objects does not.
-func routing(set string) bool { return set == MapExpAddr || set == MapExpAny || set == MapExpTarget }
+func routing(set string) bool {
+	switch set {
+	case MapExpAddr, MapExpAny, MapExpTarget, MapExpAddrRange, MapExpAnyRange, MapExpTargetAddr, MapExpTargetPort,
+		MapExpAddr6, MapExpAny6, MapExpTarget6,
+		MapExpAddr6Range, MapExpAny6Range, MapExpTargetAddr6, MapExpTargetPort6:
+		return true
+	}
+	return false
+}
+
+// dispatchMap reports whether a set is looked up by where the caller
+// dialled (an exposure's host side is its elements' keys).
+func dispatchMap(set string) bool {
+	switch set {
+	case MapExpAddr, MapExpAny, MapExpAddrRange, MapExpAnyRange, MapExpAddr6, MapExpAny6, MapExpAddr6Range, MapExpAny6Range:
+		return true
+	}
+	return false
+}
 
 // unitDelta plans one exposure's unit from old to cur (nil: none).
 func unitDelta(shared *TableSpec, old, cur *unit) *delta {
@@ -658,7 +685,7 @@ func classify(p *Plan, d *delta, prev, cur *TableSpec, touched map[string]bool) 
 	// A dispatch map missing as a whole (a first apply): every exposure in
 	// it is new where it is published, unless it was applied there before.
 	for _, n := range d.missingSets {
-		if n != MapExpAddr && n != MapExpAny || cur == nil || cur.Sets[n] == nil {
+		if !dispatchMap(n) || cur == nil || cur.Sets[n] == nil {
 			continue
 		}
 		for _, e := range cur.Sets[n].Elems {
@@ -797,7 +824,7 @@ func (w *want) changes(s *State, touched0 map[string]bool) []Change {
 				Change{*cur, Created, cur.HostSide(), touched(n) && createdFlush(*cur)})
 		default:
 			// Only where the flows go decides: a new cap keeps them.
-			retarget := old.GuestAddr != cur.GuestAddr || old.GuestAddr6 != cur.GuestAddr6 || old.GuestPort != cur.GuestPort || old.MarkID != cur.MarkID
+			retarget := old.GuestAddr != cur.GuestAddr || old.GuestAddr6 != cur.GuestAddr6 || old.GuestPort != cur.GuestPort || old.GuestPortLast != cur.GuestPortLast || old.MarkID != cur.MarkID
 			out = append(out, Change{*cur, Changed, cur.HostSide(), touched(n) && published(*cur) && retarget})
 		}
 	}

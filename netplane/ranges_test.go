@@ -1,0 +1,207 @@
+package netplane
+
+import (
+	"bufio"
+	"context"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/brokkr/brokkr/internal/kernelfeat"
+	"github.com/brokkr/brokkr/internal/nstest"
+	"github.com/brokkr/brokkr/internal/spec"
+)
+
+// servePorts answers each connection on every port of ports inside ns
+// with the port it came in on, one line, and keeps it open until the
+// caller closes.
+func servePorts(t *testing.T, ns *nstest.NS, ports ...int) {
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	conns := map[net.Conn]bool{}
+	var lns []net.Listener
+	t.Cleanup(func() {
+		for _, ln := range lns {
+			ln.Close()
+		}
+		mu.Lock()
+		for c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	for _, port := range ports {
+		var ln net.Listener
+		require.NoError(t, ns.Do(func() (err error) { ln, err = net.Listen("tcp4", "0.0.0.0:"+strconv.Itoa(port)); return err }))
+		lns = append(lns, ln)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				mu.Lock()
+				conns[c] = true
+				mu.Unlock()
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					_, _ = c.Write([]byte(strconv.Itoa(c.LocalAddr().(*net.TCPAddr).Port) + "\n"))
+					_, _ = c.Read(make([]byte, 1))
+					c.Close()
+				}()
+			}
+		}()
+	}
+}
+
+// A port range on the nat path is one exposure: each port of it reaches
+// the guest (the first, a middle and the last; the port kept, every port
+// to one guest port, or each to its own in a shifted range), the ports beside it are not published, one cap
+// of 2 held on two ports of the range refuses a third caller on a third
+// port, and every caller counts in the one slot.
+func TestPortRangeOnTheNatPath(t *testing.T) {
+	nstest.RequireRoot(t)
+	kernelfeat.Require(t, kernelfeat.NatPath...)
+	host, client := hostAndClient(t)
+	p, store := newPinnedPlane(t, host, t.TempDir())
+	web := spec.Target{VM: "web"}
+	d := Desired{Network: network(), Guests: guestsOf("web"), Exposures: []Exposure{
+		{Name: "same", Target: web, Proto: spec.TCP, HostPort: 30000, HostPortLast: 30099, GuestPort: 30000, GuestPortLast: 30099, MaxConns: 2},
+		{Name: "fan", Target: web, Proto: spec.TCP, HostAddr: mustAddr("10.99.0.1"), HostPort: 31000, HostPortLast: 31009, GuestPort: 80},
+		{Name: "one", Target: web, Proto: spec.TCP, HostPort: 8080, GuestPort: 80},
+		{Name: "shift", Target: web, Proto: spec.TCP, HostPort: 32000, HostPortLast: 32001, GuestPort: 30099, GuestPortLast: 30100},
+	}}
+	rep := p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	g := rep.Guests[0]
+	guest := attachGuest(t, host, g)
+	guest.MustRun(t, "ip", "addr", "add", g.Address.String()+"/24", "dev", "eth0")
+	guest.MustRun(t, "ip", "route", "add", "default", "via", "10.213.0.1")
+	servePorts(t, guest, 80, 29999, 30000, 30050, 30099, 30100)
+	// The host sees the guest take its address (its ARP for the bridge).
+	_ = guest.Do(func() error {
+		c, err := net.DialTimeout("tcp4", "10.213.0.1:9", 300*time.Millisecond)
+		if err == nil {
+			c.Close()
+		}
+		return nil
+	})
+	convergeUntil(t, p, d, "every exposure active", func(r Report) bool {
+		for _, x := range r.Exposures {
+			if x.State != spec.StateActive {
+				t.Logf("%s %s: %s", x.Name, x.State, x.Reason)
+				return false
+			}
+		}
+		return len(r.Exposures) == 4
+	})
+
+	call := func(port int) (net.Conn, string, error) {
+		var c net.Conn
+		if err := client.Do(func() (err error) {
+			c, err = net.DialTimeout("tcp4", "10.99.0.1:"+strconv.Itoa(port), 2*time.Second)
+			return err
+		}); err != nil {
+			return nil, "", err
+		}
+		_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+		line, err := bufio.NewReader(c).ReadString('\n')
+		if err != nil {
+			c.Close()
+			return nil, "", err
+		}
+		_ = c.SetDeadline(time.Time{})
+		return c, strings.TrimSpace(line), nil
+	}
+	reaches := func(port int, guestPort string) {
+		t.Helper()
+		c, seen, err := call(port)
+		require.NoError(t, err, "host port %d", port)
+		c.Close()
+		assert.Equal(t, guestPort, seen, "host port %d", port)
+	}
+	refused := func(port int, why string) {
+		t.Helper()
+		c, _, err := call(port)
+		if err == nil {
+			c.Close()
+		}
+		assert.Error(t, err, "host port %d: %s", port, why)
+	}
+	for _, port := range []int{30000, 30050, 30099} {
+		reaches(port, strconv.Itoa(port))
+	}
+	for _, port := range []int{31000, 31005, 31009} {
+		reaches(port, "80")
+	}
+	reaches(8080, "80")
+	reaches(32000, "30099") // shifted: each port to its own
+	reaches(32001, "30100")
+	refused(32002, "beside the range: not published")
+	refused(29999, "beside the range: not published")
+	refused(30100, "beside the range: not published")
+	refused(31010, "beside the range: not published")
+
+	// One cap of 2 across the range.
+	a, _, err := call(30000)
+	require.NoError(t, err)
+	defer a.Close()
+	b, _, err := call(30099)
+	require.NoError(t, err)
+	defer b.Close()
+	refused(30050, "a third caller is past the range's one cap")
+	c, ok := store.Lookup("same")
+	require.True(t, ok)
+	assert.EqualValues(t, 2, c.Active, "two callers on two ports hold the cap")
+	assert.EqualValues(t, 5, c.Accepted, "every port's callers count in the one slot")
+	assert.EqualValues(t, 1, c.Refused)
+	a.Close()
+	require.Eventually(t, func() bool {
+		c, _ := store.Lookup("same")
+		return c.Active == 1
+	}, 5*time.Second, 50*time.Millisecond, "a closed caller gives its place back")
+	reaches(30050, "30050")
+
+	// The range shrunk: the ports it left are withdrawn.
+	d.Exposures[0].HostPortLast, d.Exposures[0].GuestPortLast = 30050, 30050
+	rep = p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	refused(30099, "no longer in the range")
+	reaches(30050, "30050")
+}
+
+// Under the set-based cap (where the nat path's programs do not load) a
+// port range fails, saying why; the other exposures are published.
+func TestPortRangeFailsUnderTheSetBasedCap(t *testing.T) {
+	nstest.RequireRoot(t)
+	host, _ := hostAndClient(t)
+	p, _ := newPlane(t, host, t.TempDir())
+	web := spec.Target{VM: "web"}
+	d := Desired{Network: network(), Guests: guestsOf("web"), Exposures: []Exposure{
+		{Name: "same", Target: web, Proto: spec.TCP, HostPort: 30000, HostPortLast: 30099, GuestPort: 30000, GuestPortLast: 30099},
+		{Name: "one", Target: web, Proto: spec.TCP, HostPort: 8080, GuestPort: 80},
+	}}
+	rep := p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	require.Len(t, rep.Exposures, 2)
+	byName := map[string]ExposureStatus{}
+	for _, x := range rep.Exposures {
+		byName[x.Name] = x
+	}
+	assert.Equal(t, spec.StateFailed, byName["same"].State)
+	assert.Equal(t, "hostPort 30000-30099: a port range is published on the BPF nat path only (the set-based cap keys its sets and slow path by one port)", byName["same"].Reason)
+	assert.NotEqual(t, spec.StateFailed, byName["one"].State, byName["one"].Reason)
+	out := host.MustRun(t, "nft", "list", "table", "inet", "brokkr")
+	assert.Contains(t, out, "tcp . 8080")
+	assert.NotContains(t, out, "30000")
+}
