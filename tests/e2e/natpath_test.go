@@ -45,6 +45,12 @@ func newNatEnv(t *testing.T) *env {
 // server on 7000.
 func (e *env) attachEchoGuest() {
 	t := e.t
+	// The daemon's first pass makes the bridge; a test may come here
+	// before it (a squatted port's exposure is failed, not waited for).
+	require.Eventually(t, func() bool {
+		_, err := e.host.Run("ip", "link", "show", "brk-e2n0")
+		return err == nil
+	}, 20*time.Second, 50*time.Millisecond, "the daemon makes its bridge")
 	g := nstest.New(t, "guest")
 	e.host.MustRun(t, "ip", "link", "add", "brk-e2n-g", "type", "veth", "peer", "name", "eth0", "netns", g.Name)
 	e.host.MustRun(t, "ip", "link", "set", "brk-e2n-g", "master", "brk-e2n0", "up")
