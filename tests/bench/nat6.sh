@@ -28,8 +28,11 @@
 # same with 1 connector; for nat6 and nat4, the slot's admitted count over
 # the 8-connector run against the connections made (the programs counted
 # every one). Ratios are medians of per-round ratios; spread is min..max.
+# Then COSTROUNDS rounds of the programs' own cost per run (tests/bench/
+# bpfcost, only the programs our pinned links run) under nat6, nat4 and
+# nat4-old load: the per-packet price, without the machine's noise.
 #
-# Run as root: tests/bench/nat6.sh  (env: ROUNDS=7 SECS=4 DUR=4 CAP=100000
+# Run as root: tests/bench/nat6.sh  (env: ROUNDS=7 SECS=4 DUR=4 CAP=100000 COSTROUNDS=3
 # OLD_REV=<rev>|none; BENCH_OUT=dir for the CSV). Creates and deletes its own
 # brk-n6-* namespaces and its own bpffs mount (trap); touches nothing else.
 set -euo pipefail
@@ -39,7 +42,7 @@ export PATH=/usr/local/go/bin:$PATH
 command -v iperf3 >/dev/null || { echo "nat6.sh: iperf3 missing (make deps)" >&2; exit 1; }
 P=brk-n6
 CL=$P-cli HO=$P-host GU=$P-g1
-ROUNDS=${ROUNDS:-7} SECS=${SECS:-4} DUR=${DUR:-4} CAP=${CAP:-100000}
+ROUNDS=${ROUNDS:-7} SECS=${SECS:-4} DUR=${DUR:-4} CAP=${CAP:-100000} COSTROUNDS=${COSTROUNDS:-3}
 OUT=${BENCH_OUT:-tests/bench/out/$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
 work=$(mktemp -d /tmp/brk-n6.XXXXXX)
@@ -58,7 +61,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # --- binaries: this tree's, and natcost of the tree before the IPv6 nat path --
-go build -o "$work/" ./tests/bench/connrate ./tests/bench/natcost ./tests/bench/natscale
+go build -o "$work/" ./tests/bench/connrate ./tests/bench/natcost ./tests/bench/natscale ./tests/bench/bpfcost
 if [ -z "${OLD_REV:-}" ]; then
   m=$(git log --merges --format=%H --grep='^merge h-nat6' -1 2>/dev/null || true)
   OLD_REV=none
@@ -227,6 +230,37 @@ for r in $(seq "$ROUNDS"); do
   done
 done
 cp "$work/results.txt" "$OUT/nat6.txt"
+
+# What the programs cost per run under each capped path's 8-connector load:
+# the kernel's run-time statistics (on only while bpfcost runs) of the
+# programs our pinned links run, not of any other brk_* program on the
+# machine. The figures include the statistics' own clock reads.
+progids() { for f in "$work/bpf/$1"/*link*; do bpftool -j link show pinned "$f" | sed -E 's/.*"prog_id":([0-9]+).*/\1/'; done | sort -u | paste -sd,; }
+echo
+echo "# program cost per run (bpfcost), $COSTROUNDS rounds, under the 8-connector load of:"
+for c in $(seq "$COSTROUNDS"); do
+  for pp in new:nat6 new:nat4 old:nat4-old; do
+    ph=${pp%%:*} p=${pp#*:}
+    [ $ph = old ] && [ "$OLD_REV" = none ] && continue
+    load $ph; sleep 1
+    ids=$(progids $ph)
+    "$work/bpfcost" -ids "$ids" -d "$((SECS + 1))s" >"$work/bpfcost.txt" & bp=$!
+    sleep 0.5
+    load_=$(inns $CL "$work/connrate" -rate "${RATE[$p]}" -c 8 -d "${SECS}s")
+    wait $bp
+    unload $ph; sleep 1
+    echo "cost=$c path=$p ($(echo "$load_" | awk '{print $1, $2}')): $(grep -E 'brk_nat_(pre|out)' "$work/bpfcost.txt" | sed -E 's/^bpf //; s/ per run//' | paste -sd';')"
+    sed -nE "s/^bpf (brk_nat_pre|brk_nat_out): ([0-9]+) runs, ([0-9]+) ns/$c $p \1 \3/p" "$work/bpfcost.txt" >>"$work/cost.txt"
+  done
+done
+if [ -s "$work/cost.txt" ]; then
+  cp "$work/cost.txt" "$OUT/nat6-cost.txt"
+  echo "program cost, ns per run, median [min..max] over $COSTROUNDS rounds:"
+  awk '{ k = $2 " " $3; n[k]++; v[k, n[k]] = $4 }
+    END { for (k in n) { m = n[k]; for (i = 1; i <= m; i++) a[i] = v[k, i]
+      for (i = 1; i <= m; i++) for (j = i + 1; j <= m; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+      printf "  %-24s %s [%s..%s]\n", k, (m % 2 ? a[(m + 1) / 2] : (a[m / 2] + a[m / 2 + 1]) / 2), a[1], a[m] } }' "$work/cost.txt" | sort
+fi
 
 # --- summary ------------------------------------------------------------------------
 echo
