@@ -32,7 +32,9 @@
 # bpfcost, only the programs our pinned links run) under nat6, nat4 and
 # nat4-old load: the per-packet price, without the machine's noise.
 #
-# Run as root: tests/bench/nat6.sh  (env: ROUNDS=7 SECS=4 DUR=4 CAP=100000 COSTROUNDS=3
+# PATHS="plain6 nat6" measures only those paths (a longer A/B of two).
+#
+# Run as root: tests/bench/nat6.sh  (env: ROUNDS=7 SECS=4 DUR=4 CAP=100000 COSTROUNDS=3 PATHS=""
 # OLD_REV=<rev>|none; BENCH_OUT=dir for the CSV). Creates and deletes its own
 # brk-n6-* namespaces and its own bpffs mount (trap); touches nothing else.
 set -euo pipefail
@@ -218,9 +220,12 @@ for r in $(seq "$ROUNDS"); do
   for step in $seq_; do
     ph=${step%%:*}
     [ $ph = old ] && [ "$OLD_REV" = none ] && continue
+    IFS=, read -r -a all <<<"${step#*:}"
+    steps=()
+    for p in "${all[@]}"; do [ -z "${PATHS:-}" ] || [[ " $PATHS " == *" $p "* ]] && steps+=("$p"); done
+    [ ${#steps[@]} = 0 ] && continue
     load $ph
     sleep 1
-    IFS=, read -r -a steps <<<"${step#*:}"
     for p in "${steps[@]}"; do measure "$r" "$p"; done
     unload $ph
     sleep 1 # the last run's TIME_WAIT entries expire before the next programs load
