@@ -4,7 +4,10 @@
 // exits, nothing stays switched on), waits, and prints each brk_* program's
 // runs and mean nanoseconds per run over the window.
 //
-//	bpfcost -d 10s
+//	bpfcost -d 10s [-ids 12,13]
+//
+// -ids counts only the programs of those IDs (e.g. the ones a benchmark's
+// pinned links run), not every brk_* program on the machine.
 package main
 
 import (
@@ -13,6 +16,7 @@ import (
 	"fmt"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -26,7 +30,7 @@ type sample struct {
 	nanos time.Duration
 }
 
-func snapshot() (map[ebpf.ProgramID]sample, error) {
+func snapshot(only map[ebpf.ProgramID]bool) (map[ebpf.ProgramID]sample, error) {
 	out := map[ebpf.ProgramID]sample{}
 	var id ebpf.ProgramID
 	for {
@@ -38,6 +42,9 @@ func snapshot() (map[ebpf.ProgramID]sample, error) {
 			return nil, err
 		}
 		id = next
+		if only != nil && !only[id] {
+			continue
+		}
 		p, err := ebpf.NewProgramFromID(id)
 		if err != nil {
 			continue // gone meanwhile
@@ -54,14 +61,24 @@ func snapshot() (map[ebpf.ProgramID]sample, error) {
 
 func main() {
 	d := flag.Duration("d", 10*time.Second, "measurement window")
+	ids := flag.String("ids", "", "comma-separated program IDs to count (default: every brk_* program)")
 	flag.Parse()
+	var only map[ebpf.ProgramID]bool
+	if *ids != "" {
+		only = map[ebpf.ProgramID]bool{}
+		for _, f := range strings.Split(*ids, ",") {
+			n, err := strconv.ParseUint(strings.TrimSpace(f), 10, 32)
+			check(err)
+			only[ebpf.ProgramID(n)] = true
+		}
+	}
 	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
 	check(err)
 	defer stats.Close()
-	before, err := snapshot()
+	before, err := snapshot(only)
 	check(err)
 	time.Sleep(*d)
-	after, err := snapshot()
+	after, err := snapshot(only)
 	check(err)
 	byName := map[string]sample{}
 	for id, a := range after {

@@ -1,6 +1,6 @@
 // Command natscale drives netplane/nft for the nat benchmark (tests/bench/nat.sh):
 //
-//	natscale apply  -ns HOSTNS -guest IP -map HOSTPORT:GUESTPORT[,...] [-cap N]
+//	natscale apply  -ns HOSTNS -guest IP [-guest6 IP6 -subnet6 P] -map HOSTPORT:GUESTPORT[,...] [-cap N] [-marksonly]
 //	natscale connrate -ns CLIENTNS -addr IP:PORT -n N
 //	natscale serve  -ns GUESTNS -addr :7000   (accepts and closes, until killed)
 //	natscale scale  -ns HOSTNS -client CLIENTNS -guest IP -guestport P -hostaddrs IP,IP [-csv FILE]
@@ -65,17 +65,28 @@ func apply(args []string) error {
 	guest := fs.String("guest", "", "guest address")
 	maps := fs.String("map", "", "hostport:guestport,...")
 	capN := fs.Int("cap", 0, "maxConns per exposure")
+	guest6 := fs.String("guest6", "", "guest IPv6 address: the exposures are published on both families")
+	subnet6 := fs.String("subnet6", "fd00:6272:6b72::1/64", "the bridge's IPv6 address and prefix (with -guest6)")
+	marksOnly := fs.Bool("marksonly", false, "the table of the BPF nat path (marks and DNAT; the programs hold the cap), not the set-based cap")
 	_ = fs.Parse(args)
 	g := netip.MustParseAddr(*guest)
 	r := baseRules(g)
+	var g6 netip.Addr
+	if *guest6 != "" {
+		g6 = netip.MustParseAddr(*guest6)
+		r.Subnet6 = netip.MustParsePrefix(*subnet6)
+	}
+	// Exposure i has mark id i+1: the nat path's counter slot i.
 	for i, m := range strings.Split(*maps, ",") {
 		hp, gp, _ := strings.Cut(m, ":")
 		h, _ := strconv.Atoi(hp)
 		gg, _ := strconv.Atoi(gp)
 		r.Exposures = append(r.Exposures, nft.Exposure{Name: fmt.Sprintf("e%d", i), Protocol: "tcp",
-			HostPort: uint16(h), GuestAddr: g, GuestPort: uint16(gg), MaxConns: *capN, MarkID: uint32(i + 1)})
+			HostPort: uint16(h), GuestAddr: g, GuestAddr6: g6, GuestPort: uint16(gg), MaxConns: *capN, MarkID: uint32(i + 1)})
 	}
-	if *capN > 0 {
+	if *marksOnly {
+		r.Cap = nft.MarksOnly{}
+	} else if *capN > 0 {
 		// The kernel refuses over the cap by itself (no watcher, no slow
 		// path: the rule path alone).
 		r.Cap = nft.SetBasedCap{}
