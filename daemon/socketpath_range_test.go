@@ -6,7 +6,6 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,43 +24,8 @@ import (
 // ns with the port it came in on, one line, and keeps it until the caller
 // closes.
 func serveLocalPorts(t *testing.T, ns *nstest.NS, addr string, ports ...int) {
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var closers []interface{ Close() error }
-	t.Cleanup(func() {
-		mu.Lock()
-		for _, c := range closers {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
 	for _, port := range ports {
-		var ln net.Listener
-		require.NoError(t, ns.Do(func() (err error) { ln, err = net.Listen("tcp4", addr+":"+strconv.Itoa(port)); return err }))
-		mu.Lock()
-		closers = append(closers, ln)
-		mu.Unlock()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				mu.Lock()
-				closers = append(closers, c)
-				mu.Unlock()
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					_, _ = c.Write([]byte(strconv.Itoa(c.LocalAddr().(*net.TCPAddr).Port) + "\n"))
-					_, _ = c.Read(make([]byte, 1))
-					c.Close()
-				}()
-			}
-		}()
+		ns.ServeTCP(t, "tcp4", addr+":"+strconv.Itoa(port), nstest.AnswerPort)
 	}
 }
 

@@ -5,7 +5,6 @@ import (
 	"context"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,40 +20,10 @@ import (
 // inside ns with the caller's address as the guest sees it, one line, and
 // keeps it open until the caller closes.
 func serveRemote(t *testing.T, ns *nstest.NS, network, addr string) {
-	var ln net.Listener
-	require.NoError(t, ns.Do(func() (err error) { ln, err = net.Listen(network, addr); return err }))
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
+	ns.ServeTCP(t, network, addr, func(c net.Conn) {
+		_, _ = c.Write([]byte(c.RemoteAddr().(*net.TCPAddr).IP.String() + "\n"))
+		_, _ = c.Read(make([]byte, 1))
 	})
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = true
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				_, _ = c.Write([]byte(c.RemoteAddr().(*net.TCPAddr).IP.String() + "\n"))
-				_, _ = c.Read(make([]byte, 1))
-				c.Close()
-			}()
-		}
-	}()
 }
 
 // callFrom connects from inside ns and returns the connection and the

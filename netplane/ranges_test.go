@@ -6,7 +6,6 @@ import (
 	"net"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -19,48 +18,10 @@ import (
 )
 
 // servePorts answers each connection on every port of ports inside ns
-// with the port it came in on, one line, and keeps it open until the
-// caller closes.
+// with the port it came in on (nstest.AnswerPort).
 func servePorts(t *testing.T, ns *nstest.NS, ports ...int) {
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
-	var lns []net.Listener
-	t.Cleanup(func() {
-		for _, ln := range lns {
-			ln.Close()
-		}
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
 	for _, port := range ports {
-		var ln net.Listener
-		require.NoError(t, ns.Do(func() (err error) { ln, err = net.Listen("tcp4", "0.0.0.0:"+strconv.Itoa(port)); return err }))
-		lns = append(lns, ln)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				mu.Lock()
-				conns[c] = true
-				mu.Unlock()
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					_, _ = c.Write([]byte(strconv.Itoa(c.LocalAddr().(*net.TCPAddr).Port) + "\n"))
-					_, _ = c.Read(make([]byte, 1))
-					c.Close()
-				}()
-			}
-		}()
+		ns.ServeTCP(t, "tcp4", "0.0.0.0:"+strconv.Itoa(port), nstest.AnswerPort)
 	}
 }
 

@@ -159,34 +159,22 @@ func Link(t testing.TB, a *NS, aIf, aAddr string, b *NS, bIf, bAddr string) {
 	}
 }
 
-// ServeEcho runs TCP and UDP echo servers on addr (IPv4, or IPv6 in
-// brackets) inside the namespace until the test ends: a guest service for
-// tests of the data paths.
-func (n *NS) ServeEcho(t testing.TB, addr string) {
+// ServeTCP answers every connection to addr (network tcp, tcp4 or tcp6)
+// inside the namespace with handle, each in a goroutine of its own, until
+// the test ends. At cleanup the listener and every connection still open
+// are closed (a test that fails with a caller's connection open must not
+// wait on it for ever) and the handlers are waited for.
+func (n *NS) ServeTCP(t testing.TB, network, addr string, handle func(net.Conn)) {
 	t.Helper()
 	var ln net.Listener
-	var pc net.PacketConn
-	tcp, udp := "tcp4", "udp4"
-	if ap, err := netip.ParseAddrPort(addr); err == nil && ap.Addr().Is6() {
-		tcp, udp = "tcp6", "udp6" // an IPv6 address ("[::]:7000")
-	}
-	if err := n.Do(func() (err error) {
-		if ln, err = net.Listen(tcp, addr); err != nil {
-			return err
-		}
-		pc, err = net.ListenPacket(udp, addr)
-		return err
-	}); err != nil {
-		t.Fatalf("echo server on %s in %s: %v", addr, n.Name, err)
+	if err := n.Do(func() (err error) { ln, err = net.Listen(network, addr); return err }); err != nil {
+		t.Fatalf("server on %s %s in %s: %v", network, addr, n.Name, err)
 	}
 	var wg sync.WaitGroup
-	// Open connections are closed at cleanup too: a test that fails with a
-	// caller's connection still open must not wait on it for ever.
 	var mu sync.Mutex
 	conns := map[net.Conn]struct{}{}
 	t.Cleanup(func() {
 		ln.Close()
-		pc.Close()
 		mu.Lock()
 		for c := range conns {
 			c.Close()
@@ -194,9 +182,7 @@ func (n *NS) ServeEcho(t testing.TB, addr string) {
 		mu.Unlock()
 		wg.Wait()
 	})
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		for {
 			c, err := ln.Accept()
 			if err != nil {
@@ -205,19 +191,42 @@ func (n *NS) ServeEcho(t testing.TB, addr string) {
 			mu.Lock()
 			conns[c] = struct{}{}
 			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				_, _ = io.Copy(c, c)
+			wg.Go(func() {
+				handle(c)
 				c.Close()
 				mu.Lock()
 				delete(conns, c)
 				mu.Unlock()
-			}()
+			})
 		}
-	}()
+	})
+}
+
+// AnswerPort is a ServeTCP handler: it writes the port the connection came
+// in on, one line, and keeps the connection until the caller closes.
+func AnswerPort(c net.Conn) {
+	_, _ = c.Write([]byte(strconv.Itoa(c.LocalAddr().(*net.TCPAddr).Port) + "\n"))
+	_, _ = c.Read(make([]byte, 1))
+}
+
+// ServeEcho runs TCP and UDP echo servers on addr (IPv4, or IPv6 in
+// brackets) inside the namespace until the test ends: a guest service for
+// tests of the data paths.
+func (n *NS) ServeEcho(t testing.TB, addr string) {
+	t.Helper()
+	tcp, udp := "tcp4", "udp4"
+	if ap, err := netip.ParseAddrPort(addr); err == nil && ap.Addr().Is6() {
+		tcp, udp = "tcp6", "udp6" // an IPv6 address ("[::]:7000")
+	}
+	n.ServeTCP(t, tcp, addr, func(c net.Conn) { _, _ = io.Copy(c, c) })
+	var pc net.PacketConn
+	if err := n.Do(func() (err error) { pc, err = net.ListenPacket(udp, addr); return err }); err != nil {
+		t.Fatalf("echo server on %s in %s: %v", addr, n.Name, err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() { pc.Close(); <-done })
 	go func() {
-		defer wg.Done()
+		defer close(done)
 		buf := make([]byte, 65536)
 		for {
 			k, from, err := pc.ReadFrom(buf)
