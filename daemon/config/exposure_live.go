@@ -34,7 +34,9 @@ func NewLiveExposures(c *Config, model *spec.Desired) *LiveExposures {
 	l := &LiveExposures{ix: newExposureIndex(cidr, c.Network.CIDR, network.CIDR6, vms), keys: make(map[string]bindsAt, len(c.Exposures))}
 	for i, e := range c.Exposures {
 		l.ix.insert(e, model.Exposures[i], i)
-		l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort, sockPortsOf(e, model.Exposures[i])}
+		n := len(model.Exposures[i].AllowFrom)
+		l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort, sockPortsOf(e, model.Exposures[i]), n}
+		l.ix.allowTotal += n
 	}
 	return l
 }
@@ -47,12 +49,16 @@ func (l *LiveExposures) Len() int { return len(l.keys) }
 func (l *LiveExposures) Check(e Exposure) (spec.Exposure, bool) {
 	var col collector
 	n := len(l.keys)
+	// check counts e's allowFrom into the total; what a Check counted is
+	// taken back (Put counts what stays).
+	defer func(total int) { l.ix.allowTotal = total }(l.ix.allowTotal)
 	if pos, replacing := l.ix.names[e.Name]; replacing {
 		// A replacement: its own old name and binds are no clash (check
 		// skips binds of the same name), nor its ports on the socket path.
 		delete(l.ix.names, e.Name)
 		old := l.keys[e.Name].sock
 		l.ix.sockPorts -= old
+		l.ix.allowTotal -= l.keys[e.Name].allow
 		defer func() { l.ix.names[e.Name] = pos; l.ix.sockPorts += old }()
 	} else {
 		n++
@@ -71,7 +77,8 @@ func (l *LiveExposures) Put(e Exposure, me spec.Exposure) {
 		l.Remove(e.Name)
 	}
 	l.ix.insert(e, me, pos)
-	l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort, sockPortsOf(e, me)}
+	l.keys[e.Name] = bindsAt{e.Protocol, e.HostPort, sockPortsOf(e, me), len(me.AllowFrom)}
+	l.ix.allowTotal += len(me.AllowFrom)
 }
 
 // Remove forgets the named exposure (no-op when there is none).
@@ -84,6 +91,7 @@ func (l *LiveExposures) Remove(name string) {
 	delete(l.ix.names, name)
 	l.ix.forget(name, k.proto, k.port)
 	l.ix.sockPorts -= k.sock
+	l.ix.allowTotal -= k.allow
 }
 
 // bindsAt is where an exposure's binds are in the index.
@@ -91,4 +99,5 @@ type bindsAt struct {
 	proto string
 	port  Port
 	sock  int // its ports on the socket path (sockPortsOf)
+	allow int // its allowFrom prefixes, counted in the index's total
 }

@@ -186,3 +186,41 @@ func TestLiveExposuresCapacity(t *testing.T) {
 		t.Fatalf("a replacement at the limit: Check %v, Compile %v", ok, errs)
 	}
 }
+
+// The allowFrom total counts each desired exposure's prefixes once: checks
+// that are not put count nothing, a replacement counts its new list, not
+// both, and a removal gives its prefixes back; the existing state's
+// prefixes are counted from the start.
+func TestLiveExposuresCountAllowFromOnce(t *testing.T) {
+	c, model, err := Load([]byte("exposures: [{name: a, target: 10.213.0.9, guestPort: 1, hostPort: 1, allowFrom: [192.0.2.0/24, 198.51.100.0/24]}]"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	live := NewLiveExposures(c, model)
+	if live.ix.allowTotal != 2 {
+		t.Fatalf("the existing state's prefixes: %d, want 2", live.ix.allowTotal)
+	}
+	b := c.Exposures[0]
+	b.Name, b.HostPort = "b", P(2)
+	for range 1000 {
+		if _, ok := live.Check(b); !ok {
+			t.Fatal("refused")
+		}
+	}
+	if live.ix.allowTotal != 2 {
+		t.Fatalf("after 1,000 checks: %d, want 2", live.ix.allowTotal)
+	}
+	me, _ := live.Check(b)
+	live.Put(b, me)
+	a := c.Exposures[0]
+	a.AllowFrom = []string{"203.0.113.0/24"}
+	me, _ = live.Check(a)
+	live.Put(a, me)
+	if live.ix.allowTotal != 3 {
+		t.Fatalf("b's 2 and a's new 1: %d, want 3", live.ix.allowTotal)
+	}
+	live.Remove("b")
+	if live.ix.allowTotal != 1 {
+		t.Fatalf("after b's removal: %d, want 1", live.ix.allowTotal)
+	}
+}
