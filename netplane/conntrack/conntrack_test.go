@@ -170,9 +170,10 @@ func TestFilteredDumpReturnsOnlyTheHostSide(t *testing.T) {
 	assert.Empty(t, dumped(HostSide{Proto: unix.IPPROTO_TCP, Port: 53}))
 }
 
-// Several host sides at once are deleted the same whether they share one
-// full dump (a first converge) or get one filtered dump each.
-func TestDeleteSeveralHostSidesBothWays(t *testing.T) {
+// bothWays runs f with one filtered dump per host side (and family) and
+// with one shared dump of every entry: the two correct ways DeleteHostSides
+// picks between.
+func bothWays(t *testing.T, f func(t *testing.T)) {
 	for _, tc := range []struct {
 		name    string
 		perWalk int
@@ -180,22 +181,30 @@ func TestDeleteSeveralHostSidesBothWays(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			defer func(old int) { entriesPerWalk = old }(entriesPerWalk)
 			entriesPerWalk = tc.perWalk
-			ns := nstest.New(t, "ct")
-			insertHostSideFixture(t, ns)
-			c, err := Dial(ns.Path)
-			require.NoError(t, err)
-			defer c.Close()
-			n, err := c.DeleteHostSides([]HostSide{
-				{Proto: unix.IPPROTO_UDP, Addr: netip.MustParseAddr("10.98.0.1"), Port: 5353},
-				{Proto: unix.IPPROTO_TCP, Port: 5353},
-				{Proto: unix.IPPROTO_TCP, Addr: netip.MustParseAddr("10.97.0.1"), Port: 8080}, // other address: kept
-				{Proto: unix.IPPROTO_UDP, Port: 9},
-			})
-			require.NoError(t, err)
-			assert.Equal(t, []int{1, 2, 0, 0}, n)
-			assert.Equal(t, 3, count(t, ns))
+			f(t)
 		})
 	}
+}
+
+// Several host sides at once are deleted the same whether they share one
+// full dump (a first converge) or get one filtered dump each.
+func TestDeleteSeveralHostSidesBothWays(t *testing.T) {
+	bothWays(t, func(t *testing.T) {
+		ns := nstest.New(t, "ct")
+		insertHostSideFixture(t, ns)
+		c, err := Dial(ns.Path)
+		require.NoError(t, err)
+		defer c.Close()
+		n, err := c.DeleteHostSides([]HostSide{
+			{Proto: unix.IPPROTO_UDP, Addr: netip.MustParseAddr("10.98.0.1"), Port: 5353},
+			{Proto: unix.IPPROTO_TCP, Port: 5353},
+			{Proto: unix.IPPROTO_TCP, Addr: netip.MustParseAddr("10.97.0.1"), Port: 8080}, // other address: kept
+			{Proto: unix.IPPROTO_UDP, Port: 9},
+		})
+		require.NoError(t, err)
+		assert.Equal(t, []int{1, 2, 0, 0}, n)
+		assert.Equal(t, 3, count(t, ns))
+	})
 }
 
 // IPv6 entries are deleted by their host side too, and a family's
@@ -203,45 +212,38 @@ func TestDeleteSeveralHostSidesBothWays(t *testing.T) {
 // filtered dump per side and family or with one shared dump of every
 // family.
 func TestDeleteHostSidesByFamily(t *testing.T) {
-	for _, tc := range []struct {
-		name    string
-		perWalk int
-	}{{"one filtered dump per side and family", 0}, {"one shared dump", 1 << 30}} {
-		t.Run(tc.name, func(t *testing.T) {
-			defer func(old int) { entriesPerWalk = old }(entriesPerWalk)
-			entriesPerWalk = tc.perWalk
-			ns := nstest.New(t, "ct")
-			insert6 := func(src, dst, sport string) {
-				ns.MustRun(t, "conntrack", "-I", "-p", "udp", "-s", src, "-d", dst, "--sport", sport, "--dport", "5353",
-					"-t", "120", "--mark", "1")
-			}
-			insert6("fd00:99::2", "fd00:99::1", "40010")
-			insert6("fd00:99::3", "fd00:98::1", "40011")
-			insert6("fd00:99::3", "fd00:98::1", "40012")
-			insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "1")
-			insert(t, ns, "udp", "10.99.0.3", "10.99.0.1", "40001", "5353", "1")
-			require.Equal(t, 5, count(t, ns))
-			c, err := Dial(ns.Path)
-			require.NoError(t, err)
-			defer c.Close()
-			n, err := c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_UDP, Addr: netip.MustParseAddr("fd00:98::1"), Port: 5353}})
-			require.NoError(t, err)
-			assert.Equal(t, []int{2}, n, "one IPv6 host address")
-			n, err = c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_UDP, Addr: netip.IPv4Unspecified(), Port: 5353}})
-			require.NoError(t, err)
-			assert.Equal(t, []int{2}, n, "0.0.0.0: IPv4 only")
-			insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "1")
-			n, err = c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_UDP, Addr: netip.IPv6Unspecified(), Port: 5353}})
-			require.NoError(t, err)
-			assert.Equal(t, []int{1}, n, ":: IPv6 only")
-			assert.Equal(t, 1, count(t, ns))
-			insert6("fd00:99::2", "fd00:99::1", "40010")
-			n, err = c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_UDP, Port: 5353}})
-			require.NoError(t, err)
-			assert.Equal(t, []int{2}, n, "every address of both families")
-			assert.Equal(t, 0, count(t, ns))
-		})
-	}
+	bothWays(t, func(t *testing.T) {
+		ns := nstest.New(t, "ct")
+		insert6 := func(src, dst, sport string) {
+			ns.MustRun(t, "conntrack", "-I", "-p", "udp", "-s", src, "-d", dst, "--sport", sport, "--dport", "5353",
+				"-t", "120", "--mark", "1")
+		}
+		insert6("fd00:99::2", "fd00:99::1", "40010")
+		insert6("fd00:99::3", "fd00:98::1", "40011")
+		insert6("fd00:99::3", "fd00:98::1", "40012")
+		insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "1")
+		insert(t, ns, "udp", "10.99.0.3", "10.99.0.1", "40001", "5353", "1")
+		require.Equal(t, 5, count(t, ns))
+		c, err := Dial(ns.Path)
+		require.NoError(t, err)
+		defer c.Close()
+		n, err := c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_UDP, Addr: netip.MustParseAddr("fd00:98::1"), Port: 5353}})
+		require.NoError(t, err)
+		assert.Equal(t, []int{2}, n, "one IPv6 host address")
+		n, err = c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_UDP, Addr: netip.IPv4Unspecified(), Port: 5353}})
+		require.NoError(t, err)
+		assert.Equal(t, []int{2}, n, "0.0.0.0: IPv4 only")
+		insert(t, ns, "udp", "10.99.0.2", "10.99.0.1", "40000", "5353", "1")
+		n, err = c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_UDP, Addr: netip.IPv6Unspecified(), Port: 5353}})
+		require.NoError(t, err)
+		assert.Equal(t, []int{1}, n, ":: IPv6 only")
+		assert.Equal(t, 1, count(t, ns))
+		insert6("fd00:99::2", "fd00:99::1", "40010")
+		n, err = c.DeleteHostSides([]HostSide{{Proto: unix.IPPROTO_UDP, Port: 5353}})
+		require.NoError(t, err)
+		assert.Equal(t, []int{2}, n, "every address of both families")
+		assert.Equal(t, 0, count(t, ns))
+	})
 }
 
 func TestFilteredWhenAWalkPerSideCostsLessThanEveryEntry(t *testing.T) {
