@@ -368,13 +368,16 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 	buf := make([]byte, 0, 4+(12*2+8)*2+24*2+20)
 	buf = binary.NativeEndian.AppendUint32(buf, e.MarkID|ctmark.Owned)
 	mark := buf[0:4:4]
-	key := func(addr []byte, port uint16) {
-		buf = append(buf, addr...)
+	// AppendBinary writes an address's 4 or 16 bytes (none for the zero
+	// Addr: a wildcard has no address in its key) into buf, allocating
+	// nothing: a first apply builds 100,000 units.
+	key := func(addr netip.Addr, port uint16) {
+		buf, _ = addr.AppendBinary(buf)
 		buf = append(buf, proto, 0, 0, 0)
 		buf = binary.BigEndian.AppendUint16(buf, port)
 		buf = append(buf, 0, 0)
 	}
-	side := func(addr []byte, guest []byte) (dispatch, target []byte) {
+	side := func(addr, guest netip.Addr) (dispatch, target []byte) {
 		at := len(buf)
 		key(addr, e.HostPort)
 		if e.IsRange() {
@@ -382,7 +385,7 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 		}
 		dispatch = buf[at:len(buf):len(buf)]
 		at = len(buf)
-		buf = append(buf, guest...)
+		buf, _ = guest.AppendBinary(buf)
 		if !e.keepsPort() {
 			buf = binary.BigEndian.AppendUint16(buf, e.GuestPort)
 			buf = append(buf, 0, 0)
@@ -400,55 +403,48 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 	}
 	// A shifted range: one target element per port, mark . host port to
 	// the guest address . its port.
-	byPort := func(set string, guest []byte) {
+	byPort := func(set string, guest netip.Addr) {
 		for i := 0; i <= int(e.HostPortLast)-int(e.HostPort); i++ {
 			// key (8) then value (address . port), one buffer
-			b := make([]byte, 0, 8+len(guest)+4)
+			b := make([]byte, 0, 8+16+4)
 			b = append(b, mark...)
 			b = binary.BigEndian.AppendUint16(b, e.HostPort+uint16(i))
 			b = append(b, 0, 0)
-			b = append(b, guest...)
+			b, _ = guest.AppendBinary(b)
 			b = binary.BigEndian.AppendUint16(b, e.GuestPort+uint16(i))
 			b = append(b, 0, 0)
 			add(set, ElemSpec{Key: b[:8:8], Val: b[8:]})
 		}
 	}
-	if v4 {
-		var addr []byte
-		if !e.Wildcard() {
-			a := e.HostAddr.As4()
-			addr = a[:]
-		}
-		g := e.GuestAddr.As4()
-		dispatch, target := side(addr, g[:])
-		if e.Wildcard() {
-			add(any4, ElemSpec{Key: dispatch, Val: mark})
-		} else {
-			add(addr4, ElemSpec{Key: dispatch, Val: mark})
-		}
-		if e.shifted() {
-			byPort(MapExpTargetPort, g[:])
-		} else {
-			add(target4, ElemSpec{Key: mark, Val: target})
-		}
+	// Each family published: its host address (none for a wildcard),
+	// its guest address, and its maps.
+	type family struct {
+		on                      bool
+		host, guest             netip.Addr
+		anyMap, addrMap, target string
+		byPortMap               string
 	}
-	if v6 {
-		var addr []byte
-		if !e.Wildcard() {
-			a := e.HostAddr.As16()
-			addr = a[:]
+	host := e.HostAddr
+	if e.Wildcard() {
+		host = netip.Addr{}
+	}
+	for _, f := range []family{
+		{v4, host, e.GuestAddr, any4, addr4, target4, MapExpTargetPort},
+		{v6, host, e.GuestAddr6, any6, addr6, target6, MapExpTargetPort6},
+	} {
+		if !f.on {
+			continue
 		}
-		g := e.GuestAddr6.As16()
-		dispatch, target := side(addr, g[:])
+		dispatch, target := side(f.host, f.guest)
 		if e.Wildcard() {
-			add(any6, ElemSpec{Key: dispatch, Val: mark})
+			add(f.anyMap, ElemSpec{Key: dispatch, Val: mark})
 		} else {
-			add(addr6, ElemSpec{Key: dispatch, Val: mark})
+			add(f.addrMap, ElemSpec{Key: dispatch, Val: mark})
 		}
 		if e.shifted() {
-			byPort(MapExpTargetPort6, g[:])
+			byPort(f.byPortMap, f.guest)
 		} else {
-			add(target6, ElemSpec{Key: mark, Val: target})
+			add(f.target, ElemSpec{Key: mark, Val: target})
 		}
 	}
 	if !setBased || e.MaxConns <= 0 {
