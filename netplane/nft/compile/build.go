@@ -138,15 +138,19 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		publish = append(publish, rule(fam, "capped exposures: the set-based cap",
 			&expr.Ct{Register: 1, Key: expr.CtKeyMARK}, lookupVmap(MapExpCap)))
 	}
-	publish = append(publish, rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnatToTarget()...)...),
-		rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnatToTarget()...)...))
+	// A DNAT rule names its protocol (the port it rewrites is the
+	// transport header's): each target is a TCP and a UDP rule, each with
+	// expressions of its own.
+	perProto := func(comment string, dnat func() []expr.Any) []RuleSpec {
+		return []RuleSpec{rule(fam, comment, append(l4proto(unix.IPPROTO_TCP), dnat()...)...),
+			rule(fam, comment, append(l4proto(unix.IPPROTO_UDP), dnat()...)...)}
+	}
+	publish = append(publish, perProto("to the guest", dnatToTarget)...)
 	if !setBased {
 		// A range whose guest ports are its own: the address only (a
 		// mark has an element in exp-target or in exp-target-addr).
-		publish = append(publish, rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_TCP), dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4)...)...),
-			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_UDP), dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4)...)...),
-			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_TCP), dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4)...)...),
-			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_UDP), dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4)...)...))
+		publish = append(publish, perProto("to the guest, the port kept", func() []expr.Any { return dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4) })...)
+		publish = append(publish, perProto("to the guest, by the port dialled", func() []expr.Any { return dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4) })...)
 	}
 	inet.addChain(&ChainSpec{Name: chainPublish, Rules: publish})
 	if !setBased {
@@ -168,14 +172,10 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 			rule(fam, "port ranges bound to one ipv6 address", append(append(loadAddr6ProtoPort(), markFrom(MapExpAddr6Range)...), toPublish6)...),
 			rule(fam, "port ranges on every local ipv6 address", append(append(loadProtoPort(), markFrom(MapExpAny6Range)...), toPublish6)...),
 		}})
-		inet.addChain(&ChainSpec{Name: chainPublish6, Rules: []RuleSpec{
-			rule(fam, "to the guest", append(l4proto(unix.IPPROTO_TCP), dnat6ToTarget()...)...),
-			rule(fam, "to the guest", append(l4proto(unix.IPPROTO_UDP), dnat6ToTarget()...)...),
-			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_TCP), dnatToAddr(MapExpTargetAddr6, unix.NFPROTO_IPV6)...)...),
-			rule(fam, "to the guest, the port kept", append(l4proto(unix.IPPROTO_UDP), dnatToAddr(MapExpTargetAddr6, unix.NFPROTO_IPV6)...)...),
-			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_TCP), dnatByPort(MapExpTargetPort6, unix.NFPROTO_IPV6)...)...),
-			rule(fam, "to the guest, by the port dialled", append(l4proto(unix.IPPROTO_UDP), dnatByPort(MapExpTargetPort6, unix.NFPROTO_IPV6)...)...),
-		}})
+		publish6 := perProto("to the guest", dnat6ToTarget)
+		publish6 = append(publish6, perProto("to the guest, the port kept", func() []expr.Any { return dnatToAddr(MapExpTargetAddr6, unix.NFPROTO_IPV6) })...)
+		publish6 = append(publish6, perProto("to the guest, by the port dialled", func() []expr.Any { return dnatByPort(MapExpTargetPort6, unix.NFPROTO_IPV6) })...)
+		inet.addChain(&ChainSpec{Name: chainPublish6, Rules: publish6})
 	}
 	addSharedMaps(inet, setBased)
 	if setBased {
