@@ -81,6 +81,10 @@ const (
 
 const snapSize = snapWords * 8
 
+// regionSize is each region's value size (a table, not a map literal:
+// v1word runs for every word of every pulled slot).
+var regionSize = [...]int{inStats: valueSize, inLimits: limitSize, inDenied: deniedSize}
+
 // region says which map a snapshot word lives in and where.
 type region int
 
@@ -118,8 +122,7 @@ func (m *migration) v1word(i, k int) *atomic.Uint64 {
 	if mem == nil {
 		return nil
 	}
-	size := map[region]int{inStats: valueSize, inLimits: limitSize, inDenied: deniedSize}[f.r]
-	return (*atomic.Uint64)(unsafe.Pointer(&mem[i*size+f.off]))
+	return (*atomic.Uint64)(unsafe.Pointer(&mem[i*regionSize[f.r]+f.off]))
 }
 
 func (m *migration) sword(i, k int) *atomic.Uint64 {

@@ -399,7 +399,11 @@ func (s *Store) read(i int) Counters {
 	}
 }
 
+// zero frees slot i (and lowers Attach's hint to it).
 func (s *Store) zero(i int) {
+	if i < s.hint {
+		s.hint = i
+	}
 	for _, off := range []int{offActive, offAccepted, offRefused, offDropped, offBytesIn, offBytesOut} {
 		s.word(i, off).Store(0)
 	}
@@ -464,8 +468,8 @@ func (s *Store) Attach(name string, protocol uint32, hostPort uint16) (*Slot, er
 		if i < 0 {
 			return nil, fmt.Errorf("%s: all %d slots are in use", MapName, Slots)
 		}
-		s.hint = i + 1
 		s.zero(i)
+		s.hint = i + 1
 		copy(s.mem[s.base(i):s.base(i)+MaxNameLen], name)
 		s.byName[name] = i
 	}
@@ -518,7 +522,6 @@ func (s *Store) Prune(keep func(name string) bool) []string {
 			continue
 		}
 		s.zero(i)
-		s.freed(i)
 		delete(s.byName, name)
 		gone = append(gone, name)
 	}
@@ -692,15 +695,7 @@ func (sl *Slot) Release(deleted bool) {
 	delete(s.refs, sl.i)
 	if deleted && !s.closed {
 		s.zero(sl.i)
-		s.freed(sl.i)
 		delete(s.byName, sl.name)
-	}
-}
-
-// freed notes that slot i is free again, for Attach's search.
-func (s *Store) freed(i int) {
-	if i < s.hint {
-		s.hint = i
 	}
 }
 
@@ -774,7 +769,7 @@ func Dump(pinPath string) ([]Entry, error) {
 // older brokkrd's, not yet copied by a newer one).
 func StatsPin(dir string) string {
 	v2 := filepath.Join(dir, MapName)
-	if _, err := os.Stat(v2); err != nil {
+	if !exists(v2) {
 		if v1 := filepath.Join(dir, V1MapName); exists(v1) {
 			return v1
 		}
