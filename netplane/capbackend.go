@@ -165,7 +165,7 @@ func (b *natPathBackend) warning() string {
 func (b *natPathBackend) fallback() string { return "" } // adopted programs too: they admit against the slot
 func (b *natPathBackend) ipv6() string {
 	if !b.np.IPv6() {
-		return "the nat path's programs an earlier brokkrd attached run for IPv4 only"
+		return "no nat-path program runs at the IPv6 hooks (an earlier brokkrd's, kept, had none)"
 	}
 	return ""
 }

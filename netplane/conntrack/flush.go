@@ -111,10 +111,14 @@ func (c *Conn) DeleteHostSides(sides []HostSide) ([]int, error) {
 	if filtered(walks, n) {
 		for i, h := range sides {
 			v4, v6 := h.families()
-			for fam, on := range map[netfilter.ProtoFamily]bool{netfilter.ProtoIPv4: v4, netfilter.ProtoIPv6: v6} {
-				if !on {
+			for _, f := range [...]struct {
+				fam netfilter.ProtoFamily
+				on  bool
+			}{{netfilter.ProtoIPv4, v4}, {netfilter.ProtoIPv6, v6}} {
+				if !f.on {
 					continue
 				}
+				fam := f.fam
 				req, err := filteredDump(h, fam)
 				if err != nil {
 					return counts, err
