@@ -106,6 +106,11 @@ type Server struct {
 	bindings map[netip.Addr]*guest // by address
 	lastRS   time.Time
 	newGuest bool // a binding came: the initial advertisements again
+	// withdrawn: every advertisement from now on carries lifetimes 0.
+	// Advertisements are written under mu, so none with the prefix's
+	// lifetimes can follow the withdrawal onto the wire (the sender's
+	// initial one raced Withdraw's and, sent second, undid it).
+	withdrawn bool
 }
 
 type guest struct {
@@ -252,8 +257,27 @@ func (s *Server) Close() error {
 // hours, as RFC 4862 5.5.3 has it), then closes. For a changed or removed
 // network.cidr6.
 func (s *Server) Withdraw() error {
-	err := s.conn.WriteTo(s.advert(true), nil, netip.IPv6LinkLocalAllNodes())
+	s.mu.Lock()
+	s.withdrawn = true
+	s.mu.Unlock()
+	// RFC 4861 6.2.5's final advertisements, back to back: a guest that
+	// misses one keeps the route until the next daemon's advertisement.
+	var err error
+	for range finalAdverts {
+		err = errors.Join(err, s.advertise(netip.IPv6LinkLocalAllNodes()))
+	}
 	return errors.Join(err, s.Close())
+}
+
+// finalAdverts is RFC 4861's MAX_FINAL_RTR_ADVERTISEMENTS.
+const finalAdverts = 3
+
+// advertise writes the advertisement to one address (all-nodes for the
+// periodic ones), withdrawn once Withdraw has begun.
+func (s *Server) advertise(to netip.Addr) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.conn.WriteTo(s.advert(s.withdrawn), nil, to)
 }
 
 // advert is the router advertisement: the /64 on-link and autonomous, the
@@ -306,7 +330,7 @@ func (s *Server) send() {
 		}
 		s.mu.Unlock()
 		if !now.Before(next) {
-			if err := s.conn.WriteTo(s.advert(false), nil, netip.IPv6LinkLocalAllNodes()); err != nil {
+			if err := s.advertise(netip.IPv6LinkLocalAllNodes()); err != nil {
 				s.log.Debug("radv: advertising", "err", err)
 			}
 			if len(initial) > 0 {
@@ -405,7 +429,7 @@ func (s *Server) solicited(from netip.Addr) {
 	if !to.IsLinkLocalUnicast() {
 		to = netip.IPv6LinkLocalAllNodes()
 	}
-	if err := s.conn.WriteTo(s.advert(false), nil, to); err != nil {
+	if err := s.advertise(to); err != nil {
 		s.log.Debug("radv: answering a router solicitation", "to", to, "err", err)
 	}
 }
