@@ -459,6 +459,29 @@ func (r *rig) kill() {
 	pid := r.sd.pid()
 	require.NoError(r.t, syscall.Kill(pid, syscall.SIGKILL))
 	require.True(r.t, waitGone(pid, 10*time.Second))
+	// The leader shows Z while its other threads still exit holding the
+	// fd table, runDir's lock with it; systemd restarts only on SIGCHLD,
+	// which comes once the last thread is gone. The lock free is that.
+	require.True(r.t, waitUnlocked(filepath.Join(filepath.Dir(r.sock), "brokkrd.lock"), 10*time.Second),
+		"the killed brokkrd's last thread exits and releases runDir's lock")
+}
+
+// waitUnlocked waits until path's flock can be taken, and lets it go.
+func waitUnlocked(path string, d time.Duration) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		if unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil {
+			_ = unix.Flock(int(f.Fd()), unix.LOCK_UN)
+			return true
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return false
 }
 
 type phase struct {
