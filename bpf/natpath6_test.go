@@ -291,12 +291,20 @@ func TestAChangedIPv6ProgramIsReplacedAtTheOtherPriority(t *testing.T) {
 	defer prev.Close()
 	pin := filepath.Join(tp.pins, pinNatPre6)
 	require.NoError(t, os.Remove(pin)) // detaches np1's link
+	// The kernel frees a link whose last reference was a pin from a work
+	// queue, so its hook and priority are busy for a moment after the
+	// unlink (CI saw EBUSY here; 7 runs in 20 did on this machine).
 	var l link.Link
-	require.NoError(t, tp.host.Do(func() (err error) {
-		l, err = link.AttachNetfilter(link.NetfilterOptions{Program: prev.BrkNatOut, ProtocolFamily: link.NetfilterProtoIPv6,
-			Hook: link.NetfilterInetPreRouting, Priority: NetfilterPriority})
-		return err
-	}))
+	var attachErr error
+	eventually(t, "np1's link detached", func() bool {
+		attachErr = tp.host.Do(func() (err error) {
+			l, err = link.AttachNetfilter(link.NetfilterOptions{Program: prev.BrkNatOut, ProtocolFamily: link.NetfilterProtoIPv6,
+				Hook: link.NetfilterInetPreRouting, Priority: NetfilterPriority})
+			return err
+		})
+		return !errors.Is(attachErr, syscall.EBUSY)
+	})
+	require.NoError(t, attachErr)
 	require.NoError(t, l.Pin(pin))
 	require.NoError(t, l.Close())
 
