@@ -203,3 +203,63 @@ func TestARouterAdvertisementFromAGuestIsDropped(t *testing.T) {
 	chain := tp.host.MustRun(t, "nft", "list", "chain", "bridge", "brokkr", "anti-spoof")
 	assert.Regexp(t, `icmpv6 type nd-router-advert counter packets [1-9]`, chain, "counted where it is dropped")
 }
+
+// A guest cannot claim another guest's IPv6 address with a neighbour
+// advertisement from its own source: an unsolicited one with override for
+// g2's address (which would move the host's neighbour entry for it to g1's
+// MAC) is dropped and counted, and the host still reaches g2. (Fails with
+// the jump to nd-targets removed: the host's entry for g2's address takes
+// g1's MAC.)
+func TestANeighbourAdvertisementForAnotherGuestsAddressIsDropped(t *testing.T) {
+	tp := newTopo(t, 2)
+	tp.converge(t, dual6(t, tp))
+	serveTCP6(t, tp.guests[1], "[::]:7000")
+	target := guest6(1).String()
+	_, err := dial6(tp.host, "", "["+target+"]:7000")
+	require.NoError(t, err, "the host reaches g2")
+	neigh := func() string {
+		return tp.host.MustRun(t, "ip", "-6", "neigh", "show", target, "dev", "br0")
+	}
+	require.Contains(t, neigh(), tp.macs[1].String(), "the host learnt g2's MAC")
+
+	tgt := guest6(1).As16()
+	require.NoError(t, tp.guests[0].Do(func() error {
+		c, err := icmp.ListenPacket("ip6:ipv6-icmp", "::")
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		p := c.IPv6PacketConn()
+		ifi, err := net.InterfaceByName("eth0")
+		if err != nil {
+			return err
+		}
+		if err := p.SetMulticastHopLimit(255); err != nil {
+			return err
+		}
+		if err := p.SetMulticastInterface(ifi); err != nil {
+			return err
+		}
+		// Override set, target g2's address, target link-layer address
+		// option with g1's MAC.
+		na := append(append([]byte{0x20, 0, 0, 0}, tgt[:]...), 2, 1)
+		na = append(na, ifi.HardwareAddr...)
+		b, err := (&icmp.Message{Type: ipv6.ICMPTypeNeighborAdvertisement, Body: &icmp.RawBody{Data: na}}).Marshal(nil)
+		if err != nil {
+			return err
+		}
+		for i := 0; i < 3; i++ {
+			if _, err := p.WriteTo(b, nil, &net.IPAddr{IP: net.ParseIP("ff02::1"), Zone: "eth0"}); err != nil {
+				return err
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return nil
+	}))
+	assert.Contains(t, neigh(), tp.macs[1].String(), "the host's entry for g2's address kept g2's MAC")
+	assert.NotContains(t, neigh(), tp.macs[0].String())
+	_, err = dial6(tp.host, "", "["+target+"]:7000")
+	assert.NoError(t, err, "the host still reaches g2")
+	chain := tp.host.MustRun(t, "nft", "list", "chain", "bridge", "brokkr", "nd-targets")
+	assert.Regexp(t, `iifname "g1p" .* counter packets [1-9]`, chain, "counted where it is dropped")
+}

@@ -5,6 +5,7 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
+	"sort"
 
 	"github.com/brokkr/brokkr/bpf/ctmark"
 	"github.com/google/nftables"
@@ -77,6 +78,7 @@ const (
 	setGuestAddrs6    = "guest-addrs6"     // bridge table: port . mac . ipv6 (SLAAC and link-local)
 	chainBrPre        = "prerouting"       // bridge table: anti-spoof dispatch
 	chainAntiSpoof    = "anti-spoof"       // bridge table: what a guest port may send
+	chainNDTargets    = "nd-targets"       // bridge table: the addresses a guest's neighbour advertisements may name
 	chainBrForward    = "forward"          // bridge table: guest isolation
 )
 
@@ -613,11 +615,19 @@ func desiredBridge(r Rules) *TableSpec {
 	var as []RuleSpec
 	if v6 {
 		// IPv6: no router advertisement from a guest (brokkr is the guests'
-		// only router), then only the guest's own addresses (its SLAAC
-		// address and its link-local one), and duplicate address detection
-		// from :: with its own MAC.
+		// only router); no neighbour advertisement for an address not the
+		// guest's (ND's counterpart of ARP's sender check: from its own
+		// source a guest could otherwise move another's address to its MAC
+		// in the host's and the guests' neighbour caches, or fail another's
+		// duplicate address detection at boot); then only the guest's own
+		// addresses (its SLAAC address and its link-local one), and
+		// duplicate address detection from :: with its own MAC, for any
+		// address as ARP probes are (so a guest configured with another's
+		// address hears it defended).
 		as = append(as,
 			rule(fam, "router advertisement from a guest", append(append(etherType(0x86dd), icmp6Type(134)...), &expr.Counter{}, drop())...),
+			rule(fam, "neighbour advertisement", append(append(etherType(0x86dd), icmp6Type(136)...),
+				&expr.Verdict{Kind: expr.VerdictJump, Chain: chainNDTargets})...),
 			rule(fam, "own mac and ipv6 address", append(append(etherType(0x86dd),
 				&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
 				&expr.Payload{DestRegister: 12, Base: expr.PayloadBaseLLHeader, Offset: 6, Len: 6},
@@ -663,12 +673,37 @@ func desiredBridge(r Rules) *TableSpec {
 		rule(fam, last, &expr.Counter{}, drop()),
 	)
 	t.addChain(&ChainSpec{Name: chainAntiSpoof, Rules: as})
+	if v6 {
+		t.addChain(&ChainSpec{Name: chainNDTargets, Rules: ndTargets(fam, r.Guests)})
+	}
 	if r.IsolateGuests {
 		t.addChain(&ChainSpec{Name: chainBrForward, Hook: &HookSpec{nftables.ChainTypeFilter, *nftables.ChainHookForward, -200},
 			Rules: []RuleSpec{rule(fam, "isolate guests", append(append(ifnameInSet(unix.NFT_META_IIFNAME, setGuestPorts),
 				ifnameInSet(unix.NFT_META_OIFNAME, setGuestPorts)...), drop())...)}})
 	}
 	return t
+}
+
+// ndTargets: one rule per guest dropping a neighbour advertisement whose
+// target is neither of its addresses. A rule per guest, not a set lookup:
+// nft 1.0.6 (Debian 12) can neither name the target (icmpv6 taddr, 1.0.9)
+// nor read a raw payload back from a concatenation, so a lookup would list
+// as garbage there. Only neighbour advertisements jump here.
+func ndTargets(fam nftables.TableFamily, guests []Guest) []RuleSpec {
+	gs := append([]Guest(nil), guests...)
+	sort.Slice(gs, func(i, j int) bool { return gs[i].Tap < gs[j].Tap })
+	var rs []RuleSpec
+	for _, g := range gs {
+		x := ifname(expr.MetaKeyIIFNAME, g.Tap, expr.CmpOpEq)
+		for _, a := range []netip.Addr{LinkLocal(g.MAC), g.Addr6} {
+			if a.IsValid() {
+				x = append(x, &expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 8, Len: 16},
+					&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: a.AsSlice()})
+			}
+		}
+		rs = append(rs, rule(fam, g.Name+": advertised address not its own", append(x, &expr.Counter{}, drop())...))
+	}
+	return rs
 }
 
 // ConnKeyType: original source address, destination address, source port.

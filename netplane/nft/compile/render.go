@@ -3,6 +3,7 @@ package compile
 import (
 	"encoding/binary"
 	"fmt"
+	"math/big"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -489,6 +490,10 @@ func (rr *ruleReader) payload(x *expr.Payload) (operand, error) {
 			return operand{text: "tcp flags", kind: "tcpflags", len: 1}, nil
 		case th == "icmpv6" && x.Offset == 0 && x.Len == 1:
 			return operand{text: "icmpv6 type", kind: "icmpv6type", len: 1}, nil
+		case th == "th" && x.Offset == 8 && x.Len == 16:
+			// The neighbour discovery target address, raw: nft 1.0.6 has
+			// no name for it (1.0.9 calls it icmpv6 taddr).
+			return operand{text: "@th,64,128", kind: "raw", len: 16}, nil
 		}
 	}
 	return operand{}, bad
@@ -719,6 +724,10 @@ func renderData(kind string, b []byte) (string, error) {
 		}
 	case "hex":
 		return fmt.Sprintf("0x%08x", binaryutil.NativeEndian.Uint32(b)), nil
+	case "raw":
+		// A raw payload's value, as nft prints an integer: big-endian
+		// hex without leading zeros.
+		return "0x" + new(big.Int).SetBytes(b).Text(16), nil
 	}
 	return "", fmt.Errorf("value %x", b)
 }
