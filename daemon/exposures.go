@@ -74,7 +74,7 @@ func (d *Daemon) PutExposure(e config.Exposure) (api.Plan, error) {
 		// The network plane's checks of one exposure (its target against
 		// the guests' addresses) and of the network, which the change
 		// leaves as it is.
-		if errs := d.validateNet(&spec.Desired{Network: headModel.Network, VMs: headModel.VMs, Exposures: []spec.Exposure{me}}); len(errs) > 0 {
+		if errs := d.validateExposure(&spec.Desired{Network: headModel.Network, VMs: headModel.VMs, Exposures: []spec.Exposure{me}}); len(errs) > 0 {
 			ok = false
 		}
 	}
@@ -281,6 +281,22 @@ func (d *Daemon) budgetAfter(model *spec.Desired, was, now *spec.Exposure) strin
 }
 
 // validateNet is the network plane's Validate of m, as config errors.
+// exposureValidator is a Network that checks exposures alone, for a
+// change that leaves the network and the guests as they are
+// (netplane.Plane): no kernel read, and no wait for a pass in flight.
+type exposureValidator interface {
+	ValidateExposures(d netplane.Desired) []error
+}
+
+// validateExposure is the network plane's check of the exposures of m, a
+// change of exposures only; validateNet where the plane has no such check.
+func (d *Daemon) validateExposure(m *spec.Desired) config.Errors {
+	if v, ok := d.net.(exposureValidator); ok {
+		return netErrors(v.ValidateExposures(netDesired(m)))
+	}
+	return d.validateNet(m)
+}
+
 func (d *Daemon) validateNet(m *spec.Desired) config.Errors {
 	if !d.lockNet(d.opts.Timeout) {
 		return config.Errors{{Msg: ErrBusy.Error()}}

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -31,6 +32,18 @@ type updNet struct {
 	*recNet
 	mu      sync.Mutex
 	updates []string
+	// Which of the network plane's checks ran.
+	validated, validatedExposures atomic.Int32
+}
+
+func (n *updNet) Validate(d netplane.Desired) []error {
+	n.validated.Add(1)
+	return n.recNet.Validate(d)
+}
+
+func (n *updNet) ValidateExposures(netplane.Desired) []error {
+	n.validatedExposures.Add(1)
+	return n.invalid
 }
 
 func (n *updNet) UpdateExposures(_ context.Context, set []netplane.Exposure, remove []string) netplane.Report {
@@ -253,6 +266,15 @@ func TestPutIsRefusedByTheNetworkPlanesChecks(t *testing.T) {
 	assert.Contains(t, w.Body.String(), "is assigned to guest")
 	assert.Equal(t, before, persisted(t, r))
 	assert.Empty(t, un.got())
+	assert.NotZero(t, un.validatedExposures.Load(), "the exposure's own check refused it")
+
+	// Accepted, a PUT runs the exposure's check alone: no link or address
+	// dump of the whole network's (nor a wait for a pass in flight).
+	r.net.invalid = nil
+	un.validated.Store(0)
+	w = do(t, r.d.Handler(), "PUT", "/v1/exposures/x", `{"target": "10.213.0.99", "guestPort": 80, "hostPort": 9000}`)
+	require.Equal(t, http.StatusOK, w.Code, w.Body.String())
+	assert.Zero(t, un.validated.Load(), "the whole network's check")
 }
 
 type fleetSource struct{}

@@ -148,6 +148,23 @@ func (p *Plane) Validate(d Desired) []error {
 	return p.validate(withDefaults(d), links)
 }
 
+// ValidateExposures is Validate's check of d's exposures alone (explicit
+// targets against the addresses IPAM gave out), for a change of exposures
+// that leaves the network and the guests as the last pass found them: no
+// link or address dump, so a change costs what it is, not what the host
+// has.
+func (p *Plane) ValidateExposures(d Desired) []error {
+	guests := make(map[string]bool, len(d.Guests))
+	for _, g := range d.Guests {
+		guests[g.Name] = true
+	}
+	assigned := map[string]netip.Addr{}
+	for vm, l := range p.pool.Leases() {
+		assigned[vm] = l.Addr
+	}
+	return validateTargets(d.Exposures, assigned, guests)
+}
+
 func (p *Plane) validate(d Desired, links []netlink.Link) []error {
 	assigned := map[string]netip.Addr{}
 	for vm, l := range p.pool.Leases() {

@@ -6,8 +6,11 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/brokkr/brokkr/internal/spec"
+	"github.com/brokkr/brokkr/netplane/ipam"
+	"github.com/brokkr/brokkr/netplane/link"
 	"github.com/brokkr/brokkr/netplane/nft"
 )
 
@@ -52,4 +55,21 @@ func TestValidateDerivedNamesAndAddresses(t *testing.T) {
 // The model's cap bound is the one the kernel fallback's sets are sized to.
 func TestMaxConnsLimitIsTheTables(t *testing.T) {
 	assert.Equal(t, nft.MaxConnsLimit, spec.MaxConnsLimit)
+}
+
+// A change of exposures is checked against IPAM's leases without a pass:
+// an explicit target that is a desired guest's address is refused, one of
+// a guest no longer desired is not.
+func TestValidateExposuresChecksTargetsAgainstTheLeases(t *testing.T) {
+	pool, err := ipam.Open(t.TempDir())
+	require.NoError(t, err)
+	leases, _, err := pool.Reconcile(ipam.Request{Bridge: netip.MustParsePrefix("10.213.0.1/24"), VMs: []string{"web"}, MAC: link.GuestMAC})
+	require.NoError(t, err)
+	web := leases["web"].Addr
+	p := &Plane{pool: pool}
+	d := Desired{Guests: guestsOf("web"), Exposures: []Exposure{
+		{Name: "x", Target: spec.Target{Addr: web}, Proto: spec.TCP, HostPort: 8080, GuestPort: 80}}}
+	assert.Contains(t, errText(p.ValidateExposures(d)), `exposures[0].target: `+web.String()+` is assigned to guest "web"`)
+	d.Guests = guestsOf("db")
+	assert.Empty(t, p.ValidateExposures(d))
 }
