@@ -631,11 +631,22 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 	}
 	d.setWhole(next, model)
 	plan.Applied = true
-	d.log.Info("desired state applied", "vmsAdded", plan.VMs.Added, "vmsChanged", plan.VMs.Changed,
-		"vmsRemoved", plan.VMs.Removed, "exposuresAdded", plan.Exposures.Added,
-		"exposuresChanged", plan.Exposures.Changed, "exposuresRemoved", plan.Exposures.Removed)
+	d.log.Info("desired state applied", "vmsAdded", fewNames(plan.VMs.Added), "vmsChanged", fewNames(plan.VMs.Changed),
+		"vmsRemoved", fewNames(plan.VMs.Removed), "exposuresAdded", fewNames(plan.Exposures.Added),
+		"exposuresChanged", fewNames(plan.Exposures.Changed), "exposuresRemoved", fewNames(plan.Exposures.Removed))
 	d.Wake()
 	return plan, nil
+}
+
+// fewNames is names for a log line: all of them up to 20, else the first
+// 20 and how many more (an apply of 100,000 exposures would otherwise log
+// a line of megabytes; the plan the client gets names them all).
+func fewNames(names []string) any {
+	const few = 20
+	if len(names) <= few {
+		return names
+	}
+	return fmt.Sprintf("%s ... (%d more)", strings.Join(names[:few], " "), len(names)-few)
 }
 
 // ErrBusy is returned when the network plane stays busy past the deadline.
@@ -771,7 +782,7 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 		}
 	}
 
-	ns := map[string]netplane.ExposureStatus{}
+	ns := make(map[string]netplane.ExposureStatus, len(nrep.Exposures))
 	for _, e := range nrep.Exposures {
 		ns[e.Name] = e
 	}
@@ -784,6 +795,9 @@ func (d *Daemon) mergeStatus(want *config.Config, model *spec.Desired, srep supe
 	spelt := make(map[string]*config.Exposure, len(want.Exposures))
 	for i := range want.Exposures {
 		spelt[want.Exposures[i].Name] = &want.Exposures[i]
+	}
+	if len(model.Exposures) > 0 {
+		st.Exposures = make([]api.Exposure, 0, len(model.Exposures))
 	}
 	for _, e := range model.Exposures {
 		ce, ok := spelt[e.Name]

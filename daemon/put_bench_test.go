@@ -35,17 +35,15 @@ func kernelRig(tb testing.TB, n int, role string, pinned bool) (d *Daemon, echo 
 	host, client := nstest.New(tb, "host"+role), nstest.New(tb, "client"+role)
 	nstest.Link(tb, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
 	var y strings.Builder
-	y.WriteString("exposures:\n")
 	// Past 40,000 a port of its own for each needs more host addresses:
 	// blocks of 40,000 on 10.99.K.1 (10.99.0.1 first, where the client
-	// calls), each a local address of the host.
-	const block = 40000
-	for k := 1; k*block < n; k++ {
+	// calls), each a local address of the host; as many as the most
+	// exposures a host holds need, whatever n (an apply may add more).
+	for k := 1; k*exposureBlock < spec.MaxExposures; k++ {
 		host.MustRun(tb, "ip", "addr", "add", fmt.Sprintf("10.99.%d.1/32", k), "dev", "up0")
 	}
-	for i := 0; i < n; i++ {
-		fmt.Fprintf(&y, "  - {name: e-%d, target: 10.213.0.250, guestPort: 80, hostAddress: 10.99.%d.1, hostPort: %d, mode: nat}\n", i, i/block, 20001+i%block)
-	}
+	client.MustRun(tb, "ip", "route", "add", "10.99.0.0/16", "via", "10.99.0.1")
+	y.WriteString(exposuresYAML(n))
 	cfg, err := config.Parse([]byte(y.String()))
 	if err != nil {
 		tb.Fatal(err)
@@ -91,6 +89,77 @@ func kernelRig(tb testing.TB, n int, role string, pinned bool) (d *Daemon, echo 
 		tb.Fatal("the first exposure is not served:", err)
 	}
 	return d, echo
+}
+
+// exposureBlock is how many exposures kernelRig puts on one host address.
+const exposureBlock = 40000
+
+// exposuresYAML is the exposures: list of kernelRig's n exposures, e-0..,
+// each on a host port (and address) of its own.
+func exposuresYAML(n int) string {
+	var y strings.Builder
+	y.WriteString("exposures:\n")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&y, "  - {name: e-%d, target: 10.213.0.250, guestPort: 80, hostAddress: 10.99.%d.1, hostPort: %d, mode: nat}\n",
+			i, i/exposureBlock, 20001+i%exposureBlock)
+	}
+	return y.String()
+}
+
+// BenchmarkApplyToActive is `brokkr apply` of a document of 100,000 nat
+// exposures onto a daemon with one (natpath, pinned as brokkrd runs), from
+// the request until every exposure is active: POST /v1/apply, the pass it
+// wakes (run here at once, as the woken loop runs it), and a caller served
+// through the last exposure. Each iteration goes back to the one exposure
+// outside the timing. s-p50 is the median; s-request-p50 and s-pass-p50
+// the medians of its two parts, the request and the pass.
+func BenchmarkApplyToActive(b *testing.B) {
+	const n = 100000
+	d, echo := kernelRig(b, 1, "apl", true)
+	h := d.Handler()
+	apply := func(body string) {
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, httptest.NewRequest("POST", "/v1/apply", strings.NewReader(body)))
+		if w.Code != http.StatusOK {
+			b.Fatal("apply", w.Code, w.Body.String())
+		}
+	}
+	whole, one := exposuresYAML(n), exposuresYAML(1)
+	last := fmt.Sprintf("10.99.%d.1:%d", (n-1)/exposureBlock, 20001+(n-1)%exposureBlock)
+	b.Run(fmt.Sprintf("natpath/exposures=%d", n), func(b *testing.B) {
+		var took, req, pass []time.Duration
+		for i := 0; i < b.N; i++ {
+			start := time.Now()
+			apply(whole)
+			applied := time.Now()
+			d.Pass(context.Background())
+			req, pass = append(req, applied.Sub(start)), append(pass, time.Since(applied))
+			if err := echo(last); err != nil {
+				b.Fatal("the last exposure is not served:", err)
+			}
+			took = append(took, time.Since(start))
+			b.StopTimer()
+			active := 0
+			for _, e := range d.Status().Exposures {
+				if e.State == string(spec.StateActive) {
+					active++
+				}
+			}
+			if active != n {
+				b.Fatalf("%d of %d exposures active", active, n)
+			}
+			apply(one)
+			d.Pass(context.Background())
+			b.StartTimer()
+		}
+		for _, x := range [][]time.Duration{took, req, pass} {
+			slices.Sort(x)
+		}
+		b.ReportMetric(took[len(took)/2].Seconds(), "s-p50")
+		b.ReportMetric(took[len(took)-1].Seconds(), "s-max")
+		b.ReportMetric(req[len(req)/2].Seconds(), "s-request-p50")
+		b.ReportMetric(pass[len(pass)/2].Seconds(), "s-pass-p50")
+	})
 }
 
 // shortDirTB is shortDir for a benchmark too.

@@ -35,3 +35,16 @@ func BenchmarkParse(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkDecode is Decode alone (the YAML parse, the shape check of the
+// tree against Config, and the decode into it) of a desired state of
+// 100,000 exposures, the most brokkr apply sends.
+func BenchmarkDecode(b *testing.B) {
+	data := configWith(100000)
+	b.SetBytes(int64(len(data)))
+	for i := 0; i < b.N; i++ {
+		if _, err := Decode(data); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -28,7 +28,7 @@ func DecodeExposure(data []byte) (Exposure, error) {
 		return Exposure{}, Errors{{Msg: fmt.Sprintf("line %d: an exposure must be a mapping (name:, vm:, guestPort:, hostPort:, ...)", doc.Line)}}
 	}
 	w := &walker{open: map[*yaml.Node]bool{}}
-	w.walk(doc, reflect.TypeOf(Exposure{}), "")
+	w.walk(doc, reflect.TypeOf(Exposure{}), nil)
 	if len(w.errs) > 0 {
 		return Exposure{}, w.errs
 	}

@@ -476,13 +476,14 @@ func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *de
 	dBridge = makeDelta(w.bridge, ObservedFrom(s.bridge), nil)
 	touched = map[string]bool{}
 	for i, n := range w.order {
-		u := unitDelta(w.inet, oldU(n), w.unitAt[i])
-		for _, d := range u.diffs {
+		from := len(dInet.diffs)
+		unitDeltaInto(dInet, w.inet, oldU(n), w.unitAt[i])
+		for _, d := range dInet.diffs[from:] {
 			if d.kind == objElem && routing(d.name) {
 				touched[n] = true
+				break
 			}
 		}
-		dInet.merge(u)
 	}
 	return dInet, dBridge, touched
 }
@@ -513,39 +514,67 @@ func dispatchMap(set string) bool {
 // unitDelta plans one exposure's unit from old to cur (nil: none).
 func unitDelta(shared *TableSpec, old, cur *unit) *delta {
 	d := newDelta(nftables.TableFamilyINet)
+	unitDeltaInto(d, shared, old, cur)
+	return d
+}
+
+// fewElems is up to how many elements a unit's are looked up by a scan
+// (most units have two to four); past it, through an index (a shifted port
+// range has one per port).
+const fewElems = 8
+
+// elemLookup finds an element of elems by set and key.
+func elemLookup(elems []unitElem) func(set string, key []byte) (ElemSpec, bool) {
+	if len(elems) <= fewElems {
+		return func(set string, key []byte) (ElemSpec, bool) {
+			for _, ue := range elems {
+				if ue.set == set && string(ue.e.Key) == string(key) {
+					return ue.e, true
+				}
+			}
+			return ElemSpec{}, false
+		}
+	}
+	type at struct{ set, key string }
+	m := make(map[at]ElemSpec, len(elems))
+	for _, ue := range elems {
+		m[at{ue.set, string(ue.e.Key)}] = ue.e
+	}
+	return func(set string, key []byte) (ElemSpec, bool) {
+		e, ok := m[at{set, string(key)}]
+		return e, ok
+	}
+}
+
+// unitDeltaInto adds to d the plan of one exposure's unit from old to cur
+// (nil: none). It runs for every exposure of a first apply, so the common
+// unit is compared without building anything.
+func unitDeltaInto(d *delta, shared *TableSpec, old, cur *unit) {
 	if old == nil {
 		old = &unit{}
 	}
 	if cur == nil {
 		cur = &unit{}
 	}
-	type at struct{ set, key string }
-	have := map[at]ElemSpec{}
+	inOld, inCur := elemLookup(old.elems), elemLookup(cur.elems)
 	for _, ue := range old.elems {
-		have[at{ue.set, string(ue.e.Key)}] = ue.e
-	}
-	wantE := map[at]ElemSpec{}
-	for _, ue := range cur.elems {
-		wantE[at{ue.set, string(ue.e.Key)}] = ue.e
-	}
-	for _, ue := range old.elems {
-		k := at{ue.set, string(ue.e.Key)}
-		if ne, ok := wantE[k]; !ok || !ne.Same(ue.e) || ne.Comment != ue.e.Comment {
-			d.note(diff{kind: objElem, name: ue.set, key: k.key, what: "unexpected", label: ue.e.Comment})
+		if ne, ok := inCur(ue.set, ue.e.Key); !ok || !ne.Same(ue.e) || ne.Comment != ue.e.Comment {
+			d.note(diff{kind: objElem, name: ue.set, key: string(ue.e.Key), what: "unexpected", label: ue.e.Comment})
 			d.delElems[ue.set] = append(d.delElems[ue.set], ue.e)
 		}
 	}
 	for _, ue := range cur.elems {
-		k := at{ue.set, string(ue.e.Key)}
-		if oe, ok := have[k]; !ok || !oe.Same(ue.e) || oe.Comment != ue.e.Comment {
-			d.note(diff{kind: objElem, name: ue.set, key: k.key, what: "missing", label: ue.e.Comment})
-			d.shapes[ue.set] = shared.Sets[ue.set]
+		if oe, ok := inOld(ue.set, ue.e.Key); !ok || !oe.Same(ue.e) || oe.Comment != ue.e.Comment {
+			d.note(diff{kind: objElem, name: ue.set, key: string(ue.e.Key), what: "missing", label: ue.e.Comment})
+			if _, ok := d.shapes[ue.set]; !ok {
+				d.shapes[ue.set] = shared.Sets[ue.set]
+			}
 			d.addElems[ue.set] = append(d.addElems[ue.set], ue.e)
 		}
 	}
 	ownOld, ownCur := old.own, cur.own
 	if ownOld == nil && ownCur == nil {
-		return d
+		return
 	}
 	if ownCur == nil {
 		ownCur = NewTableSpec(nftables.TableFamilyINet)
@@ -556,7 +585,6 @@ func unitDelta(shared *TableSpec, old, cur *unit) *delta {
 		oo = ObservedFrom(ownOld)
 	}
 	d.merge(makeDelta(ownCur, oo, nil))
-	return d
 }
 
 // whole is the applied inet table, every unit in it.
