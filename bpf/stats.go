@@ -150,6 +150,8 @@ type Store struct {
 	mem    []byte    // mmapped map values, or anonymous memory
 	lmem   []byte    // mmapped exposure_limits_v2 values, or anonymous memory
 	fmem   []byte    // mmapped fallback_fed_v2 values, or anonymous memory
+	bm     *ebpf.Map // fallback_bytes_fed_v2; nil in memory mode
+	bmem   []byte    // mmapped fallback_bytes_fed_v2 values, or anonymous memory
 	dmem   []byte    // mmapped exposure_denied_v2 values, or anonymous memory
 	path   string    // pin path; "" in memory mode
 	reason string    // why the store is in memory, if it is
@@ -204,45 +206,71 @@ func openV2(dir string) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("loading %s: %w", filepath.Join(dir, MapName), err)
 	}
-	m, lm := objs.ExposureStatsV2, objs.ExposureLimitsV2
-	mem, err := mmapValues(m, valueSize)
-	if err != nil {
+	s := &Store{m: objs.ExposureStatsV2, lm: objs.ExposureLimitsV2, dm: objs.ExposureDeniedV2, path: filepath.Join(dir, MapName)}
+	// What is mapped or made so far, undone in reverse when a step fails.
+	var undo []func()
+	fail := func(what string, err error) (*Store, error) {
+		for i := len(undo) - 1; i >= 0; i-- {
+			undo[i]()
+		}
 		objs.Close()
-		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, MapName), err)
+		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, what), err)
 	}
-	lmem, err := mmapValues(lm, limitSize)
-	if err != nil {
-		_ = unix.Munmap(mem)
-		objs.Close()
-		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, LimitsMapName), err)
+	mapped := func(m *ebpf.Map, size int, into *[]byte) error {
+		b, err := mmapValues(m, size)
+		if err != nil {
+			return fmt.Errorf("mmap: %w", err)
+		}
+		*into = b
+		undo = append(undo, func() { _ = unix.Munmap(b) })
+		return nil
 	}
-	dmem, err := mmapValues(objs.ExposureDeniedV2, deniedSize)
-	if err != nil {
-		_ = unix.Munmap(mem)
-		_ = unix.Munmap(lmem)
-		objs.Close()
-		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, DeniedMapName), err)
+	for _, r := range []struct {
+		m    *ebpf.Map
+		size int
+		into *[]byte
+		name string
+	}{{s.m, valueSize, &s.mem, MapName}, {s.lm, limitSize, &s.lmem, LimitsMapName}, {s.dm, deniedSize, &s.dmem, DeniedMapName}} {
+		if err := mapped(r.m, r.size, r.into); err != nil {
+			return fail(r.name, err)
+		}
 	}
-	fm, err := ebpf.NewMapWithOptions(fedSpec(), ebpf.MapOptions{PinPath: dir})
-	if err != nil {
-		_ = unix.Munmap(mem)
-		_ = unix.Munmap(lmem)
-		_ = unix.Munmap(dmem)
-		objs.Close()
-		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, FedMapName), err)
+	// The fed maps only brokkrd reads, made here, not by the programs' objects.
+	for _, r := range []struct {
+		spec *ebpf.MapSpec
+		m    **ebpf.Map
+		into *[]byte
+	}{{fedSpec(), &s.fm, &s.fmem}, {bytesFedSpec(), &s.bm, &s.bmem}} {
+		m, err := ebpf.NewMapWithOptions(r.spec, ebpf.MapOptions{PinPath: dir})
+		if err != nil {
+			return fail(r.spec.Name, err)
+		}
+		undo = append(undo, func() { m.Close() })
+		*r.m = m
+		if err := mapped(m, fedSize, r.into); err != nil {
+			return fail(r.spec.Name, err)
+		}
 	}
-	fmem, err := mmapValues(fm, fedSize)
-	if err != nil {
-		_ = unix.Munmap(mem)
-		_ = unix.Munmap(lmem)
-		_ = unix.Munmap(dmem)
-		fm.Close()
-		objs.Close()
-		return nil, fmt.Errorf("mmap %s: %w", filepath.Join(dir, FedMapName), err)
-	}
-	s := &Store{m: m, lm: lm, fm: fm, dm: objs.ExposureDeniedV2, mem: mem, lmem: lmem, fmem: fmem, dmem: dmem, path: filepath.Join(dir, MapName)}
 	s.index()
 	return s, nil
+}
+
+// BytesFedMapName is the pin of the bytes the daemon last fed into each
+// slot from the event-fed fallback's nft byte counters, as FedMapName is
+// for accepted and refused: per slot {valid, in, out}. A map of its own (a
+// pinned map keeps its layout): where it is not yet, the first feed of a
+// slot is its baseline, once.
+const BytesFedMapName = "fallback_bytes_fed_v2"
+
+const (
+	offBytesFedIn  = 8
+	offBytesFedOut = 16
+)
+
+func bytesFedSpec() *ebpf.MapSpec {
+	spec := fedSpec()
+	spec.Name = BytesFedMapName
+	return spec
 }
 
 // DeniedMapName is the pin of the callers allowFrom turned away, per slot
@@ -307,7 +335,7 @@ func anonWords(n int) []byte {
 // why (it is reported in status so an operator knows bpftool will not see it).
 func NewInMemory(reason string) *Store {
 	s := &Store{mem: anonWords(Slots * valueSize), lmem: anonWords(Slots * limitSize), fmem: anonWords(Slots * fedSize),
-		dmem: anonWords(Slots * deniedSize), reason: reason}
+		bmem: anonWords(Slots * fedSize), dmem: anonWords(Slots * deniedSize), reason: reason}
 	// Fresh memory holds no names: nothing to index.
 	s.byName = make(map[string]int)
 	s.refs = make(map[int]int)
@@ -352,8 +380,8 @@ func (s *Store) Close() error {
 	if m := s.mig.Swap(nil); m != nil {
 		merr = m.close()
 	}
-	err := errors.Join(merr, unix.Munmap(s.mem), unix.Munmap(s.lmem), unix.Munmap(s.fmem), unix.Munmap(s.dmem))
-	return errors.Join(err, s.m.Close(), s.lm.Close(), s.fm.Close(), s.dm.Close())
+	err := errors.Join(merr, unix.Munmap(s.mem), unix.Munmap(s.lmem), unix.Munmap(s.fmem), unix.Munmap(s.bmem), unix.Munmap(s.dmem))
+	return errors.Join(err, s.m.Close(), s.lm.Close(), s.fm.Close(), s.bm.Close(), s.dm.Close())
 }
 
 func (s *Store) base(i int) int { return i * valueSize }
@@ -423,10 +451,17 @@ func (s *Store) zero(i int) {
 	s.fed(i, offFedAccept).Store(0)
 	s.fed(i, offFedRefuse).Store(0)
 	s.fed(i, offFedValid).Store(1)
+	s.bytesFed(i, offBytesFedIn).Store(0)
+	s.bytesFed(i, offBytesFedOut).Store(0)
+	s.bytesFed(i, offFedValid).Store(1)
 }
 
 func (s *Store) fed(i, off int) *atomic.Uint64 {
 	return (*atomic.Uint64)(unsafe.Pointer(&s.fmem[i*fedSize+off]))
+}
+
+func (s *Store) bytesFed(i, off int) *atomic.Uint64 {
+	return (*atomic.Uint64)(unsafe.Pointer(&s.bmem[i*fedSize+off]))
 }
 
 // ValidName reports whether name fits a slot.
@@ -664,6 +699,20 @@ func (sl *Slot) FeedKernelTotals(accepted, refused uint64) {
 	}
 	sl.AddAccepted(grown(lastA, accepted))
 	sl.AddRefused(grown(lastR, refused))
+}
+
+// FeedKernelBytes is FeedKernelTotals for the bytes per direction (the
+// event-fed fallback's nft byte counters), remembered in the pinned
+// fallback_bytes_fed_v2 map: what the kernel counted while no daemon ran is
+// counted once the next one feeds.
+func (sl *Slot) FeedKernelBytes(in, out uint64) {
+	s := sl.s
+	lastIn := s.bytesFed(sl.i, offBytesFedIn).Swap(in)
+	lastOut := s.bytesFed(sl.i, offBytesFedOut).Swap(out)
+	if s.bytesFed(sl.i, offFedValid).Swap(1) == 0 {
+		return
+	}
+	sl.AddBytes(grown(lastIn, in), grown(lastOut, out))
 }
 
 // grown is how much a monotonic counter that may have restarted from zero

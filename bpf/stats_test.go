@@ -2,7 +2,9 @@ package bpf
 
 import (
 	"encoding/json"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"sync"
 	"testing"
@@ -184,6 +186,53 @@ func TestBadNamesAreRefused(t *testing.T) {
 func TestOpenRefusesADirectoryThatIsNotBPFFS(t *testing.T) {
 	_, err := Open(t.TempDir())
 	assert.ErrorContains(t, err, "not on a bpffs")
+}
+
+// FeedKernelBytes remembers, in the pinned fallback_bytes_fed_v2 map, what
+// it fed: a reopened store goes on from there, so the bytes the kernel
+// counted while no daemon ran are counted, once. A store pinned by a
+// brokkrd before that map (it is made where missing) takes one baseline.
+// (Fails with the map's Swap replaced by a process-local memory: the
+// reopened store's first feed is a baseline.)
+func TestFeedKernelBytesGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
+	dir := nstest.PrivateBPFFS(t)
+	s, err := Open(dir)
+	require.NoError(t, err)
+	sl, err := s.Attach("web", ProtoTCP, 80)
+	require.NoError(t, err)
+	sl.FeedKernelBytes(100, 1000)
+	sl.FeedKernelBytes(150, 1200)
+	c := sl.Read()
+	assert.EqualValues(t, 150, c.BytesIn, "a new exposure's byte counters start with its slot")
+	assert.EqualValues(t, 1200, c.BytesOut)
+	sl.Release(false)
+	require.NoError(t, s.Close())
+
+	s, err = Open(dir)
+	require.NoError(t, err)
+	sl, err = s.Attach("web", ProtoTCP, 80)
+	require.NoError(t, err)
+	sl.FeedKernelBytes(400, 1300) // 250 and 100 while no daemon ran
+	c = sl.Read()
+	assert.EqualValues(t, 400, c.BytesIn, "no first-read baseline after a reopen")
+	assert.EqualValues(t, 1300, c.BytesOut)
+	sl.FeedKernelBytes(20, 5) // the table made its counters anew
+	assert.EqualValues(t, 420, sl.Read().BytesIn, "a counter that went backwards restarted from zero")
+	sl.Release(false)
+	require.NoError(t, s.Close())
+
+	// An earlier brokkrd's pins, without the bytes map: one baseline.
+	require.NoError(t, os.Remove(filepath.Join(dir, BytesFedMapName)))
+	s, err = Open(dir)
+	require.NoError(t, err)
+	defer s.Close()
+	sl, err = s.Attach("web", ProtoTCP, 80)
+	require.NoError(t, err)
+	defer sl.Release(true)
+	sl.FeedKernelBytes(30, 10)
+	assert.EqualValues(t, 420, sl.Read().BytesIn, "no record: the first values are a baseline")
+	sl.FeedKernelBytes(35, 10)
+	assert.EqualValues(t, 425, sl.Read().BytesIn)
 }
 
 // FeedKernelTotals remembers, in the pinned fallback_fed_v2 map, what it fed:

@@ -10,11 +10,11 @@ import (
 	"github.com/brokkr/brokkr/netplane/nft"
 )
 
-// The fallback's feed: the nft named counters are fed from what the slot
-// last took from them, across a restart too (a new slotFeed on the same
-// slot is a new daemon): nothing rebased, nothing doubled, what the kernel
-// admitted meanwhile counted. The slow path's part and the bytes are the
-// process's own.
+// The fallback's feed: the nft counters (accepted, refused and the bytes)
+// are fed from what the slot last took from them, across a restart too (a
+// new slotFeed on the same slot is a new daemon): nothing rebased, nothing
+// doubled, and what the kernel counted meanwhile is counted. The slow
+// path's part is the process's own.
 func TestSlotFeedIsExactAcrossARestart(t *testing.T) {
 	store := bpf.NewInMemory("test")
 	defer store.Close()
@@ -27,29 +27,31 @@ func TestSlotFeedIsExactAcrossARestart(t *testing.T) {
 	c := slot.Read()
 	assert.EqualValues(t, 40, c.Accepted, "a new exposure's counters start with its slot: all of it counts")
 	assert.EqualValues(t, 3, c.Refused)
-	assert.EqualValues(t, 0, c.BytesIn, "bytes: the first read of a process is their baseline")
+	assert.EqualValues(t, 500, c.BytesIn, "bytes: a new exposure's counters start with its slot too")
+	assert.EqualValues(t, 700, c.BytesOut)
 	assert.EqualValues(t, 2, c.Active)
 
 	f.feed(nft.ExposureCounters{Accepted: 47, Refused: 4, KernelAccepted: 45, KernelRefused: 4, BytesIn: 600, BytesOut: 900, Active: 1})
 	c = slot.Read()
 	assert.EqualValues(t, 47, c.Accepted, "5 by the kernel, 2 by the slow path")
 	assert.EqualValues(t, 4, c.Refused)
-	assert.EqualValues(t, 100, c.BytesIn)
-	assert.EqualValues(t, 200, c.BytesOut)
+	assert.EqualValues(t, 600, c.BytesIn)
+	assert.EqualValues(t, 900, c.BytesOut)
 	assert.EqualValues(t, 1, c.Active, "the gauge follows down")
 
 	// A new daemon: its slow path starts from zero; the kernel counters went
-	// on (3 admitted, 1 refused while no daemon ran).
+	// on (3 admitted, 1 refused, 50 and 60 bytes while no daemon ran).
 	f = &slotFeed{slot: slot}
-	f.feed(nft.ExposureCounters{Accepted: 48, Refused: 5, KernelAccepted: 48, KernelRefused: 5, BytesIn: 50, BytesOut: 60})
+	f.feed(nft.ExposureCounters{Accepted: 48, Refused: 5, KernelAccepted: 48, KernelRefused: 5, BytesIn: 650, BytesOut: 960})
 	c = slot.Read()
 	assert.EqualValues(t, 50, c.Accepted, "what the kernel admitted while no daemon ran is counted, once")
 	assert.EqualValues(t, 5, c.Refused)
-	assert.EqualValues(t, 100, c.BytesIn, "never doubled")
-	f.feed(nft.ExposureCounters{Accepted: 50, Refused: 5, KernelAccepted: 49, KernelRefused: 5, BytesIn: 80, BytesOut: 60})
+	assert.EqualValues(t, 650, c.BytesIn, "what the kernel counted while no daemon ran is counted, once")
+	assert.EqualValues(t, 960, c.BytesOut)
+	f.feed(nft.ExposureCounters{Accepted: 50, Refused: 5, KernelAccepted: 49, KernelRefused: 5, BytesIn: 680, BytesOut: 960})
 	c = slot.Read()
 	assert.EqualValues(t, 52, c.Accepted, "1 by the kernel, 1 by the new slow path")
-	assert.EqualValues(t, 130, c.BytesIn)
+	assert.EqualValues(t, 680, c.BytesIn)
 
 	// The table re-created the exposure's counters: they start again at 0.
 	f.feed(nft.ExposureCounters{Accepted: 3, KernelAccepted: 2, Active: 1})

@@ -66,14 +66,9 @@ type SetCap struct {
 
 	sets capSets // the cap sets' members
 
-	// hwMu: the bytes last reported per exposure (reports never go down).
-	hwMu    sync.Mutex
-	bytesHW map[string][2]uint64
-
-	w      atomic.Pointer[capWatcher] // nil once stopped
-	ov     atomic.Pointer[overflow]   // the slow path (TCP): started by the first capped TCP exposure
-	acctOn bool                       // nf_conntrack_acct is on (Table.mu)
-	first  atomic.Bool                // the first batch was applied: the watcher swept once
+	w     atomic.Pointer[capWatcher] // nil once stopped
+	ov    atomic.Pointer[overflow]   // the slow path (TCP): started by the first capped TCP exposure
+	first atomic.Bool                // the first batch was applied: the watcher swept once
 }
 
 // SetCapOption configures StartSetCap.
@@ -187,14 +182,6 @@ func (c *SetCap) applied(changes []compile.Change) {
 		default:
 		}
 	}
-	if !c.acctOn {
-		// Bytes per direction come from conntrack accounting, which is per
-		// namespace and exists once nf_conntrack is loaded (by the nat
-		// chains).
-		if err := c.setSysctl("/proc/sys/net/netfilter/nf_conntrack_acct", "1"); err == nil {
-			c.acctOn = true
-		}
-	}
 }
 
 func hasCappedTCP(exps []Exposure) bool {
@@ -212,9 +199,6 @@ type capWatcher struct {
 	done chan struct{}
 	wg   sync.WaitGroup
 
-	mu    sync.Mutex           // ended: written by the watcher, read by Counters
-	ended map[string][2]uint64 // bytes in/out of ended connections, per exposure
-
 	kick     chan struct{}     // a full sweep is due (first converge)
 	released map[string]bool   // connections freed before their entry was destroyed
 	refused  map[string]uint64 // refused count at the last sweep
@@ -227,7 +211,7 @@ func startCapWatcher(c *SetCap) (*capWatcher, error) {
 	if err != nil {
 		return nil, err
 	}
-	cw := &capWatcher{c: c, w: w, done: make(chan struct{}), kick: make(chan struct{}, 1), ended: map[string][2]uint64{},
+	cw := &capWatcher{c: c, w: w, done: make(chan struct{}), kick: make(chan struct{}, 1),
 		released: map[string]bool{}, refused: map[string]uint64{}}
 	cw.wg.Add(1)
 	go cw.run()
@@ -280,14 +264,6 @@ func (cw *capWatcher) ended1(e conntrack.Entry, pending map[string][][]byte) {
 		return
 	}
 	exp, ok := cw.c.byMark(id)
-	if ok && e.Destroyed {
-		cw.mu.Lock()
-		b := cw.ended[exp.Name]
-		b[0] += e.BytesOrig
-		b[1] += e.BytesRepl
-		cw.ended[exp.Name] = b
-		cw.mu.Unlock()
-	}
 	if !ok || exp.MaxConns <= 0 {
 		return
 	}
@@ -391,14 +367,6 @@ func (cw *capWatcher) sweep(all bool) {
 	c.release(pending)
 }
 
-// endedBytes returns (and keeps) the bytes of ended connections.
-func (cw *capWatcher) endedBytes(name string) (uint64, uint64) {
-	cw.mu.Lock()
-	defer cw.mu.Unlock()
-	b := cw.ended[name]
-	return b[0], b[1]
-}
-
 // ExposureCounters are one exposure's kernel-path numbers.
 type ExposureCounters struct {
 	Accepted uint64 // connections admitted (the counter of the exposure's exp-target element + the cap slow path's)
@@ -407,9 +375,12 @@ type ExposureCounters struct {
 	// kernel, where it outlives the daemon (the slow path's part is this
 	// process's alone).
 	KernelAccepted, KernelRefused uint64
-	BytesIn                       uint64 // caller -> guest, conntrack accounting (live + ended)
-	BytesOut                      uint64 // guest -> caller
-	Active                        uint64 // conntrack entries with the exposure's mark that are still open
+	// Bytes per direction, IP packets as conntrack accounting counts them:
+	// the counters of the exposure's exp-bytes-orig and exp-bytes-reply
+	// elements, absolute in the kernel like the named counters.
+	BytesIn  uint64 // caller -> guest
+	BytesOut uint64 // guest -> caller
+	Active   uint64 // conntrack entries with the exposure's mark that are still open
 }
 
 // Counters reads every exposure's counters.
@@ -429,21 +400,28 @@ func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 	if err != nil {
 		return nil, err
 	}
+	bytesIn, err := c.k.elemCounters(compile.MapExpBytesOrig)
+	if err != nil {
+		return nil, err
+	}
+	bytesOut, err := c.k.elemCounters(compile.MapExpBytesReply)
+	if err != nil {
+		return nil, err
+	}
 	ov := c.ov.Load()
 	for _, e := range byID {
 		// Admitted in the kernel: the connections DNATed to the guest, which
 		// is a lookup of the exposure's target element.
-		ka, kr := admitted[string(compile.MarkKey(e.MarkID))].Packets, cv[compile.RefusedCounter(e.Name)].Packets
-		ec := ExposureCounters{Accepted: ka, Refused: kr, KernelAccepted: ka, KernelRefused: kr}
+		mark := compile.MarkKey(e.MarkID)
+		ka, kr := admitted[string(mark)].Packets, cv[compile.RefusedCounter(e.Name)].Packets
+		ec := ExposureCounters{Accepted: ka, Refused: kr, KernelAccepted: ka, KernelRefused: kr,
+			BytesIn: bytesIn[string(mark)].Bytes, BytesOut: bytesOut[string(mark)].Bytes}
 		if ov != nil {
 			// The slow path decides in userspace: a named counter cannot
 			// be bumped from there.
 			oc := ov.countsOf(e.Name)
 			ec.Accepted += oc.accepted
 			ec.Refused += oc.refused
-		}
-		if w := c.w.Load(); w != nil {
-			ec.BytesIn, ec.BytesOut = w.endedBytes(e.Name)
 		}
 		out[e.Name] = ec
 	}
@@ -456,27 +434,11 @@ func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 		if !ok {
 			continue
 		}
-		ec := out[e.Name]
-		ec.BytesIn += en.BytesOrig
-		ec.BytesOut += en.BytesRepl
 		if en.Open() && en.Mark&ctmark.Closed != ctmark.Closed {
+			ec := out[e.Name]
 			ec.Active++
+			out[e.Name] = ec
 		}
-		out[e.Name] = ec
 	}
-	// Bytes are live entries plus ended ones; an entry that just ended is
-	// briefly in neither (its destroy event not yet counted). Never report
-	// less than before: a reader taking the difference would read a drop as
-	// a reset.
-	c.hwMu.Lock()
-	defer c.hwMu.Unlock()
-	hw := make(map[string][2]uint64, len(out))
-	for n, ec := range out {
-		prev := c.bytesHW[n]
-		ec.BytesIn, ec.BytesOut = max(ec.BytesIn, prev[0]), max(ec.BytesOut, prev[1])
-		hw[n] = [2]uint64{ec.BytesIn, ec.BytesOut}
-		out[n] = ec
-	}
-	c.bytesHW = hw
 	return out, nil
 }

@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -518,12 +517,6 @@ func (c *SetCap) dialGuest(ctx context.Context, a netip.AddrPort) (*net.TCPConn,
 // inNS runs fn on a thread in the managed namespace (sockets keep the
 // namespace they were made in).
 func (c *SetCap) inNS(fn func() error) error { return nlsafe.Do(c.k.nsPath, fn) }
-
-// setSysctl writes a per-namespace sysctl in the managed namespace
-// (/proc/sys/net follows the thread's network namespace).
-func (c *SetCap) setSysctl(path, value string) error {
-	return c.inNS(func() error { return os.WriteFile(path, []byte(value), 0o644) })
-}
 
 // spliceBoth is the default Carrier: both directions, each half-closed at
 // its EOF; any error ends the whole connection.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -560,6 +561,60 @@ func TestCountersActiveAndBytes(t *testing.T) {
 		c, err := tp.cap.Counters()
 		return err == nil && c["web"].Active == 0 && c["web"].BytesIn >= 30000 && c["web"].Accepted == 3
 	}, 3*time.Second, 50*time.Millisecond)
+}
+
+// The fallback's bytes are the kernel's own counters: a connection that
+// carries bytes and ends while no daemon runs (no Table, no watcher) is
+// counted by the next one, and a whole-table replace keeps them. (Fails
+// with the bytes taken from conntrack accounting, as before: the ended
+// connection is in no live entry and was in no destroy event seen.)
+func TestFallbackBytesOfAConnectionWhileNoDaemonRuns(t *testing.T) {
+	tp := newTopo(t, 1)
+	serveTCP(t, tp.guests[0], ":80", "g1")
+	r := tp.rules(web(0))
+	tp.converge(t, r)
+	call := func(n int) {
+		t.Helper()
+		require.NoError(t, tp.client.Do(func() error {
+			c, err := dialTCP("10.99.0.1:8080")
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if _, err := c.Write(make([]byte, n)); err != nil {
+				return err
+			}
+			_, err = io.ReadFull(c, make([]byte, len("g1\n")+n))
+			return err
+		}))
+	}
+	call(10000)
+	before, err := tp.cap.Counters()
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, before["web"].BytesIn, uint64(10000))
+	require.GreaterOrEqual(t, before["web"].BytesOut, uint64(10003))
+
+	require.NoError(t, tp.table.Close()) // the daemon stops
+	call(20000)
+	// Its entry expires while no daemon runs (TIME_WAIT would keep it 120 s).
+	tp.host.MustRun(t, "conntrack", "-D", "-p", "tcp", "--orig-port-dst", "8080")
+	tp.open(t)
+	tp.converge(t, r)
+	after, err := tp.cap.Counters()
+	require.NoError(t, err)
+	assert.GreaterOrEqual(t, after["web"].BytesIn-before["web"].BytesIn, uint64(20000), "the call made while no daemon ran, caller to guest")
+	assert.GreaterOrEqual(t, after["web"].BytesOut-before["web"].BytesOut, uint64(20003), "and guest to caller")
+	assert.Less(t, after["web"].BytesIn-before["web"].BytesIn, uint64(2*20000), "counted once")
+
+	// A whole-table replace keeps the elements' counters.
+	tp.table.mu.Lock()
+	tp.table.k = &failFirst{kernel: tp.table.k}
+	tp.table.mu.Unlock()
+	res := tp.converge(t, tp.rules(web(0), Exposure{Name: "more", Protocol: "tcp", HostPort: 9001, GuestAddr: guestAddr(0), GuestPort: 80}))
+	require.ErrorIs(t, res.Replaced, errInjected)
+	replaced, err := tp.cap.Counters()
+	require.NoError(t, err)
+	assert.GreaterOrEqual(t, replaced["web"].BytesIn, after["web"].BytesIn, "kept across the replace")
 }
 
 // A daemon restart: connections that close while no watcher listens keep

@@ -181,6 +181,12 @@ func TestKernelMatrixEveryPathKeepsItsCapAndItsCountersAcrossARestart(t *testing
 		assert.GreaterOrEqual(t, q.BytesIn, p.BytesIn, "%s bytesIn went backwards", name)
 		assert.GreaterOrEqual(t, q.BytesOut, p.BytesOut, "%s bytesOut went backwards", name)
 	}
+	// What the calls made while no daemon ran carried is counted by the
+	// next one, on either path (the nat path counts payload, 10 bytes a
+	// call; the fallback IP packets, more).
+	p, _ := exposure(before, "capped-nat")
+	q, _ := exposure(after, "capped-nat")
+	assert.GreaterOrEqual(t, q.BytesIn-p.BytesIn, uint64(10*down), "capped-nat: the bytes of the calls made while no daemon ran")
 	e.shortCalls(natAddr, 2, "0123456789")
 	want := uint64(7 + down + 2)
 	got := e.waitStatus("every call counted", 10*time.Second, func(st api.Status) bool {

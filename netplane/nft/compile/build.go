@@ -55,6 +55,11 @@ const (
 	chainClosePre     = "close-pre"        // FIN/RST bookkeeping for the set-based cap (prerouting)
 	chainCloseOut     = "close-out"        // the same for host-local callers (output)
 	chainClose        = "close"            // the bookkeeping itself
+	chainBytesFwd     = "bytes-forward"    // set-based cap: bytes of forwarded packets, by mark and direction
+	chainBytesIn      = "bytes-input"      // the same for packets to the host (host-local callers' replies, the slow path)
+	chainBytesOut     = "bytes-output"     // the same for packets from the host
+	MapExpBytesOrig   = "exp-bytes-orig"   // set-based cap: mark, its element counting caller -> guest bytes
+	MapExpBytesReply  = "exp-bytes-reply"  // set-based cap: mark, its element counting guest -> caller bytes
 	MapExpAddr        = "exp-addr"         // ip daddr . l4proto . dport : mark
 	MapExpAny         = "exp-any"          // l4proto . dport : mark
 	MapExpTarget      = "exp-target"       // mark : guest address . guest port
@@ -272,6 +277,30 @@ func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 		rule(fam, "fin from caller", append(ctDirection(0), setBits(ctmark.FINOrig)...)...),
 		rule(fam, "fin from guest", append(ctDirection(1), setBits(ctmark.FINRepl)...)...),
 	}})
+
+	// Bytes per direction: every packet of a connection with an
+	// exposure's mark bumps the counter of the exposure's element, once
+	// (a packet is forwarded, or delivered to or sent by the host).
+	// Absolute in the kernel, they outlive the daemon as the accepted
+	// counters do; what conntrack accounting gave (live entries and the
+	// ended ones the daemon saw) lost what ended while none ran. After the
+	// nat hooks, so a connection's first packet carries its mark.
+	counted := func(hook *nftables.ChainHook, prio int32) *ChainSpec {
+		byDir := func(comment string, dir byte, set string) RuleSpec {
+			return rule(fam, comment, append(append(ctDirection(dir), ctMarkMasked(ctmark.IDMask|ctmark.Owned)...),
+				&expr.Lookup{SourceRegister: 1, SetName: set})...)
+		}
+		return &ChainSpec{Hook: &HookSpec{nftables.ChainTypeFilter, *hook, prio}, Rules: []RuleSpec{
+			byDir("bytes caller to guest", 0, MapExpBytesOrig), byDir("bytes guest to caller", 1, MapExpBytesReply)}}
+	}
+	for _, c := range []struct {
+		name string
+		hook *nftables.ChainHook
+	}{{chainBytesFwd, nftables.ChainHookForward}, {chainBytesIn, nftables.ChainHookInput}, {chainBytesOut, nftables.ChainHookOutput}} {
+		cs := counted(c.hook, 10)
+		cs.Name = c.name
+		inet.addChain(cs)
+	}
 }
 
 // Key and data types of the exposure maps (built once).
@@ -328,6 +357,10 @@ func addSharedMaps(inet *TableSpec, setBased bool) {
 		Comment: "capped exposures: their cap, by mark", Elems: map[string]ElemSpec{}})
 	inet.addSet(&SetSpec{Name: SetCappedTCP, Key: nftables.TypeMark, PerExposure: true,
 		Comment: "capped tcp exposures by mark id", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: MapExpBytesOrig, Key: nftables.TypeMark, Counter: true, PerExposure: true,
+		Comment: "each exposure's bytes caller to guest, by its mark", Elems: map[string]ElemSpec{}})
+	inet.addSet(&SetSpec{Name: MapExpBytesReply, Key: nftables.TypeMark, Counter: true, PerExposure: true,
+		Comment: "each exposure's bytes guest to caller, by its mark", Elems: map[string]ElemSpec{}})
 }
 
 // unit is one exposure's part of the inet table: its elements in the
@@ -449,7 +482,12 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 			add(f.target, ElemSpec{Key: mark, Val: target})
 		}
 	}
-	if !setBased || e.MaxConns <= 0 {
+	if !setBased {
+		return u, nil
+	}
+	add(MapExpBytesOrig, ElemSpec{Key: mark})
+	add(MapExpBytesReply, ElemSpec{Key: mark})
+	if e.MaxConns <= 0 {
 		return u, nil
 	}
 	// The set-based cap: the exposure's set of open connections, the
