@@ -369,7 +369,7 @@ func (cw *capWatcher) sweep(all bool) {
 
 // ExposureCounters are one exposure's kernel-path numbers.
 type ExposureCounters struct {
-	Accepted uint64 // connections admitted (the counter of the exposure's exp-target element + the cap slow path's)
+	Accepted uint64 // connections admitted (the counters of the exposure's target elements + the cap slow path's)
 	Refused  uint64 // connections refused by the cap (named counter NAME-refused + the slow path's)
 	// The named counters' part of Accepted and Refused: absolute in the
 	// kernel, where it outlives the daemon (the slow path's part is this
@@ -396,9 +396,21 @@ func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 	if err != nil {
 		return nil, err
 	}
-	admitted, err := c.k.elemCounters(compile.MapExpTarget)
-	if err != nil {
-		return nil, err
+	// Admitted: the connections DNATed to the guest, each a lookup of one
+	// of the exposure's target elements: its exp-target element, or a port
+	// range's exp-target-addr element or exp-target-port ones (one per
+	// port, keyed mark . port), summed by mark.
+	admitted := map[string]uint64{}
+	for _, set := range []string{compile.MapExpTarget, compile.MapExpTargetAddr, compile.MapExpTargetPort} {
+		m, err := c.k.elemCounters(set)
+		if err != nil {
+			return nil, err
+		}
+		for k, v := range m {
+			if len(k) >= 4 {
+				admitted[k[:4]] += v.Packets
+			}
+		}
 	}
 	bytesIn, err := c.k.elemCounters(compile.MapExpBytesOrig)
 	if err != nil {
@@ -410,10 +422,8 @@ func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 	}
 	ov := c.ov.Load()
 	for _, e := range byID {
-		// Admitted in the kernel: the connections DNATed to the guest, which
-		// is a lookup of the exposure's target element.
 		mark := compile.MarkKey(e.MarkID)
-		ka, kr := admitted[string(mark)].Packets, cv[compile.RefusedCounter(e.Name)].Packets
+		ka, kr := admitted[string(mark)], cv[compile.RefusedCounter(e.Name)].Packets
 		ec := ExposureCounters{Accepted: ka, Refused: kr, KernelAccepted: ka, KernelRefused: kr,
 			BytesIn: bytesIn[string(mark)].Bytes, BytesOut: bytesOut[string(mark)].Bytes}
 		if ov != nil {

@@ -132,13 +132,11 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 		rule(fam, "exposures bound to one address", append(append(loadAddrProtoPort(), markFrom(MapExpAddr)...), toPublish)...),
 		rule(fam, "exposures bound to every local address", append(append(loadProtoPort(), markFrom(MapExpAny)...), toPublish)...),
 	}
-	if !setBased {
-		// Port ranges: interval maps beside the exact ones (a set's flags
-		// cannot change in place), looked up after them.
-		dispatch = append(dispatch,
-			rule(fam, "port ranges bound to one address", append(append(loadAddrProtoPort(), markFrom(MapExpAddrRange)...), toPublish)...),
-			rule(fam, "port ranges on every local address", append(append(loadProtoPort(), markFrom(MapExpAnyRange)...), toPublish)...))
-	}
+	// Port ranges: interval maps beside the exact ones (a set's flags
+	// cannot change in place), looked up after them.
+	dispatch = append(dispatch,
+		rule(fam, "port ranges bound to one address", append(append(loadAddrProtoPort(), markFrom(MapExpAddrRange)...), toPublish)...),
+		rule(fam, "port ranges on every local address", append(append(loadProtoPort(), markFrom(MapExpAnyRange)...), toPublish)...))
 	inet.addChain(&ChainSpec{Name: chainDispatch, Rules: dispatch})
 	var publish []RuleSpec
 	if setBased {
@@ -153,12 +151,10 @@ func buildFixed(r Rules) (inet, bridge *TableSpec, err error) {
 			rule(fam, comment, append(l4proto(unix.IPPROTO_UDP), dnat()...)...)}
 	}
 	publish = append(publish, perProto("to the guest", dnatToTarget)...)
-	if !setBased {
-		// A range whose guest ports are its own: the address only (a
-		// mark has an element in exp-target or in exp-target-addr).
-		publish = append(publish, perProto("to the guest, the port kept", func() []expr.Any { return dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4) })...)
-		publish = append(publish, perProto("to the guest, by the port dialled", func() []expr.Any { return dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4) })...)
-	}
+	// A range whose guest ports are its own: the address only (a mark has
+	// an element in exp-target or in exp-target-addr).
+	publish = append(publish, perProto("to the guest, the port kept", func() []expr.Any { return dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4) })...)
+	publish = append(publish, perProto("to the guest, by the port dialled", func() []expr.Any { return dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4) })...)
 	inet.addChain(&ChainSpec{Name: chainPublish, Rules: publish})
 	if !setBased {
 		// IPv6 callers: the same marks, one slot and one cap per exposure
@@ -317,40 +313,40 @@ var (
 // set-based cap the targets count each exposure's admitted connections
 // (their element's counter), and capped exposures are found by mark.
 func addSharedMaps(inet *TableSpec, setBased bool) {
-	inet.addSet(&SetSpec{Name: MapExpAddr, Key: expAddrKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
-		Comment: "exposures bound to one address: their mark", Elems: map[string]ElemSpec{}})
-	inet.addSet(&SetSpec{Name: MapExpAny, Key: expAnyKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
-		Comment: "exposures bound to every local address: their mark", Elems: map[string]ElemSpec{}})
-	inet.addSet(&SetSpec{Name: MapExpTarget, Key: nftables.TypeMark, Data: targetData, IsMap: true, PerExposure: true,
-		Counter: setBased, Comment: "each exposure's guest, by its mark", Elems: map[string]ElemSpec{}})
+	type sharedMap struct {
+		name      string
+		key, data nftables.SetDatatype
+		interval  bool
+		counter   bool // the set-based cap's accepted: a target's element counter
+		comment   string
+	}
+	shared := []sharedMap{
+		{MapExpAddr, expAddrKey, nftables.TypeMark, false, false, "exposures bound to one address: their mark"},
+		{MapExpAny, expAnyKey, nftables.TypeMark, false, false, "exposures bound to every local address: their mark"},
+		{MapExpTarget, nftables.TypeMark, targetData, false, setBased, "each exposure's guest, by its mark"},
+		{MapExpAddrRange, expAddrKey, nftables.TypeMark, true, false, "port ranges bound to one address: their mark"},
+		{MapExpAnyRange, expAnyKey, nftables.TypeMark, true, false, "port ranges on every local address: their mark"},
+		{MapExpTargetAddr, nftables.TypeMark, nftables.TypeIPAddr, false, setBased, "each port range's guest, by its mark: the port kept"},
+		{MapExpTargetPort, markPortKey, targetData, false, setBased, "each shifted port range's guest port, by its mark and the port dialled"},
+	}
 	if !setBased {
-		inet.addSet(&SetSpec{Name: MapExpAddr6, Key: expAddr6Key, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
-			Comment: "exposures bound to one ipv6 address: their mark", Elems: map[string]ElemSpec{}})
-		inet.addSet(&SetSpec{Name: MapExpAny6, Key: expAnyKey, Data: nftables.TypeMark, IsMap: true, PerExposure: true,
-			Comment: "exposures bound to every local ipv6 address: their mark", Elems: map[string]ElemSpec{}})
-		inet.addSet(&SetSpec{Name: MapExpTarget6, Key: nftables.TypeMark, Data: target6Data, IsMap: true, PerExposure: true,
-			Comment: "each exposure's guest ipv6 address, by its mark", Elems: map[string]ElemSpec{}})
-		for _, m := range []struct {
-			name    string
-			key     nftables.SetDatatype
-			comment string
-		}{
-			{MapExpAddrRange, expAddrKey, "port ranges bound to one address: their mark"},
-			{MapExpAnyRange, expAnyKey, "port ranges on every local address: their mark"},
-			{MapExpAddr6Range, expAddr6Key, "port ranges bound to one ipv6 address: their mark"},
-			{MapExpAny6Range, expAnyKey, "port ranges on every local ipv6 address: their mark"},
-		} {
-			inet.addSet(&SetSpec{Name: m.name, Key: m.key, Data: nftables.TypeMark, IsMap: true, Interval: true, PerExposure: true,
-				Comment: m.comment, Elems: map[string]ElemSpec{}})
-		}
-		inet.addSet(&SetSpec{Name: MapExpTargetAddr, Key: nftables.TypeMark, Data: nftables.TypeIPAddr, IsMap: true, PerExposure: true,
-			Comment: "each port range's guest, by its mark: the port kept", Elems: map[string]ElemSpec{}})
-		inet.addSet(&SetSpec{Name: MapExpTargetAddr6, Key: nftables.TypeMark, Data: nftables.TypeIP6Addr, IsMap: true, PerExposure: true,
-			Comment: "each port range's guest ipv6 address, by its mark: the port kept", Elems: map[string]ElemSpec{}})
-		inet.addSet(&SetSpec{Name: MapExpTargetPort, Key: markPortKey, Data: targetData, IsMap: true, PerExposure: true,
-			Comment: "each shifted port range's guest port, by its mark and the port dialled", Elems: map[string]ElemSpec{}})
-		inet.addSet(&SetSpec{Name: MapExpTargetPort6, Key: markPortKey, Data: target6Data, IsMap: true, PerExposure: true,
-			Comment: "each shifted port range's guest ipv6 address and port, by its mark and the port dialled", Elems: map[string]ElemSpec{}})
+		// IPv6: the BPF nat path's alone (the set-based cap's sets are
+		// keyed by IPv4 connections).
+		shared = append(shared, []sharedMap{
+			{MapExpAddr6, expAddr6Key, nftables.TypeMark, false, false, "exposures bound to one ipv6 address: their mark"},
+			{MapExpAny6, expAnyKey, nftables.TypeMark, false, false, "exposures bound to every local ipv6 address: their mark"},
+			{MapExpTarget6, nftables.TypeMark, target6Data, false, false, "each exposure's guest ipv6 address, by its mark"},
+			{MapExpAddr6Range, expAddr6Key, nftables.TypeMark, true, false, "port ranges bound to one ipv6 address: their mark"},
+			{MapExpAny6Range, expAnyKey, nftables.TypeMark, true, false, "port ranges on every local ipv6 address: their mark"},
+			{MapExpTargetAddr6, nftables.TypeMark, nftables.TypeIP6Addr, false, false, "each port range's guest ipv6 address, by its mark: the port kept"},
+			{MapExpTargetPort6, markPortKey, target6Data, false, false, "each shifted port range's guest ipv6 address and port, by its mark and the port dialled"},
+		}...)
+	}
+	for _, m := range shared {
+		inet.addSet(&SetSpec{Name: m.name, Key: m.key, Data: m.data, IsMap: true, Interval: m.interval, Counter: m.counter,
+			PerExposure: true, Comment: m.comment, Elems: map[string]ElemSpec{}})
+	}
+	if !setBased {
 		return
 	}
 	inet.addSet(&SetSpec{Name: MapExpCap, Key: nftables.TypeMark, Data: nftables.TypeVerdict, IsMap: true, PerExposure: true,

@@ -106,6 +106,13 @@ func goldenCases() []goldenCase {
 		GuestPort: 51000, GuestPortLast: 51002}
 	ranges := baseRules(tcpTo("web", 8080, g1, 80), kept, fan, kept6, shifted)
 	ranges.Cap, ranges.Subnet6, ranges.Guests = MarksOnly{}, dual.Subnet6, []Guest{g1v6}
+	// Under the set-based cap: uncapped IPv4 ranges only, their accepted
+	// in the target elements' counters.
+	keptUncapped := kept
+	keptUncapped.GuestAddr6, keptUncapped.MaxConns = netip.Addr{}, 0
+	shifted4 := shifted
+	shifted4.GuestAddr6 = netip.Addr{}
+	rangesSet := baseRules(keptUncapped, fan, shifted4)
 	global6 := baseRules()
 	global6.Subnet6 = netip.MustParsePrefix("2001:db8:7::1/64")
 	return []goldenCase{
@@ -130,6 +137,7 @@ func goldenCases() []goldenCase {
 		{name: "dual-stack-nat", rules: dualNat},
 		{name: "dual-stack-set-cap", rules: dualSet},
 		{name: "port-ranges", rules: ranges},
+		{name: "port-ranges-set-cap", rules: rangesSet},
 	}
 }
 
@@ -199,8 +207,8 @@ func TestPlanRefusesImpossibleInput(t *testing.T) {
 			r.Exposures[1].MarkID = 2
 		},
 		"exposures[web].name": func(r *Rules) { r.Exposures = append(r.Exposures, r.Exposures[0]) },
-		// The set-based cap publishes no range.
-		"exposures[web].hostPort":      func(r *Rules) { r.Exposures[0].HostPortLast = 8090 },
+		// The set-based cap publishes no capped range.
+		"exposures[web].hostPort":      func(r *Rules) { r.Exposures[0].HostPortLast, r.Exposures[0].MaxConns = 8090, 2 },
 		"exposures[web].hostPortLast":  func(r *Rules) { r.Exposures[0].HostPortLast = 8079; r.Cap = MarksOnly{} },
 		"exposures[web].guestPortLast": func(r *Rules) { r.Exposures[0].GuestPortLast = 81; r.Cap = MarksOnly{} },
 		"subnet":                       func(r *Rules) { r.Subnet = netip.Prefix{} },

@@ -200,14 +200,14 @@ func (e Exposure) buildable(setBased bool) error {
 	if err := e.buildableAlways(); err != nil {
 		return err
 	}
-	if setBased && e.IsRange() {
+	if setBased && e.IsRange() && e.MaxConns > 0 {
 		return fieldErr("exposures["+e.Name+"].hostPort", "%d-%d: %s", e.HostPort, e.HostPortLast, ErrRangeSetCap)
 	}
 	return nil
 }
 
-// ErrRangeSetCap is why the set-based cap publishes no port range.
-const ErrRangeSetCap = "a port range is published on the BPF nat path only (the set-based cap keys its sets and slow path by one port)"
+// ErrRangeSetCap is why the set-based cap publishes no capped port range.
+const ErrRangeSetCap = "a capped port range is published on the BPF nat path only (the set-based cap keys its sets and slow path by one port; maxConns: 0 publishes it uncapped)"
 
 func (e Exposure) buildableAlways() error {
 	id := e.MarkID
