@@ -691,14 +691,10 @@ func (sl *Slot) AddBytes(in, out uint64) {
 // slot that an older brokkrd left without a fed record takes the first
 // values as its baseline, once.
 func (sl *Slot) FeedKernelTotals(accepted, refused uint64) {
-	s := sl.s
-	lastA := s.fed(sl.i, offFedAccept).Swap(accepted)
-	lastR := s.fed(sl.i, offFedRefuse).Swap(refused)
-	if s.fed(sl.i, offFedValid).Swap(1) == 0 {
-		return
+	if a, r, ok := fedGrowth(sl.s.fed, sl.i, offFedAccept, accepted, offFedRefuse, refused); ok {
+		sl.AddAccepted(a)
+		sl.AddRefused(r)
 	}
-	sl.AddAccepted(grown(lastA, accepted))
-	sl.AddRefused(grown(lastR, refused))
 }
 
 // FeedKernelBytes is FeedKernelTotals for the bytes per direction (the
@@ -706,13 +702,21 @@ func (sl *Slot) FeedKernelTotals(accepted, refused uint64) {
 // fallback_bytes_fed_v2 map: what the kernel counted while no daemon ran is
 // counted once the next one feeds.
 func (sl *Slot) FeedKernelBytes(in, out uint64) {
-	s := sl.s
-	lastIn := s.bytesFed(sl.i, offBytesFedIn).Swap(in)
-	lastOut := s.bytesFed(sl.i, offBytesFedOut).Swap(out)
-	if s.bytesFed(sl.i, offFedValid).Swap(1) == 0 {
-		return
+	if i, o, ok := fedGrowth(sl.s.bytesFed, sl.i, offBytesFedIn, in, offBytesFedOut, out); ok {
+		sl.AddBytes(i, o)
 	}
-	sl.AddBytes(grown(lastIn, in), grown(lastOut, out))
+}
+
+// fedGrowth records a and b as what slot i was last fed in a fed map (at
+// offsets offA and offB) and returns how much each grew since the values
+// recorded before; not ok when nothing was recorded (the first values are
+// a baseline).
+func fedGrowth(fed func(i, off int) *atomic.Uint64, i, offA int, a uint64, offB int, b uint64) (ga, gb uint64, ok bool) {
+	lastA, lastB := fed(i, offA).Swap(a), fed(i, offB).Swap(b)
+	if fed(i, offFedValid).Swap(1) == 0 {
+		return 0, 0, false
+	}
+	return grown(lastA, a), grown(lastB, b), true
 }
 
 // grown is how much a monotonic counter that may have restarted from zero

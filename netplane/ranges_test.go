@@ -25,6 +25,23 @@ func servePorts(t *testing.T, ns *nstest.NS, ports ...int) {
 	}
 }
 
+// rangeGuest is guest g on the bridge with its leased address, serving
+// the ports the range tests call.
+func rangeGuest(t *testing.T, host *nstest.NS, g GuestStatus) {
+	guest := attachGuest(t, host, g)
+	guest.MustRun(t, "ip", "addr", "add", g.Address.String()+"/24", "dev", "eth0")
+	guest.MustRun(t, "ip", "route", "add", "default", "via", "10.213.0.1")
+	servePorts(t, guest, 80, 29999, 30000, 30050, 30099, 30100)
+	// The host sees the guest take its address (its ARP for the bridge).
+	_ = guest.Do(func() error {
+		c, err := net.DialTimeout("tcp4", "10.213.0.1:9", 300*time.Millisecond)
+		if err == nil {
+			c.Close()
+		}
+		return nil
+	})
+}
+
 // portCalls dials host ports of 10.99.0.1 from client: call returns the
 // connection and the guest port it answered with; reaches and refused
 // assert that a port is or is not published.
@@ -83,19 +100,7 @@ func TestPortRangeOnTheNatPath(t *testing.T) {
 	}}
 	rep := p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
-	g := rep.Guests[0]
-	guest := attachGuest(t, host, g)
-	guest.MustRun(t, "ip", "addr", "add", g.Address.String()+"/24", "dev", "eth0")
-	guest.MustRun(t, "ip", "route", "add", "default", "via", "10.213.0.1")
-	servePorts(t, guest, 80, 29999, 30000, 30050, 30099, 30100)
-	// The host sees the guest take its address (its ARP for the bridge).
-	_ = guest.Do(func() error {
-		c, err := net.DialTimeout("tcp4", "10.213.0.1:9", 300*time.Millisecond)
-		if err == nil {
-			c.Close()
-		}
-		return nil
-	})
+	rangeGuest(t, host, rep.Guests[0])
 	convergeUntil(t, p, d, "every exposure active", func(r Report) bool {
 		for _, x := range r.Exposures {
 			if x.State != spec.StateActive {
@@ -169,18 +174,7 @@ func TestPortRangesUnderTheSetBasedCap(t *testing.T) {
 	}}
 	rep := p.Converge(context.Background(), d)
 	require.NoError(t, rep.Err)
-	g := rep.Guests[0]
-	guest := attachGuest(t, host, g)
-	guest.MustRun(t, "ip", "addr", "add", g.Address.String()+"/24", "dev", "eth0")
-	guest.MustRun(t, "ip", "route", "add", "default", "via", "10.213.0.1")
-	servePorts(t, guest, 80, 29999, 30000, 30050, 30099, 30100)
-	_ = guest.Do(func() error {
-		c, err := net.DialTimeout("tcp4", "10.213.0.1:9", 300*time.Millisecond)
-		if err == nil {
-			c.Close()
-		}
-		return nil
-	})
+	rangeGuest(t, host, rep.Guests[0])
 	rep = convergeUntil(t, p, d, "every exposure but the capped range active", func(r Report) bool {
 		n := 0
 		for _, x := range r.Exposures {

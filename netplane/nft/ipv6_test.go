@@ -166,39 +166,9 @@ func TestARouterAdvertisementFromAGuestIsDropped(t *testing.T) {
 		}
 	}()
 
-	// g1 sends one to all nodes, from its link-local address, hop limit
-	// 255 as a real one.
-	require.NoError(t, tp.guests[0].Do(func() error {
-		c, err := icmp.ListenPacket("ip6:ipv6-icmp", "::")
-		if err != nil {
-			return err
-		}
-		defer c.Close()
-		p := c.IPv6PacketConn()
-		ifi, err := net.InterfaceByName("eth0")
-		if err != nil {
-			return err
-		}
-		if err := p.SetMulticastHopLimit(255); err != nil {
-			return err
-		}
-		if err := p.SetMulticastInterface(ifi); err != nil {
-			return err
-		}
-		// Cur hop limit 64, router lifetime 1800 s, no options.
-		ra := icmp.Message{Type: ipv6.ICMPTypeRouterAdvertisement, Body: &icmp.RawBody{Data: []byte{64, 0, 0x07, 0x08, 0, 0, 0, 0, 0, 0, 0, 0}}}
-		b, err := ra.Marshal(nil)
-		if err != nil {
-			return err
-		}
-		for i := 0; i < 3; i++ {
-			if _, err := p.WriteTo(b, nil, &net.IPAddr{IP: net.ParseIP("ff02::1"), Zone: "eth0"}); err != nil {
-				return err
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
-		return nil
-	}))
+	// g1 sends one to all nodes, from its link-local address: cur hop
+	// limit 64, router lifetime 1800 s, no options.
+	sendToAllNodes(t, tp.guests[0], ipv6.ICMPTypeRouterAdvertisement, []byte{64, 0, 0x07, 0x08, 0, 0, 0, 0, 0, 0, 0, 0})
 	assert.False(t, <-got, "a guest's router advertisement reached another guest")
 	chain := tp.host.MustRun(t, "nft", "list", "chain", "bridge", "brokkr", "anti-spoof")
 	assert.Regexp(t, `icmpv6 type nd-router-advert counter packets [1-9]`, chain, "counted where it is dropped")
@@ -222,8 +192,25 @@ func TestANeighbourAdvertisementForAnotherGuestsAddressIsDropped(t *testing.T) {
 	}
 	require.Contains(t, neigh(), tp.macs[1].String(), "the host learnt g2's MAC")
 
+	// Override set, target g2's address, target link-layer address option
+	// with g1's MAC.
 	tgt := guest6(1).As16()
-	require.NoError(t, tp.guests[0].Do(func() error {
+	na := append(append([]byte{0x20, 0, 0, 0}, tgt[:]...), 2, 1)
+	sendToAllNodes(t, tp.guests[0], ipv6.ICMPTypeNeighborAdvertisement, append(na, tp.macs[0]...))
+	assert.Contains(t, neigh(), tp.macs[1].String(), "the host's entry for g2's address kept g2's MAC")
+	assert.NotContains(t, neigh(), tp.macs[0].String())
+	_, err = dial6(tp.host, "", "["+target+"]:7000")
+	assert.NoError(t, err, "the host still reaches g2")
+	chain := tp.host.MustRun(t, "nft", "list", "chain", "bridge", "brokkr", "nd-targets")
+	assert.Regexp(t, `iifname "g1p" .* counter packets [1-9]`, chain, "counted where it is dropped")
+}
+
+// sendToAllNodes sends an ICMPv6 message of type typ with body to all
+// nodes (ff02::1) on eth0 of ns, three times, from its link-local address
+// with hop limit 255, as neighbour discovery's messages go.
+func sendToAllNodes(t *testing.T, ns *nstest.NS, typ ipv6.ICMPType, body []byte) {
+	t.Helper()
+	require.NoError(t, ns.Do(func() error {
 		c, err := icmp.ListenPacket("ip6:ipv6-icmp", "::")
 		if err != nil {
 			return err
@@ -240,11 +227,7 @@ func TestANeighbourAdvertisementForAnotherGuestsAddressIsDropped(t *testing.T) {
 		if err := p.SetMulticastInterface(ifi); err != nil {
 			return err
 		}
-		// Override set, target g2's address, target link-layer address
-		// option with g1's MAC.
-		na := append(append([]byte{0x20, 0, 0, 0}, tgt[:]...), 2, 1)
-		na = append(na, ifi.HardwareAddr...)
-		b, err := (&icmp.Message{Type: ipv6.ICMPTypeNeighborAdvertisement, Body: &icmp.RawBody{Data: na}}).Marshal(nil)
+		b, err := (&icmp.Message{Type: typ, Body: &icmp.RawBody{Data: body}}).Marshal(nil)
 		if err != nil {
 			return err
 		}
@@ -256,10 +239,4 @@ func TestANeighbourAdvertisementForAnotherGuestsAddressIsDropped(t *testing.T) {
 		}
 		return nil
 	}))
-	assert.Contains(t, neigh(), tp.macs[1].String(), "the host's entry for g2's address kept g2's MAC")
-	assert.NotContains(t, neigh(), tp.macs[0].String())
-	_, err = dial6(tp.host, "", "["+target+"]:7000")
-	assert.NoError(t, err, "the host still reaches g2")
-	chain := tp.host.MustRun(t, "nft", "list", "chain", "bridge", "brokkr", "nd-targets")
-	assert.Regexp(t, `iifname "g1p" .* counter packets [1-9]`, chain, "counted where it is dropped")
 }
