@@ -313,8 +313,12 @@ func TestJournalSyncFailure(t *testing.T) {
 	assert.Equal(t, []string{"web-auto", "web-nat", "web-proxy", "lo-auto", "ext", "a", "b"}, exposureNamesOf(newRigWith(t, r.host).d.Desired()))
 }
 
-// killHelperEnv names the stateDir of TestJournalKillHelper's daemon.
-const killHelperEnv = "BRK_JOURNAL_KILL_STATE"
+// killHelperEnv and killHelperRunEnv name the stateDir and the runDir of
+// TestJournalKillHelper's daemon.
+const (
+	killHelperEnv    = "BRK_JOURNAL_KILL_STATE"
+	killHelperRunEnv = "BRK_JOURNAL_KILL_RUN"
+)
 
 // killOps is client c's changes: put k-c-i, and every other one removed
 // right after.
@@ -340,7 +344,9 @@ func TestJournalKillHelper(t *testing.T) {
 	}
 	host, err := config.Parse([]byte(rigConfig))
 	require.NoError(t, err)
-	host.StateDir, host.RunDir = state, shortDir(t)
+	// The run directory is the parent's: the helper is SIGKILLed, so no
+	// cleanup of its own would run.
+	host.StateDir, host.RunDir = state, os.Getenv(killHelperRunEnv)
 	r := newRigWith(t, host)
 	r.d.journal.maxRecords = 5
 	out := bufio.NewWriter(os.Stdout)
@@ -377,7 +383,7 @@ func TestJournalKilled(t *testing.T) {
 	for round := range 6 {
 		state := t.TempDir()
 		cmd := exec.Command(os.Args[0], "-test.run=^TestJournalKillHelper$")
-		cmd.Env = append(os.Environ(), killHelperEnv+"="+state)
+		cmd.Env = append(os.Environ(), killHelperEnv+"="+state, killHelperRunEnv+"="+shortDir(t))
 		stdout, err := cmd.StdoutPipe()
 		require.NoError(t, err)
 		require.NoError(t, cmd.Start())

@@ -48,6 +48,7 @@ exposures:
 
 var previous struct {
 	once sync.Once
+	dir  string // what it was built in; TestMain removes it
 	bin  string
 	err  error
 }
@@ -75,6 +76,7 @@ func previousBinary(t *testing.T) string {
 			previous.err = err
 			return
 		}
+		previous.dir = dir
 		src := filepath.Join(dir, "src")
 		if err := os.Mkdir(src, 0o755); err != nil {
 			previous.err = err
@@ -436,4 +438,11 @@ func TestAnUpgradeWhoseProgramsCannotLoadKeepsTheOldOnesServing(t *testing.T) {
 	f.want["rl-nat"].in += 4
 	f.want["rl-nat"].out += 4
 	f.exact(r, "a new nat caller under the earlier programs")
+}
+
+// removePrevious removes what previousBinary built, if it ran.
+func removePrevious() {
+	if previous.dir != "" {
+		os.RemoveAll(previous.dir)
+	}
 }

@@ -44,7 +44,9 @@ func TestMain(m *testing.M) {
 		os.Exit(loaderMain(addr))
 	}
 	nstest.CallerMain()
-	os.Exit(m.Run())
+	code := m.Run()
+	removePrevious() // built once for the whole run
+	os.Exit(code)
 }
 
 func envInt(name string, def int) int {
