@@ -280,7 +280,6 @@ func (d *Daemon) budgetAfter(model *spec.Desired, was, now *spec.Exposure) strin
 	return d.budget
 }
 
-// validateNet is the network plane's Validate of m, as config errors.
 // exposureValidator is a Network that checks exposures alone, for a
 // change that leaves the network and the guests as they are
 // (netplane.Plane): no kernel read, and no wait for a pass in flight.
@@ -297,6 +296,7 @@ func (d *Daemon) validateExposure(m *spec.Desired) config.Errors {
 	return d.validateNet(m)
 }
 
+// validateNet is the network plane's Validate of m, as config errors.
 func (d *Daemon) validateNet(m *spec.Desired) config.Errors {
 	if !d.lockNet(d.opts.Timeout) {
 		return config.Errors{{Msg: ErrBusy.Error()}}

@@ -34,7 +34,6 @@ func kernelRig(tb testing.TB, n int, role string, pinned bool) (d *Daemon, echo 
 	tb.Helper()
 	host, client := nstest.New(tb, "host"+role), nstest.New(tb, "client"+role)
 	nstest.Link(tb, client, "eth0", "10.99.0.2/24", host, "up0", "10.99.0.1/24")
-	var y strings.Builder
 	// Past 40,000 a port of its own for each needs more host addresses:
 	// blocks of 40,000 on 10.99.K.1 (10.99.0.1 first, where the client
 	// calls), each a local address of the host; as many as the most
@@ -43,8 +42,7 @@ func kernelRig(tb testing.TB, n int, role string, pinned bool) (d *Daemon, echo 
 		host.MustRun(tb, "ip", "addr", "add", fmt.Sprintf("10.99.%d.1/32", k), "dev", "up0")
 	}
 	client.MustRun(tb, "ip", "route", "add", "10.99.0.0/16", "via", "10.99.0.1")
-	y.WriteString(exposuresYAML(n))
-	cfg, err := config.Parse([]byte(y.String()))
+	cfg, err := config.Parse([]byte(exposuresYAML(n)))
 	if err != nil {
 		tb.Fatal(err)
 	}

@@ -95,11 +95,7 @@ func (p *Plane) UpdateExposures(ctx context.Context, set []Exposure, remove []st
 		return Report{Err: err}
 	}
 	f := p.facts
-	assigned := map[string]netip.Addr{}
-	for vm, l := range p.pool.Leases() {
-		assigned[vm] = l.Addr
-	}
-	if errs := validateTargets(set, assigned, f.guests); len(errs) > 0 {
+	if errs := validateTargets(set, p.assigned(), f.guests); len(errs) > 0 {
 		return Report{Err: fmt.Errorf("netplane: invalid exposures, nothing applied: %w", errors.Join(errs...))}
 	}
 	gone := map[string]bool{}

@@ -158,19 +158,21 @@ func (p *Plane) ValidateExposures(d Desired) []error {
 	for _, g := range d.Guests {
 		guests[g.Name] = true
 	}
-	assigned := map[string]netip.Addr{}
-	for vm, l := range p.pool.Leases() {
-		assigned[vm] = l.Addr
+	return validateTargets(d.Exposures, p.assigned(), guests)
+}
+
+// assigned is each VM's address as IPAM gave it out.
+func (p *Plane) assigned() map[string]netip.Addr {
+	leases := p.pool.Leases()
+	out := make(map[string]netip.Addr, len(leases))
+	for vm, l := range leases {
+		out[vm] = l.Addr
 	}
-	return validateTargets(d.Exposures, assigned, guests)
+	return out
 }
 
 func (p *Plane) validate(d Desired, links []netlink.Link) []error {
-	assigned := map[string]netip.Addr{}
-	for vm, l := range p.pool.Leases() {
-		assigned[vm] = l.Addr
-	}
-	return append(validateDerived(d, assigned), p.validateAgainstKernel(d, links)...)
+	return append(validateDerived(d, p.assigned()), p.validateAgainstKernel(d, links)...)
 }
 
 func withDefaults(d Desired) Desired {

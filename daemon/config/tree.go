@@ -332,20 +332,18 @@ func scalarFits(n *yaml.Node, t reflect.Type) bool {
 		if tag == "!!bool" {
 			return true
 		}
-	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
 		if tag != "!!int" {
 			return false
 		}
 		if plainDecimal(n.Value) {
-			_, err := strconv.ParseInt(n.Value, 10, t.Bits())
-			return err == nil
-		}
-	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
-		if tag != "!!int" {
-			return false
-		}
-		if plainDecimal(n.Value) {
-			_, err := strconv.ParseUint(n.Value, 10, t.Bits())
+			var err error
+			if t.Kind() >= reflect.Uint {
+				_, err = strconv.ParseUint(n.Value, 10, t.Bits())
+			} else {
+				_, err = strconv.ParseInt(n.Value, 10, t.Bits())
+			}
 			return err == nil
 		}
 	}

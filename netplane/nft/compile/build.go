@@ -313,36 +313,35 @@ var (
 // set-based cap the targets count each exposure's admitted connections
 // (their element's counter), and capped exposures are found by mark.
 func addSharedMaps(inet *TableSpec, setBased bool) {
-	type sharedMap struct {
+	// IPv6 is the BPF nat path's alone (the set-based cap's sets are keyed
+	// by IPv4 connections); a target's element counts the set-based cap's
+	// accepted.
+	for _, m := range []struct {
 		name      string
 		key, data nftables.SetDatatype
 		interval  bool
-		counter   bool // the set-based cap's accepted: a target's element counter
+		counter   bool
+		v6        bool
 		comment   string
-	}
-	shared := []sharedMap{
-		{MapExpAddr, expAddrKey, nftables.TypeMark, false, false, "exposures bound to one address: their mark"},
-		{MapExpAny, expAnyKey, nftables.TypeMark, false, false, "exposures bound to every local address: their mark"},
-		{MapExpTarget, nftables.TypeMark, targetData, false, setBased, "each exposure's guest, by its mark"},
-		{MapExpAddrRange, expAddrKey, nftables.TypeMark, true, false, "port ranges bound to one address: their mark"},
-		{MapExpAnyRange, expAnyKey, nftables.TypeMark, true, false, "port ranges on every local address: their mark"},
-		{MapExpTargetAddr, nftables.TypeMark, nftables.TypeIPAddr, false, setBased, "each port range's guest, by its mark: the port kept"},
-		{MapExpTargetPort, markPortKey, targetData, false, setBased, "each shifted port range's guest port, by its mark and the port dialled"},
-	}
-	if !setBased {
-		// IPv6: the BPF nat path's alone (the set-based cap's sets are
-		// keyed by IPv4 connections).
-		shared = append(shared, []sharedMap{
-			{MapExpAddr6, expAddr6Key, nftables.TypeMark, false, false, "exposures bound to one ipv6 address: their mark"},
-			{MapExpAny6, expAnyKey, nftables.TypeMark, false, false, "exposures bound to every local ipv6 address: their mark"},
-			{MapExpTarget6, nftables.TypeMark, target6Data, false, false, "each exposure's guest ipv6 address, by its mark"},
-			{MapExpAddr6Range, expAddr6Key, nftables.TypeMark, true, false, "port ranges bound to one ipv6 address: their mark"},
-			{MapExpAny6Range, expAnyKey, nftables.TypeMark, true, false, "port ranges on every local ipv6 address: their mark"},
-			{MapExpTargetAddr6, nftables.TypeMark, nftables.TypeIP6Addr, false, false, "each port range's guest ipv6 address, by its mark: the port kept"},
-			{MapExpTargetPort6, markPortKey, target6Data, false, false, "each shifted port range's guest ipv6 address and port, by its mark and the port dialled"},
-		}...)
-	}
-	for _, m := range shared {
+	}{
+		{MapExpAddr, expAddrKey, nftables.TypeMark, false, false, false, "exposures bound to one address: their mark"},
+		{MapExpAny, expAnyKey, nftables.TypeMark, false, false, false, "exposures bound to every local address: their mark"},
+		{MapExpTarget, nftables.TypeMark, targetData, false, setBased, false, "each exposure's guest, by its mark"},
+		{MapExpAddrRange, expAddrKey, nftables.TypeMark, true, false, false, "port ranges bound to one address: their mark"},
+		{MapExpAnyRange, expAnyKey, nftables.TypeMark, true, false, false, "port ranges on every local address: their mark"},
+		{MapExpTargetAddr, nftables.TypeMark, nftables.TypeIPAddr, false, setBased, false, "each port range's guest, by its mark: the port kept"},
+		{MapExpTargetPort, markPortKey, targetData, false, setBased, false, "each shifted port range's guest port, by its mark and the port dialled"},
+		{MapExpAddr6, expAddr6Key, nftables.TypeMark, false, false, true, "exposures bound to one ipv6 address: their mark"},
+		{MapExpAny6, expAnyKey, nftables.TypeMark, false, false, true, "exposures bound to every local ipv6 address: their mark"},
+		{MapExpTarget6, nftables.TypeMark, target6Data, false, false, true, "each exposure's guest ipv6 address, by its mark"},
+		{MapExpAddr6Range, expAddr6Key, nftables.TypeMark, true, false, true, "port ranges bound to one ipv6 address: their mark"},
+		{MapExpAny6Range, expAnyKey, nftables.TypeMark, true, false, true, "port ranges on every local ipv6 address: their mark"},
+		{MapExpTargetAddr6, nftables.TypeMark, nftables.TypeIP6Addr, false, false, true, "each port range's guest ipv6 address, by its mark: the port kept"},
+		{MapExpTargetPort6, markPortKey, target6Data, false, false, true, "each shifted port range's guest ipv6 address and port, by its mark and the port dialled"},
+	} {
+		if m.v6 && setBased {
+			continue
+		}
 		inet.addSet(&SetSpec{Name: m.name, Key: m.key, Data: m.data, IsMap: true, Interval: m.interval, Counter: m.counter,
 			PerExposure: true, Comment: m.comment, Elems: map[string]ElemSpec{}})
 	}

@@ -2,8 +2,8 @@ package compile
 
 import (
 	"encoding/binary"
+	"encoding/hex"
 	"fmt"
-	"math/big"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -727,7 +727,10 @@ func renderData(kind string, b []byte) (string, error) {
 	case "raw":
 		// A raw payload's value, as nft prints an integer: big-endian
 		// hex without leading zeros.
-		return "0x" + new(big.Int).SetBytes(b).Text(16), nil
+		if v := strings.TrimLeft(hex.EncodeToString(b), "0"); v != "" {
+			return "0x" + v, nil
+		}
+		return "0x0", nil
 	}
 	return "", fmt.Errorf("value %x", b)
 }
