@@ -56,6 +56,7 @@ type recSup struct {
 	mu       sync.Mutex
 	last     []supervisor.VMSpec
 	restarts []string
+	onWake   func(name string) // when set, called by Wake
 }
 
 func (s *recSup) Step(_ context.Context, d []supervisor.VMSpec) supervisor.Report {
@@ -80,7 +81,13 @@ func (s *recSup) Restart(name string) error {
 	return nil
 }
 func (s *recSup) Stop()                 { s.calls.add("supervisor.Stop") }
-func (s *recSup) Wake(name string) bool { s.calls.add("supervisor.Wake " + name); return true }
+func (s *recSup) Wake(name string) bool {
+	s.calls.add("supervisor.Wake " + name)
+	if s.onWake != nil {
+		s.onWake(name)
+	}
+	return true
+}
 func (s *recSup) specs() []supervisor.VMSpec {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -124,7 +125,9 @@ func (w *Wakes) Route(route func(vm string)) {
 // WakeVM resumes a suspended VM for a caller: a VM whose desired power is
 // suspended becomes running (persisted, as `brokkr vm resume` does), and
 // the supervisor is told the resume is a wake (it counts and times it, and
-// resumes a VM its idleSuspend suspended).
+// resumes a VM its idleSuspend suspended). The wake goes first: a worker
+// keeps a wake it cannot act on yet for the spec that follows, while a spec
+// that came first would resume the VM before the wake arrived, uncounted.
 func (d *Daemon) WakeVM(vm string) {
 	d.mu.Lock()
 	_, m := d.snapLocked()
@@ -133,6 +136,7 @@ func (d *Daemon) WakeVM(vm string) {
 	if !ok {
 		return
 	}
+	d.sup.Wake(vm)
 	if v.Power == spec.PowerSuspended {
 		if err := d.SetPower(vm, spec.PowerRunning); err != nil {
 			d.log.Warn("a caller could not wake a suspended VM", "vm", vm, "err", err)
@@ -140,7 +144,6 @@ func (d *Daemon) WakeVM(vm string) {
 		}
 		d.log.Info("a caller woke a suspended VM: its desired power is running now", "vm", vm)
 	}
-	d.sup.Wake(vm)
 }
 
 // suspendAction is `brokkr vm suspend|resume`: the desired power, and for a
@@ -150,11 +153,15 @@ func (d *Daemon) suspendAction(vm, action string) error {
 	if action == "suspend" {
 		return d.SetPower(vm, spec.PowerSuspended)
 	}
-	if err := d.SetPower(vm, spec.PowerRunning); err != nil {
-		return err
+	d.mu.Lock()
+	_, m := d.snapLocked()
+	_, ok := m.VM(vm)
+	d.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: %q", ErrNoSuchVM, vm)
 	}
-	d.sup.Wake(vm)
-	return nil
+	d.sup.Wake(vm) // first, as in WakeVM
+	return d.SetPower(vm, spec.PowerRunning)
 }
 
 // VMTraffic sums the counters of the VM's exposures from the pinned slots

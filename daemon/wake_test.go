@@ -98,12 +98,16 @@ func TestMarkAsleep(t *testing.T) {
 }
 
 // A caller's wake of a VM whose desired power is suspended makes it running
-// (persisted) and tells the supervisor it is a wake; one whose idleSuspend
+// (persisted) and tells the supervisor it is a wake, before the spec that
+// resumes it (or the resume goes uncounted); one whose idleSuspend
 // suspended it (desired running) only goes to the supervisor.
 func TestWakeVMRoutesByDesiredPower(t *testing.T) {
 	r := newRig(t, rigConfig)
 	require.NoError(t, r.d.SetPower("db", spec.PowerSuspended))
+	var powerAtWake []string
+	r.sup.onWake = func(vm string) { powerAtWake = append(powerAtWake, vm+" "+string(r.d.Desired().VMs[1].Power)) }
 	r.d.WakeVM("db")
+	assert.Equal(t, []string{"db suspended"}, powerAtWake, "the wake reaches the supervisor before the spec that acts on it")
 	assert.Equal(t, "running", r.d.Desired().VMs[1].Power, "woken: desired running")
 	b, err := os.ReadFile(filepath.Join(r.host.StateDir, DesiredFile))
 	require.NoError(t, err)
@@ -191,4 +195,18 @@ func TestKernelWakeFlagsFollowTheBoard(t *testing.T) {
 	k.mu.Unlock()
 	k.sync()
 	assert.True(t, flags()["lo-auto"])
+}
+
+// `brokkr vm resume` is a wake too, and goes to the supervisor before its
+// spec for the same reason; an unknown VM is refused before either.
+func TestVMResumeWakesBeforeItsSpec(t *testing.T) {
+	r := newRig(t, rigConfig)
+	require.NoError(t, r.d.suspendAction("db", "suspend"))
+	var powerAtWake []string
+	r.sup.onWake = func(vm string) { powerAtWake = append(powerAtWake, vm+" "+string(r.d.Desired().VMs[1].Power)) }
+	require.NoError(t, r.d.suspendAction("db", "resume"))
+	assert.Equal(t, []string{"db suspended"}, powerAtWake)
+	assert.Equal(t, "running", r.d.Desired().VMs[1].Power)
+	assert.ErrorIs(t, r.d.suspendAction("ghost", "resume"), ErrNoSuchVM)
+	assert.Len(t, powerAtWake, 1, "no wake for a VM that is not there")
 }
