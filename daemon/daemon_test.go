@@ -80,7 +80,7 @@ func (s *recSup) Restart(name string) error {
 	s.restarts = append(s.restarts, name)
 	return nil
 }
-func (s *recSup) Stop()                 { s.calls.add("supervisor.Stop") }
+func (s *recSup) Stop() { s.calls.add("supervisor.Stop") }
 func (s *recSup) Wake(name string) bool {
 	s.calls.add("supervisor.Wake " + name)
 	if s.onWake != nil {
