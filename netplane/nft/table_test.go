@@ -898,3 +898,51 @@ func TestConcurrentConvergeCountersAndSlowPath(t *testing.T) {
 	wg.Wait()
 	assert.LessOrEqual(t, membersOf(t, tp.table, "web"), 2)
 }
+
+// A first apply of many exposures creates the shared maps at their full
+// size (the kernel allocates each hash table once), a small one does not;
+// a new process that finds the sized maps keeps them: no repair, no map
+// made again (its handle stays), nothing sent.
+func TestABigFirstApplySizesTheSharedMapsAndANewProcessKeepsThem(t *testing.T) {
+	ns := nstest.New(t, "size")
+	sizeOf := func(set string) (size, handle string) {
+		out := ns.MustRun(t, "nft", "-a", "list", "map", "inet", compile.TableName, set)
+		if m := regexp.MustCompile(`size (\d+)`).FindStringSubmatch(out); m != nil {
+			size = m[1]
+		}
+		if m := regexp.MustCompile(`# handle (\d+)`).FindStringSubmatch(out); m != nil {
+			handle = m[1]
+		}
+		return size, handle
+	}
+	tb, err := Open(ns.Path)
+	require.NoError(t, err)
+	_, err = tb.Converge(unitRules(many(10)...))
+	require.NoError(t, err)
+	size, _ := sizeOf(compile.MapExpAny)
+	assert.Empty(t, size, "ten exposures: the map grows as it fills")
+	require.NoError(t, tb.Delete())
+	tb.Close()
+
+	r := unitRules(many(1 << 14)...)
+	tb, err = Open(ns.Path)
+	require.NoError(t, err)
+	_, err = tb.Converge(r)
+	require.NoError(t, err)
+	tb.Close()
+	size, handle := sizeOf(compile.MapExpAny)
+	assert.Equal(t, "131072", size)
+	size, _ = sizeOf(compile.MapExpTarget)
+	assert.Equal(t, "131072", size)
+	size, _ = sizeOf(compile.MapExpAnyRange)
+	assert.Empty(t, size, "an interval map takes no size")
+
+	again, err := Open(ns.Path)
+	require.NoError(t, err)
+	defer again.Close()
+	res, err := again.Converge(r)
+	require.NoError(t, err)
+	assert.Empty(t, res.Repaired)
+	_, after := sizeOf(compile.MapExpAny)
+	assert.Equal(t, handle, after, "the sized map is kept, not made again")
+}

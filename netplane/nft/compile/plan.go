@@ -7,6 +7,8 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
+
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // Observed is what the kernel has in one of brokkr's tables.
@@ -43,6 +45,46 @@ type SetShape struct {
 }
 
 const verdictDataType = 0xffffff00 // NFT_DATA_VERDICT, how the kernel stores a vmap's data type
+
+// A shared map created holding at least bigMapElems elements is declared
+// with size bigMapSize (spec.MaxExposures: at most one element per
+// exposure). Declared, its hash table is allocated once at that size
+// instead of being grown and rehashed while a first apply inserts 100,000
+// elements (about 0.1 s of the kernel's share of that insert, BENCHMARKS.md
+// "Converge of 100,000 exposures"); but it then takes 4 MiB of kernel
+// memory per map whatever it holds, which a host with a few exposures
+// should not pay (eight maps). Created small, a map grows as it fills. Both
+// are the same map to brokkr: a declared size is no drift.
+const (
+	bigMapElems = 1 << 14
+	bigMapSize  = spec.MaxExposures
+)
+
+// sizable: a shared map that may be declared with bigMapSize. Interval
+// maps take no size hint, and the per-port maps of shifted ranges hold an
+// element per port, not per exposure.
+func (s *SetSpec) sizable() bool {
+	return s.PerExposure && !s.Interval && s.Size == 0 && s.Name != MapExpTargetPort && s.Name != MapExpTargetPort6
+}
+
+// sized is s as created with n elements.
+func (s *SetSpec) sized(n int) *SetSpec {
+	if n < bigMapElems || !s.sizable() {
+		return s
+	}
+	c := *s
+	c.Size = bigMapSize
+	return &c
+}
+
+// sameShape reports whether a set of shape sh is s (apart from the size a
+// sizable map may have been created with).
+func (s *SetSpec) sameShape(sh SetShape) bool {
+	if sh.Size == bigMapSize && s.sizable() {
+		sh.Size = 0
+	}
+	return sh == s.Shape()
+}
 
 func (s *SetSpec) Shape() SetShape {
 	sh := SetShape{KeyType: s.Key.GetNFTMagic(), KeyLen: s.Key.Bytes, IsMap: s.IsMap, Dynamic: s.Dynamic, Counter: s.Counter,
@@ -219,7 +261,7 @@ func (p *delta) ops(counters map[string]CounterValue) []Op {
 		out = append(out, AddCounter{f, n, counters[n]})
 	}
 	for _, s := range p.addSets {
-		out = append(out, AddSet{f, s})
+		out = append(out, AddSet{f, s.sized(len(p.addElems[s.Name]))})
 	}
 	for _, c := range p.addChains {
 		out = append(out, AddChain{f, c})
@@ -255,7 +297,7 @@ func makeDelta(d *TableSpec, o *Observed, skipElems func(set string) bool) *delt
 		case !ok:
 			p.note(diff{kind: objSet, name: n, what: "missing"})
 			p.missingSets = append(p.missingSets, n)
-		case os.Shape != s.Shape():
+		case !s.sameShape(os.Shape):
 			p.note(diff{kind: objSet, name: n, what: "differs"})
 			p.delSets = append(p.delSets, n)
 		default:

@@ -420,3 +420,54 @@ func TestPlanIPv6OnlyExposureRetargetAndRemovalFlush(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, []string{"v6 removed flush udp [::]:5300"}, changesOf(p), "removed")
 }
+
+// A shared map created with many elements is declared at its full size (its
+// hash table allocated once), one created with a few is not (4 MiB of kernel
+// memory each); the interval maps never are. Either size is the same map to
+// a later plan: a new process that finds the big map sized repairs nothing.
+func TestPlanSizesTheSharedMapsCreatedBig(t *testing.T) {
+	sizes := func(p *Plan) map[string]uint32 {
+		m := map[string]uint32{}
+		for _, a := range opsOf[AddSet](p) {
+			if a.Set.PerExposure {
+				m[a.Set.Name] = a.Set.Size
+			}
+		}
+		return m
+	}
+	small := refRules()
+	small.Cap = MarksOnly{}
+	p, err := NewState().Plan(small, empty())
+	require.NoError(t, err)
+	for name, size := range sizes(p) {
+		assert.Zero(t, size, "%s created with a few elements", name)
+	}
+
+	big := small
+	big.Exposures = nil
+	for i := range bigMapElems {
+		big.Exposures = append(big.Exposures, Exposure{Name: fmt.Sprintf("x%d", i), Protocol: "tcp", HostPort: uint16(10000 + i),
+			GuestAddr: netip.MustParseAddr("10.213.0.11"), GuestPort: 80, MarkID: uint32(i + 1)})
+	}
+	p, err = NewState().Plan(big, empty())
+	require.NoError(t, err)
+	got := sizes(p)
+	assert.Equal(t, uint32(bigMapSize), got[MapExpAny], "exp-any: one element per exposure")
+	assert.Equal(t, uint32(bigMapSize), got[MapExpTarget])
+	for _, name := range []string{MapExpAddr, MapExpAnyRange, MapExpAddrRange, MapExpTargetPort} {
+		assert.Zero(t, got[name], "%s: empty, an interval map or one per port", name)
+	}
+
+	obs := held(t, big)
+	for name, size := range got {
+		obs.Inet.Sets[name].Shape.Size = size // as the kernel lists it
+	}
+	p, err = NewState().Plan(big, obs)
+	require.NoError(t, err)
+	assert.True(t, p.Empty(), "a declared size is no drift")
+	assert.Empty(t, p.Repairs)
+	obs.Inet.Sets[MapExpAny].Shape.Size = 1000 // someone else's size
+	p, err = NewState().Plan(big, obs)
+	require.NoError(t, err)
+	assert.Equal(t, []DelSet{{nftables.TableFamilyINet, MapExpAny}}, opsOf[DelSet](p), "another size is: the map is made again")
+}

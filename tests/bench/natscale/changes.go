@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"runtime/pprof"
 	"sort"
 	"strconv"
 	"strings"
@@ -43,7 +44,29 @@ func changes(args []string) error {
 	sizes := fs.String("sizes", "10,1000,10000,100000", "")
 	rounds := fs.Int("rounds", 3, "interleaved rounds")
 	csvPath := fs.String("csv", "", "write one CSV row per size here")
+	cpuProf := fs.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	memProf := fs.String("memprofile", "", "write an allocation profile of the whole run to this file")
 	_ = fs.Parse(args)
+	if *memProf != "" {
+		runtime.MemProfileRate = 64 << 10
+		defer func() {
+			if f, err := os.Create(*memProf); err == nil {
+				_ = pprof.Lookup("allocs").WriteTo(f, 0)
+				f.Close()
+			}
+		}()
+	}
+	if *cpuProf != "" {
+		f, err := os.Create(*cpuProf)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	g := netip.MustParseAddr(*guest)
 	var addrs []netip.Addr
 	for _, a := range strings.Split(*hostAddrs, ",") {
