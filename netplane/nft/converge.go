@@ -2,6 +2,7 @@ package nft
 
 import (
 	"fmt"
+	"sync"
 
 	"github.com/brokkr/brokkr/netplane/nft/compile"
 	"github.com/google/nftables"
@@ -139,7 +140,12 @@ func (t *Table) run(p *compile.Plan, async bool) (Result, error) {
 	t.flushes.takeBefore(p.Changes)
 	committed := false
 	if !p.Empty() {
+		// What Commit keeps of a first apply is built while the kernel
+		// takes the batch (the plan is only read meanwhile).
+		var prepared sync.WaitGroup
+		prepared.Go(p.PrepareCommit)
 		err := t.k.apply(p.Ops)
+		prepared.Wait()
 		if err == nil {
 			t.state.Commit(p)
 			committed = true

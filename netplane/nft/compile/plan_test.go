@@ -298,6 +298,41 @@ func TestDigestFollowsCommits(t *testing.T) {
 	assert.Equal(t, 2, s.Digest(MapExpAny).Count)
 }
 
+// A first apply's Commit keeps the same whether its part was prepared
+// ahead (while the kernel took the batch) or not; a later plan has nothing
+// to prepare.
+func TestPreparedCommitKeepsWhatCommitKeeps(t *testing.T) {
+	r := refRules()
+	r.Exposures = append(r.Exposures, ssh())
+	plain := applied(t, r)
+	prep := NewState()
+	p, err := prep.Plan(r, empty())
+	require.NoError(t, err)
+	p.PrepareCommit()
+	require.NotNil(t, p.next.kept)
+	prep.Commit(p)
+	whole := held(t, r).Inet
+	for _, set := range []string{MapExpAny, MapExpTarget, MapExpBytesOrig} {
+		assert.Equal(t, whole.Sets[set].Digest, prep.Digest(set), set)
+		assert.Equal(t, plain.Digest(set), prep.Digest(set), set)
+		assert.Positive(t, prep.Digest(set).Count, set)
+	}
+	for _, e := range r.Exposures {
+		got, ok := prep.Exposure(e.Name)
+		assert.True(t, ok, e.Name)
+		assert.Equal(t, e, got)
+	}
+	p, err = prep.PlanUpdate(nil, []Exposure{{Name: "dns2", Protocol: "udp", HostPort: 5354, GuestAddr: netip.MustParseAddr("10.213.0.12"), GuestPort: 53, MarkID: 9}}, nil, nil)
+	require.NoError(t, err)
+	p.PrepareCommit()
+	assert.Nil(t, p.next.kept, "not a first apply")
+	prep.Commit(p)
+	_, ok := prep.Exposure("dns2")
+	assert.True(t, ok)
+	_, ok = prep.Exposure("web")
+	assert.True(t, ok, "the first apply's exposures stay")
+}
+
 // The replacement creates the target whole, after deleting both tables,
 // and carries counter values.
 func TestReplacementDeletesAndCreatesWhole(t *testing.T) {
