@@ -188,12 +188,6 @@ func (p *Plane) kernelExposure(e Exposure, f *passFacts) (nft.Exposure, Exposure
 		}
 		target6 = netip.Addr{}
 	}
-	// A capped port range is the nat path's alone: the set-based cap keys
-	// its sets and its slow path by one port.
-	if _, set := p.caps.tableCap().(nft.SetBasedCap); set && e.IsRange() && e.MaxConns > 0 {
-		st.State, st.Reason = spec.StateFailed, "hostPort "+e.HostPortText()+": "+nft.ErrRangeSetCap
-		return nft.Exposure{}, st, false
-	}
 	x := nft.Exposure{
 		Name: e.Name, Protocol: string(e.Proto), HostAddr: e.HostAddr, HostPort: e.HostPort, HostPortLast: e.HostPortLast,
 		GuestPort: e.GuestPort, GuestPortLast: e.GuestPortLast, GuestAddr: target, GuestAddr6: target6, MaxConns: e.MaxConns,

@@ -13,8 +13,5 @@ type (
 	SetBasedCap = compile.SetBasedCap
 )
 
-// ErrRangeSetCap is why the set-based cap publishes no port range.
-const ErrRangeSetCap = compile.ErrRangeSetCap
-
 // MaxConnsLimit bounds a cap (the cap set is sized to it).
 const MaxConnsLimit = compile.MaxConnsLimit

@@ -62,7 +62,8 @@ type SetCap struct {
 	// Counters look them up.
 	idxMu  sync.RWMutex
 	byID   map[uint32]Exposure // mark id → exposure
-	byHost map[compile.HostSide]string
+	byHost map[compile.HostSide]Exposure
+	ranges map[compile.HostSide]Exposure // the port ranges of byHost, looked through by port
 
 	sets capSets // the cap sets' members
 
@@ -90,7 +91,8 @@ func StartSetCap(t *Table, opts ...SetCapOption) (*SetCap, error) {
 	if t.nl == nil {
 		return nil, errors.New("nft: the set-based cap needs a table in a namespace")
 	}
-	c := &SetCap{k: t.nl, t: t, opts: o, byID: map[uint32]Exposure{}, byHost: map[compile.HostSide]string{}}
+	c := &SetCap{k: t.nl, t: t, opts: o, byID: map[uint32]Exposure{}, byHost: map[compile.HostSide]Exposure{},
+		ranges: map[compile.HostSide]Exposure{}}
 	c.sets = capSets{k: t.nl, capped: c.capped, dropped: map[string]time.Time{}}
 	w, err := startCapWatcher(c)
 	if err != nil {
@@ -155,8 +157,9 @@ func (c *SetCap) applied(changes []compile.Change) {
 			if c.byID[e.MarkID].Name == e.Name {
 				delete(c.byID, e.MarkID)
 			}
-			if c.byHost[ch.HostSide] == e.Name {
+			if c.byHost[ch.HostSide].Name == e.Name {
 				delete(c.byHost, ch.HostSide)
+				delete(c.ranges, ch.HostSide)
 			}
 		default:
 			for id, old := range c.byID {
@@ -165,7 +168,10 @@ func (c *SetCap) applied(changes []compile.Change) {
 				}
 			}
 			c.byID[e.MarkID] = e
-			c.byHost[ch.HostSide] = e.Name
+			c.byHost[ch.HostSide] = e
+			if e.IsRange() {
+				c.ranges[ch.HostSide] = e
+			}
 		}
 	}
 	c.idxMu.Unlock()

@@ -1,9 +1,7 @@
 package nft
 
 import (
-	"encoding/binary"
 	"errors"
-	"net/netip"
 	"time"
 
 	"github.com/brokkr/brokkr/bpf/ctmark"
@@ -88,8 +86,7 @@ func (m *capSets) staleLocked(e Exposure) (stale [][]byte, members int, err erro
 	}
 	var missing [][]byte
 	check := func(k []byte) (gone, closed bool, err error) {
-		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
-		dst := netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), e.HostPort)
+		src, dst, _ := compile.ConnOfKey(k)
 		en, ok, err := m.k.ct.Get(compile.ProtoNum(e.Protocol), src, dst)
 		if err != nil {
 			return false, false, err
@@ -97,7 +94,7 @@ func (m *capSets) staleLocked(e Exposure) (stale [][]byte, members int, err erro
 		return !ok, ok && (!en.Open() || en.Mark&ctmark.Closed == ctmark.Closed), nil
 	}
 	for _, el := range els {
-		if len(el.Key) != 12 {
+		if _, _, ok := compile.ConnOfKey(el.Key); !ok {
 			continue
 		}
 		members++

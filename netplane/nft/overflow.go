@@ -199,7 +199,7 @@ func (o *overflow) handle(c *net.TCPConn) {
 		return
 	}
 	o.count(e.Name, true)
-	guest, err := o.c.dialGuest(o.ctx, netip.AddrPortFrom(e.GuestAddr, e.GuestPort))
+	guest, err := o.c.dialGuest(o.ctx, netip.AddrPortFrom(e.GuestAddr, e.GuestPortOf(dst.Port())))
 	o.record(t0)
 	if err != nil {
 		// Admitted but the guest cannot be reached: the caller learns at
@@ -430,11 +430,15 @@ func (c *SetCap) exposureAt(dst netip.AddrPort) (Exposure, bool) {
 	c.idxMu.RLock()
 	defer c.idxMu.RUnlock()
 	for _, a := range []netip.Addr{dst.Addr(), {}} {
-		if name, ok := c.byHost[compile.HostSide{Proto: unix.IPPROTO_TCP, Addr: a, Port: dst.Port()}]; ok {
-			for _, e := range c.byID {
-				if e.Name == name {
-					return e, true
-				}
+		if e, ok := c.byHost[compile.HostSide{Proto: unix.IPPROTO_TCP, Addr: a, Port: dst.Port()}]; ok {
+			return e, true
+		}
+	}
+	// A port of a range: the ranges are few (each is up to 4096 ports).
+	for _, a := range []netip.Addr{dst.Addr(), {}} {
+		for hs, e := range c.ranges {
+			if hs.Proto == unix.IPPROTO_TCP && hs.Addr == a && e.HasPort(dst.Port()) {
+				return e, true
 			}
 		}
 	}

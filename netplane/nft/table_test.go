@@ -215,6 +215,20 @@ func TestCapBurstAndSurvivesConverge(t *testing.T) {
 	cl()
 	assert.Zero(t, ok, "after repairing a flushed table")
 
+	// The cap set of an earlier release's shape (no destination port in
+	// its key), empty: made again in the new shape, seeded with the ten.
+	tp.host.MustRun(t, "nft", "flush", "chain", "inet", "brokkr", "cap-web")
+	tp.host.MustRun(t, "nft", "delete", "set", "inet", "brokkr", "conns-web")
+	tp.host.MustRun(t, "nft", "add", "set", "inet", "brokkr", "conns-web", "{ type ipv4_addr . ipv4_addr . inet_service; size 10; flags dynamic; }")
+	tp.host.MustRun(t, "nft", "add", "rule", "inet", "brokkr", "cap-web", "add", "@conns-web", "{ ip saddr . ip daddr . tcp sport }", "dnat", "ip", "to", "ct", "mark", "map", "@exp-target")
+	res = tp.converge(t, r)
+	assert.Contains(t, fmt.Sprint(res.Repaired), "conns-web")
+	out := tp.host.MustRun(t, "nft", "list", "set", "inet", "brokkr", "conns-web")
+	assert.Contains(t, out, "ipv4_addr . ipv4_addr . inet_service . inet_service")
+	ok, _, cl = openConns(t, tp.client, dst, 3)
+	cl()
+	assert.Zero(t, ok, "after the set of an earlier shape is made again")
+
 	c, err := tp.cap.Counters()
 	require.NoError(t, err)
 	assert.Equal(t, uint64(10), c["web"].Active)

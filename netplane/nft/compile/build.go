@@ -381,7 +381,7 @@ func unitOf(e Exposure, setBased bool) (*unit, error) {
 	if e.LoopbackOnly() {
 		return &unit{}, nil
 	}
-	if err := e.buildable(setBased); err != nil {
+	if err := e.buildable(); err != nil {
 		return nil, err
 	}
 	u := &unit{}
@@ -508,8 +508,18 @@ func capObjects(e Exposure, proto byte) *TableSpec {
 		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
 		&expr.Payload{DestRegister: 9, Base: expr.PayloadBaseNetworkHeader, Offset: 16, Len: 4},
 		&expr.Payload{DestRegister: 10, Base: expr.PayloadBaseTransportHeader, Offset: 0, Len: 2},
+		&expr.Payload{DestRegister: 11, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
 		&expr.Dynset{SrcRegKey: 1, SetName: ConnsSet(e.Name), Operation: unix.NFT_DYNSET_OP_ADD})
-	rules := []RuleSpec{rule(fam, e.Name, append(admit, dnatToTarget()...)...)}
+	// Admitted, the caller goes where the exposure's target map says (the
+	// chain is reached by goto: it ends in the DNAT).
+	dnat := dnatToTarget()
+	switch {
+	case e.keepsPort():
+		dnat = dnatToAddr(MapExpTargetAddr, unix.NFPROTO_IPV4)
+	case e.shifted():
+		dnat = dnatByPort(MapExpTargetPort, unix.NFPROTO_IPV4)
+	}
+	rules := []RuleSpec{rule(fam, e.Name, append(admit, dnat...)...)}
 	rej := &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}
 	if proto != unix.IPPROTO_TCP {
 		rej = &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_PORT_UNREACH}
@@ -739,18 +749,33 @@ func ndTargets(fam nftables.TableFamily, guests []Guest) []RuleSpec {
 	return rs
 }
 
-// ConnKeyType: original source address, destination address, source port.
-var ConnKeyType = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeIPAddr, nftables.TypeInetService)
+// ConnKeyType: original source address, destination address, source port,
+// destination port. The destination port tells apart two connections of
+// one caller from one source port to two ports of a range (Linux reuses an
+// ephemeral port across destinations); for one port it is the host port.
+var ConnKeyType = nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeIPAddr, nftables.TypeInetService, nftables.TypeInetService)
 
-// connKey is a cap-set element: the connection's original source address,
-// destination address and source port.
+// ConnKey is a cap-set element: the connection's original source address,
+// destination address, source port and destination port (each field
+// padded to 4 bytes, as the kernel lays out a concatenation).
 func ConnKey(src, dst netip.AddrPort) []byte {
-	k := make([]byte, 12)
+	k := make([]byte, 16)
 	a, b := src.Addr().As4(), dst.Addr().As4()
 	copy(k, a[:])
 	copy(k[4:], b[:])
 	binary.BigEndian.PutUint16(k[8:], src.Port())
+	binary.BigEndian.PutUint16(k[12:], dst.Port())
 	return k
+}
+
+// ConnOfKey is the connection a ConnKey names.
+func ConnOfKey(k []byte) (src, dst netip.AddrPort, ok bool) {
+	if len(k) != 16 {
+		return src, dst, false
+	}
+	src = netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[0:4])), binary.BigEndian.Uint16(k[8:10]))
+	dst = netip.AddrPortFrom(netip.AddrFrom4([4]byte(k[4:8])), binary.BigEndian.Uint16(k[12:14]))
+	return src, dst, true
 }
 
 // --- expression helpers (each in the form `nft` prints back) ---

@@ -106,13 +106,20 @@ func goldenCases() []goldenCase {
 		GuestPort: 51000, GuestPortLast: 51002}
 	ranges := baseRules(tcpTo("web", 8080, g1, 80), kept, fan, kept6, shifted)
 	ranges.Cap, ranges.Subnet6, ranges.Guests = MarksOnly{}, dual.Subnet6, []Guest{g1v6}
-	// Under the set-based cap: uncapped IPv4 ranges only, their accepted
-	// in the target elements' counters.
+	// Under the set-based cap: IPv4 ranges, their accepted in the target
+	// elements' counters; a capped one's chain admits by the port dialled
+	// too and DNATs as its kind does (the port kept, shifted, one port).
 	keptUncapped := kept
 	keptUncapped.GuestAddr6, keptUncapped.MaxConns = netip.Addr{}, 0
 	shifted4 := shifted
 	shifted4.GuestAddr6 = netip.Addr{}
-	rangesSet := baseRules(keptUncapped, fan, shifted4)
+	keptCapped := keptUncapped
+	keptCapped.Name, keptCapped.HostPort, keptCapped.HostPortLast, keptCapped.GuestPort, keptCapped.GuestPortLast, keptCapped.MaxConns =
+		"lobby", 31000, 31009, 31000, 31009, 8
+	shiftedCapped := shifted4
+	shiftedCapped.Name, shiftedCapped.Protocol, shiftedCapped.HostPort, shiftedCapped.HostPortLast, shiftedCapped.MaxConns = "relay", "tcp", 42000, 42002, 4
+	fanCapped := Exposure{Name: "admin", Protocol: "tcp", HostPort: 43000, HostPortLast: 43004, GuestAddr: g1.Addr, GuestPort: 22, MaxConns: 2}
+	rangesSet := baseRules(keptUncapped, fan, shifted4, keptCapped, shiftedCapped, fanCapped)
 	global6 := baseRules()
 	global6.Subnet6 = netip.MustParsePrefix("2001:db8:7::1/64")
 	return []goldenCase{
@@ -206,9 +213,7 @@ func TestPlanRefusesImpossibleInput(t *testing.T) {
 			r.Exposures = append(r.Exposures, tcpTo("web2", 8080, g1, 81))
 			r.Exposures[1].MarkID = 2
 		},
-		"exposures[web].name": func(r *Rules) { r.Exposures = append(r.Exposures, r.Exposures[0]) },
-		// The set-based cap publishes no capped range.
-		"exposures[web].hostPort":      func(r *Rules) { r.Exposures[0].HostPortLast, r.Exposures[0].MaxConns = 8090, 2 },
+		"exposures[web].name":          func(r *Rules) { r.Exposures = append(r.Exposures, r.Exposures[0]) },
 		"exposures[web].hostPortLast":  func(r *Rules) { r.Exposures[0].HostPortLast = 8079; r.Cap = MarksOnly{} },
 		"exposures[web].guestPortLast": func(r *Rules) { r.Exposures[0].GuestPortLast = 81; r.Cap = MarksOnly{} },
 		"subnet":                       func(r *Rules) { r.Subnet = netip.Prefix{} },

@@ -119,6 +119,19 @@ func (e Exposure) IsRange() bool { return e.HostPortLast > e.HostPort }
 // keepsPort reports whether each host port goes to the same guest port.
 func (e Exposure) keepsPort() bool { return e.GuestPortLast != 0 && e.GuestPort == e.HostPort }
 
+// GuestPortOf is the guest port a caller of host port hp reaches.
+func (e Exposure) GuestPortOf(hp uint16) uint16 {
+	if e.GuestPortLast == 0 || hp < e.HostPort {
+		return e.GuestPort
+	}
+	return e.GuestPort + (hp - e.HostPort)
+}
+
+// HasPort reports whether host port hp is one of the exposure's.
+func (e Exposure) HasPort(hp uint16) bool {
+	return hp == e.HostPort || e.IsRange() && hp > e.HostPort && hp <= e.HostPortLast
+}
+
 // shifted reports whether each host port goes to a guest port of its own,
 // another one.
 func (e Exposure) shifted() bool { return e.GuestPortLast != 0 && e.GuestPort != e.HostPort }
@@ -195,21 +208,8 @@ func (r Rules) buildable() error {
 }
 
 // buildable reports an exposure the builder cannot express (a mark id of 0
-// is never one), under the cap setBased says.
-func (e Exposure) buildable(setBased bool) error {
-	if err := e.buildableAlways(); err != nil {
-		return err
-	}
-	if setBased && e.IsRange() && e.MaxConns > 0 {
-		return fieldErr("exposures["+e.Name+"].hostPort", "%d-%d: %s", e.HostPort, e.HostPortLast, ErrRangeSetCap)
-	}
-	return nil
-}
-
-// ErrRangeSetCap is why the set-based cap publishes no capped port range.
-const ErrRangeSetCap = "a capped port range is published on the BPF nat path only (the set-based cap keys its sets and slow path by one port; maxConns: 0 publishes it uncapped)"
-
-func (e Exposure) buildableAlways() error {
+// is never one).
+func (e Exposure) buildable() error {
 	id := e.MarkID
 	if e.LoopbackOnly() {
 		return nil

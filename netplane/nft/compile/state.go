@@ -404,7 +404,7 @@ func (w *want) check(s *State) error {
 		if e == nil || e.LoopbackOnly() {
 			continue
 		}
-		if err := e.buildable(w.setBased); err != nil {
+		if err := e.buildable(); err != nil {
 			return err
 		}
 		owner := func(m map[uint32]string, s map[uint32]string, id uint32) (string, bool) {
