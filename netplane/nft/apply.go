@@ -89,7 +89,7 @@ func (k *nlKernel) queue(conn *batchConn, o compile.Op) error {
 				return err
 			}
 		}
-		if x.Set.Stateful {
+		if x.Set.Stateful && !x.Fresh {
 			seed, err := k.seedElems(x.Set)
 			if err != nil {
 				return err

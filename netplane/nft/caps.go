@@ -62,6 +62,7 @@ type SetCap struct {
 	// Counters look them up.
 	idxMu  sync.RWMutex
 	byID   map[uint32]Exposure // mark id → exposure
+	idOf   map[string]uint32   // exposure → its mark id (a change finds its old mark without a scan)
 	byHost map[compile.HostSide]Exposure
 	ranges map[compile.HostSide]Exposure // the port ranges of byHost, looked through by port
 
@@ -91,7 +92,7 @@ func StartSetCap(t *Table, opts ...SetCapOption) (*SetCap, error) {
 	if t.nl == nil {
 		return nil, errors.New("nft: the set-based cap needs a table in a namespace")
 	}
-	c := &SetCap{k: t.nl, t: t, opts: o, byID: map[uint32]Exposure{}, byHost: map[compile.HostSide]Exposure{},
+	c := &SetCap{k: t.nl, t: t, opts: o, byID: map[uint32]Exposure{}, idOf: map[string]uint32{}, byHost: map[compile.HostSide]Exposure{},
 		ranges: map[compile.HostSide]Exposure{}}
 	c.sets = capSets{k: t.nl, capped: c.capped, dropped: map[string]time.Time{}}
 	w, err := startCapWatcher(c)
@@ -157,17 +158,18 @@ func (c *SetCap) applied(changes []compile.Change) {
 			if c.byID[e.MarkID].Name == e.Name {
 				delete(c.byID, e.MarkID)
 			}
+			if c.idOf[e.Name] == e.MarkID {
+				delete(c.idOf, e.Name)
+			}
 			if c.byHost[ch.HostSide].Name == e.Name {
 				delete(c.byHost, ch.HostSide)
 				delete(c.ranges, ch.HostSide)
 			}
 		default:
-			for id, old := range c.byID {
-				if old.Name == e.Name && id != e.MarkID {
-					delete(c.byID, id) // its mark changed
-				}
+			if id, ok := c.idOf[e.Name]; ok && id != e.MarkID && c.byID[id].Name == e.Name {
+				delete(c.byID, id) // its mark changed
 			}
-			c.byID[e.MarkID] = e
+			c.byID[e.MarkID], c.idOf[e.Name] = e, e.MarkID
 			c.byHost[ch.HostSide] = e
 			if e.IsRange() {
 				c.ranges[ch.HostSide] = e
@@ -315,12 +317,8 @@ func (c *SetCap) release(pending map[string][][]byte) {
 func (c *SetCap) capped(name string) bool {
 	c.idxMu.RLock()
 	defer c.idxMu.RUnlock()
-	for _, e := range c.byID {
-		if e.Name == name {
-			return e.MaxConns > 0
-		}
-	}
-	return false
+	id, ok := c.idOf[name]
+	return ok && c.byID[id].Name == name && c.byID[id].MaxConns > 0
 }
 
 // cappedExposures lists the applied exposures that have a cap.

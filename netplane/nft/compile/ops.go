@@ -58,6 +58,12 @@ type (
 	AddSet struct {
 		Fam nftables.TableFamily
 		Set *SetSpec
+		// Fresh: a cap set of an exposure new to the kernel, planned
+		// against a state the kernel holds exactly (an incremental pass).
+		// No connection carries its mark yet, so the runtime does not
+		// seed it from conntrack (a dump of the whole conntrack table:
+		// half of one PUT's cost under the set-based cap).
+		Fresh bool
 	}
 	// AddChain creates a chain with no rules.
 	AddChain struct {

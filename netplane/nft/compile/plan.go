@@ -150,10 +150,12 @@ type delta struct {
 	shapes      map[string]*SetSpec   // the desired sets elements are added to
 	diffs       []diff
 	missingSets []string // sets the kernel does not have at all (their elements are not noted one by one)
+	fresh       map[string]bool // cap sets created for exposures new to the kernel (AddSet.Fresh)
 }
 
 func newDelta(f nftables.TableFamily) *delta {
-	return &delta{fam: f, delElems: map[string][]ElemSpec{}, addElems: map[string][]ElemSpec{}, shapes: map[string]*SetSpec{}}
+	return &delta{fam: f, delElems: map[string][]ElemSpec{}, addElems: map[string][]ElemSpec{}, shapes: map[string]*SetSpec{},
+		fresh: map[string]bool{}}
 }
 
 // objKind is the kind of object a difference is about.
@@ -223,6 +225,7 @@ func (p *delta) merge(q *delta) {
 		p.addElems[k] = append(p.addElems[k], v...)
 	}
 	maps.Copy(p.shapes, q.shapes)
+	maps.Copy(p.fresh, q.fresh)
 }
 
 // ops is the delta as one batch's operations, in order.
@@ -261,7 +264,7 @@ func (p *delta) ops(counters map[string]CounterValue) []Op {
 		out = append(out, AddCounter{f, n, counters[n]})
 	}
 	for _, s := range p.addSets {
-		out = append(out, AddSet{f, s.sized(len(p.addElems[s.Name]))})
+		out = append(out, AddSet{f, s.sized(len(p.addElems[s.Name])), p.fresh[s.Name]})
 	}
 	for _, c := range p.addChains {
 		out = append(out, AddChain{f, c})

@@ -506,3 +506,36 @@ func TestPlanSizesTheSharedMapsCreatedBig(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, []DelSet{{nftables.TableFamilyINet, MapExpAny}}, opsOf[DelSet](p), "another size is: the map is made again")
 }
+
+// A capped exposure new to a state the kernel holds exactly gets its cap set
+// created fresh (nothing to seed from conntrack); a cap set made again for
+// an exposure the kernel has (its cap changed), or any planned against what
+// a new process read from the kernel, is seeded.
+func TestCapSetOfANewExposureIsFresh(t *testing.T) {
+	fresh := func(p *Plan) map[string]bool {
+		m := map[string]bool{}
+		for _, a := range opsOf[AddSet](p) {
+			if a.Set.Stateful {
+				m[a.Set.Name] = a.Fresh
+			}
+		}
+		return m
+	}
+	r := refRules()
+	s := applied(t, r)
+	capped := ssh()
+	capped.MaxConns = 4
+	p, err := s.PlanUpdate(nil, []Exposure{capped}, nil, nil)
+	require.NoError(t, err)
+	assert.Equal(t, map[string]bool{ConnsSet("ssh"): true}, fresh(p), "new to the state: nothing can be in it")
+	s.Commit(p)
+
+	capped.MaxConns = 5
+	p, err = s.PlanUpdate(nil, []Exposure{capped}, nil, nil)
+	require.NoError(t, err)
+	assert.Equal(t, map[string]bool{ConnsSet("ssh"): false}, fresh(p), "made again: seeded with what is open")
+
+	p, err = NewState().Plan(r, empty())
+	require.NoError(t, err)
+	assert.Equal(t, map[string]bool{ConnsSet("web"): false}, fresh(p), "a new process seeds what it creates")
+}

@@ -531,7 +531,17 @@ func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *de
 	touched = map[string]bool{}
 	for i, n := range w.order {
 		from := len(dInet.diffs)
-		unitDeltaInto(dInet, w.inet, oldU(n), w.unitAt[i])
+		old := oldU(n)
+		unitDeltaInto(dInet, w.inet, old, w.unitAt[i])
+		if u := w.unitAt[i]; old == nil && u != nil && u.own != nil {
+			// New to a state the kernel holds exactly: its cap set is
+			// created here, and no connection has its mark yet.
+			for name, set := range u.own.Sets {
+				if set.Stateful {
+					dInet.fresh[name] = true
+				}
+			}
+		}
 		for _, d := range dInet.diffs[from:] {
 			if d.kind == objElem && routing(d.name) {
 				touched[n] = true
