@@ -149,7 +149,7 @@ type delta struct {
 	addElems    map[string][]ElemSpec // by set
 	shapes      map[string]*SetSpec   // the desired sets elements are added to
 	diffs       []diff
-	missingSets []string // sets the kernel does not have at all (their elements are not noted one by one)
+	missingSets []string        // sets the kernel does not have at all (their elements are not noted one by one)
 	fresh       map[string]bool // cap sets created for exposures new to the kernel (AddSet.Fresh)
 }
 
