@@ -56,17 +56,11 @@ func changes(args []string) error {
 			}
 		}()
 	}
-	if *cpuProf != "" {
-		f, err := os.Create(*cpuProf)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return err
-		}
-		defer pprof.StopCPUProfile()
+	stop, err := cpuProfile(*cpuProf)
+	if err != nil {
+		return err
 	}
+	defer stop()
 	g := netip.MustParseAddr(*guest)
 	var addrs []netip.Addr
 	for _, a := range strings.Split(*hostAddrs, ",") {

@@ -187,17 +187,11 @@ func scale(args []string) error {
 	csvPath := fs.String("csv", "", "write one CSV row per size here")
 	cpuProf := fs.String("cpuprofile", "", "write a CPU profile of the applies to this file")
 	_ = fs.Parse(args)
-	if *cpuProf != "" {
-		f, err := os.Create(*cpuProf)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return err
-		}
-		defer pprof.StopCPUProfile()
+	stop, err := cpuProfile(*cpuProf)
+	if err != nil {
+		return err
 	}
+	defer stop()
 	g := netip.MustParseAddr(*guest)
 	var addrs []netip.Addr
 	for _, a := range strings.Split(*hostAddrs, ",") {
@@ -443,4 +437,20 @@ func serve(args []string) error {
 		}
 		c.Close()
 	}
+}
+
+// cpuProfile starts a CPU profile into path ("" none); stop ends it.
+func cpuProfile(path string) (stop func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
