@@ -960,3 +960,46 @@ func TestABigFirstApplySizesTheSharedMapsAndANewProcessKeepsThem(t *testing.T) {
 	_, after := sizeOf(compile.MapExpAny)
 	assert.Equal(t, handle, after, "the sized map is kept, not made again")
 }
+
+// The slow path carries a capped port range: with the watcher stopped (no
+// release but the slow path's own look), a second caller on another port of
+// the range is refused while the first holds the cap (the slow path finds the
+// holder's connection by the port in its key, not the range's first port),
+// and once the holder closes, a caller on the last port is admitted by the
+// slow path and carried to the guest port that port goes to.
+func TestCapSlowPathOfAPortRange(t *testing.T) {
+	tp := newTopo(t, 1)
+	for _, p := range []string{"81", "82", "83"} {
+		serveTCP(t, tp.guests[0], ":"+p, "p"+p)
+	}
+	rng := Exposure{Name: "rng", Protocol: "tcp", HostPort: 9100, HostPortLast: 9102, GuestAddr: guestAddr(0),
+		GuestPort: 81, GuestPortLast: 83, MaxConns: 1}
+	tp.converge(t, tp.rules(rng))
+	stopWatcher(tp.table)
+
+	tag, err := dialTag(tp.client, "10.99.0.1:9102")
+	require.NoError(t, err)
+	assert.Equal(t, "p83", tag, "the kernel's DNAT of a shifted range")
+	var closeA func()
+	require.Eventually(t, func() bool { // the slow path gives the closed caller's place back
+		ok, _, cl := openConns(t, tp.client, netip.MustParseAddrPort("10.99.0.1:9101"), 1)
+		if ok != 1 {
+			cl()
+			return false
+		}
+		closeA = cl
+		return true
+	}, 3*time.Second, 20*time.Millisecond)
+	ok, refused, cl := openConns(t, tp.client, netip.MustParseAddrPort("10.99.0.1:9100"), 1)
+	cl()
+	assert.Equal(t, 0, ok, "the range's one cap is held on another port")
+	assert.Equal(t, 1, refused)
+	closeA()
+	require.Eventually(t, func() bool {
+		tag, err = dialTag(tp.client, "10.99.0.1:9102")
+		return err == nil
+	}, 3*time.Second, 20*time.Millisecond, "admitted once the holder closed")
+	assert.Equal(t, "p83", tag, "carried to the guest port of the port dialled")
+	assert.LessOrEqual(t, membersOf(t, tp.table, "rng"), 1)
+	assert.Positive(t, tp.cap.ov.Load().decisions.Load(), "the slow path decided")
+}
