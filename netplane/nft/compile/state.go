@@ -135,8 +135,7 @@ type planned struct {
 	inet, bridge *TableSpec
 	setBased     bool
 	changed      map[string]*Exposure // nil: removed
-	units        map[string]*unit     // of the changed exposures
-	unitAt       []*unit              // the same, in the target's order
+	unitAt       []*unit              // the changed exposures' units, in the target's order (nil: removed)
 	marks        map[uint32]string    // the changed exposures by mark
 	sides        map[HostSide]string  // and by host side
 	first        bool                 // planned against a state with no exposure
@@ -250,12 +249,27 @@ type want struct {
 	changed      map[string]*Exposure
 	order        []string            // the changed names, in a fixed order (the desired state's)
 	expAt        []*Exposure         // the changed exposures (nil: removed), by position in order
-	units        map[string]*unit    // of the changed exposures, built once
-	unitAt       []*unit             // the same, by position in order
+	unitAt       []*unit             // the changed exposures' units, built once, by position in order
+	nUnits       int                 // how many of unitAt are not nil
+	units        map[string]*unit    // unitAt by name, made on first use (unitNamed): a first apply needs none
 	marks        map[uint32]string   // the changed exposures by mark (check)
 	sides        map[HostSide]string // and by host side
 	all          func(yield func(Exposure) bool)
 	n            int
+}
+
+// unitNamed is the unit of the changed exposure named name.
+func (w *want) unitNamed(name string) (*unit, bool) {
+	if w.units == nil {
+		w.units = make(map[string]*unit, w.nUnits)
+		for i, u := range w.unitAt {
+			if u != nil {
+				w.units[w.order[i]] = u
+			}
+		}
+	}
+	u, ok := w.units[name]
+	return u, ok
 }
 
 // Plan compares the whole desired state r with the state (obs nil: the
@@ -445,9 +459,8 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 	if obs == nil && !s.Applied() {
 		return nil, errors.New("nothing applied yet: the kernel must be observed")
 	}
-	w.units = make(map[string]*unit, len(w.changed))
 	w.unitAt = make([]*unit, len(w.order))
-	for i, n := range w.order {
+	for i := range w.order {
 		e := w.expAt[i]
 		if e == nil {
 			continue
@@ -456,9 +469,10 @@ func (s *State) plan(w *want, obs *Observation) (*Plan, error) {
 		if err != nil {
 			return nil, err
 		}
-		w.units[n], w.unitAt[i] = u, u
+		w.unitAt[i] = u
+		w.nUnits++
 	}
-	p := &Plan{next: planned{inet: w.inet, bridge: w.bridge, setBased: w.setBased, changed: w.changed, units: w.units,
+	p := &Plan{next: planned{inet: w.inet, bridge: w.bridge, setBased: w.setBased, changed: w.changed,
 		unitAt: w.unitAt, marks: w.marks, sides: w.sides, first: s.exps.len() == 0}}
 	oldU := func(n string) *unit {
 		e, ok := s.exps.get(n)
@@ -666,7 +680,7 @@ func wholeOf(w *want) (*TableSpec, error) {
 	var err error
 	t := assemble(w.inet, w.n, func(yield func(*unit) bool) {
 		for e := range w.all {
-			u, ok := w.units[e.Name]
+			u, ok := w.unitNamed(e.Name)
 			if !ok {
 				var uerr error
 				if u, uerr = unitOf(e, w.setBased); uerr != nil {
@@ -821,7 +835,7 @@ func (w *want) fromNothing(s *State) *delta {
 			maps.Copy(own.Sets, u.own.Sets)
 		}
 	}
-	if len(w.units) == w.n {
+	if w.nUnits == w.n {
 		// Every exposure is new to the state (the first apply).
 		for i := range w.order {
 			if u := w.unitAt[i]; u != nil {
@@ -830,7 +844,7 @@ func (w *want) fromNothing(s *State) *delta {
 		}
 	} else {
 		for e := range w.all {
-			u, ok := w.units[e.Name]
+			u, ok := w.unitNamed(e.Name)
 			if !ok {
 				var err error
 				if u, err = unitOf(e, w.setBased); err != nil {
@@ -985,9 +999,9 @@ func (s *State) Commit(p *Plan) {
 		})
 		return
 	}
-	for name, e := range n.changed {
-		if e != nil {
-			s.addDigests(n.units[name])
+	for _, u := range n.unitAt {
+		if u != nil {
+			s.addDigests(u)
 		}
 	}
 }
