@@ -1,5 +1,10 @@
 package compile
 
+import (
+	"maps"
+	"slices"
+)
+
 // appliedSet holds the applied exposures: a slice, and their names' index
 // into it. A whole-state Plan at 100,000 exposures is one map lookup per
 // exposure (a cache miss each) and a slice scan for the ones gone, instead
@@ -20,6 +25,14 @@ func newAppliedSet(n int) appliedSet {
 }
 
 func (a *appliedSet) len() int { return len(a.index) }
+
+// grow makes room for more exposures than the set holds.
+func (a *appliedSet) grow(more int) {
+	index := make(map[string]int32, len(a.index)+more)
+	maps.Copy(index, a.index)
+	a.index = index
+	a.list, a.used, a.seen = slices.Grow(a.list, more), slices.Grow(a.used, more), slices.Grow(a.seen, more)
+}
 
 func (a *appliedSet) get(name string) (Exposure, bool) {
 	i, ok := a.index[name]

@@ -545,9 +545,24 @@ func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *de
 	touched = map[string]bool{}
 	for i, n := range w.order {
 		from := len(dInet.diffs)
-		old := oldU(n)
-		unitDeltaInto(dInet, w.inet, old, w.unitAt[i])
-		if u := w.unitAt[i]; old == nil && u != nil && u.own != nil {
+		old, u := oldU(n), w.unitAt[i]
+		if old == nil && u != nil && u.own == nil {
+			// New, with shared elements only (100,000 of them in an apply
+			// onto a running table): every element is added, and a
+			// routing one is the exposure's publication.
+			for _, ue := range u.elems {
+				if _, ok := dInet.shapes[ue.set]; !ok {
+					dInet.shapes[ue.set] = w.inet.Sets[ue.set]
+				}
+				dInet.addElems[ue.set] = append(dInet.addElems[ue.set], ue.e)
+				if routing(ue.set) {
+					touched[n] = true
+				}
+			}
+			continue
+		}
+		unitDeltaInto(dInet, w.inet, old, u)
+		if old == nil && u != nil && u.own != nil {
 			// New to a state the kernel holds exactly: its cap set is
 			// created here, and no connection has its mark yet.
 			for name, set := range u.own.Sets {
@@ -976,6 +991,13 @@ func (s *State) Commit(p *Plan) {
 		s.inet, s.bridge, s.setBased = n.inet, n.bridge, n.setBased
 		return
 	}
+	if grow := len(n.changed); grow > s.exps.len() {
+		// Many more than applied (100,000 onto a running table): the
+		// indexes are made at their new size once, not grown step by step.
+		s.exps.grow(grow)
+		s.marks = grownMap(s.marks, grow)
+		s.sides = grownMap(s.sides, grow)
+	}
 	for name, e := range n.changed {
 		if old, ok := s.exps.get(name); ok {
 			s.forget(name, old, !rebuild)
@@ -1004,6 +1026,13 @@ func (s *State) Commit(p *Plan) {
 			s.addDigests(u)
 		}
 	}
+}
+
+// grownMap is m with room for more entries than it holds.
+func grownMap[K comparable, V any](m map[K]V, more int) map[K]V {
+	g := make(map[K]V, len(m)+more)
+	maps.Copy(g, m)
+	return g
 }
 
 // forget takes an applied exposure out of the indexes (and, digests, of
