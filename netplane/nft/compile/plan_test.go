@@ -539,3 +539,14 @@ func TestCapSetOfANewExposureIsFresh(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, map[string]bool{ConnsSet("web"): false}, fresh(p), "a new process seeds what it creates")
 }
+
+// A UDP exposure added to a running table flushes its host side (a flow
+// made before its element would keep off the guest), a TCP one does not,
+// on the incremental path as on a first apply.
+func TestPlanUpdateOfANewUDPExposureFlushesItsHostSide(t *testing.T) {
+	s := applied(t, refRules())
+	dns2 := Exposure{Name: "dns2", Protocol: "udp", HostPort: 5354, GuestAddr: netip.MustParseAddr("10.213.0.12"), GuestPort: 53, MarkID: 7}
+	p, err := s.PlanUpdate(nil, []Exposure{dns2, ssh()}, nil, nil)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"dns2 created flush udp *:5354", "ssh created"}, changesOf(p))
+}
