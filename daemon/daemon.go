@@ -641,12 +641,12 @@ func (d *Daemon) Apply(cfg *config.Config, dryRun bool) (api.Plan, error) {
 // fewNames is names for a log line: all of them up to 20, else the first
 // 20 and how many more (an apply of 100,000 exposures would otherwise log
 // a line of megabytes; the plan the client gets names them all).
-func fewNames(names []string) any {
+func fewNames(names []string) []string {
 	const few = 20
 	if len(names) <= few {
 		return names
 	}
-	return fmt.Sprintf("%s ... (%d more)", strings.Join(names[:few], " "), len(names)-few)
+	return append(slices.Clip(names[:few]), fmt.Sprintf("... (%d more)", len(names)-few))
 }
 
 // ErrBusy is returned when the network plane stays busy past the deadline.

@@ -910,3 +910,18 @@ func TestAPIParsesOneConfigAtATime(t *testing.T) {
 	wg.Wait()
 	assert.Equal(t, int32(1), most.Load(), "configs parsed at once")
 }
+
+// A log line names up to 20 changes and then how many more, as a list
+// either way.
+func TestFewNames(t *testing.T) {
+	assert.Equal(t, []string{"a", "b"}, fewNames([]string{"a", "b"}))
+	many := make([]string, 25)
+	for i := range many {
+		many[i] = fmt.Sprint(i)
+	}
+	got := fewNames(many)
+	assert.Len(t, got, 21)
+	assert.Equal(t, "19", got[19])
+	assert.Equal(t, "... (5 more)", got[20])
+	assert.Equal(t, "20", many[20], "the plan's own list is left as it was")
+}

@@ -391,6 +391,7 @@ type ExposureCounters struct {
 func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 	c.idxMu.RLock()
 	byID := maps.Clone(c.byID) // a snapshot: the reads below take other locks
+	anyRange := len(c.ranges) > 0
 	c.idxMu.RUnlock()
 	out := make(map[string]ExposureCounters, len(byID))
 	if len(byID) == 0 {
@@ -405,7 +406,11 @@ func (c *SetCap) Counters() (map[string]ExposureCounters, error) {
 	// range's exp-target-addr element or exp-target-port ones (one per
 	// port, keyed mark . port), summed by mark.
 	admitted := map[string]uint64{}
-	for _, set := range []string{compile.MapExpTarget, compile.MapExpTargetAddr, compile.MapExpTargetPort} {
+	targets := []string{compile.MapExpTarget}
+	if anyRange { // the range maps are empty otherwise: not dumped on every pass
+		targets = append(targets, compile.MapExpTargetAddr, compile.MapExpTargetPort)
+	}
+	for _, set := range targets {
 		m, err := c.k.elemCounters(set)
 		if err != nil {
 			return nil, err
