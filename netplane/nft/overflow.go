@@ -429,13 +429,16 @@ func origTuple(c *net.TCPConn) (src, dst netip.AddrPort, err error) {
 func (c *SetCap) exposureAt(dst netip.AddrPort) (Exposure, bool) {
 	c.idxMu.RLock()
 	defer c.idxMu.RUnlock()
-	for _, a := range []netip.Addr{dst.Addr(), {}} {
+	// The address dialled, then the wildcards it falls under: 0.0.0.0
+	// (hostAddress "0.0.0.0") and every address of both families ("").
+	addrs := []netip.Addr{dst.Addr(), netip.IPv4Unspecified(), {}}
+	for _, a := range addrs {
 		if e, ok := c.byHost[compile.HostSide{Proto: unix.IPPROTO_TCP, Addr: a, Port: dst.Port()}]; ok {
 			return e, true
 		}
 	}
 	// A port of a range: the ranges are few (each is up to 4096 ports).
-	for _, a := range []netip.Addr{dst.Addr(), {}} {
+	for _, a := range addrs {
 		for hs, e := range c.ranges {
 			if hs.Proto == unix.IPPROTO_TCP && hs.Addr == a && e.HasPort(dst.Port()) {
 				return e, true

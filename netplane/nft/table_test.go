@@ -961,7 +961,8 @@ func TestABigFirstApplySizesTheSharedMapsAndANewProcessKeepsThem(t *testing.T) {
 	assert.Equal(t, handle, after, "the sized map is kept, not made again")
 }
 
-// The slow path carries a capped port range: with the watcher stopped (no
+// The slow path carries a capped port range (on 0.0.0.0, IPv4's wildcard:
+// the slow path finds it under the address dialled): with the watcher stopped (no
 // release but the slow path's own look), a second caller on another port of
 // the range is refused while the first holds the cap (the slow path finds the
 // holder's connection by the port in its key, not the range's first port),
@@ -972,7 +973,7 @@ func TestCapSlowPathOfAPortRange(t *testing.T) {
 	for _, p := range []string{"81", "82", "83"} {
 		serveTCP(t, tp.guests[0], ":"+p, "p"+p)
 	}
-	rng := Exposure{Name: "rng", Protocol: "tcp", HostPort: 9100, HostPortLast: 9102, GuestAddr: guestAddr(0),
+	rng := Exposure{Name: "rng", Protocol: "tcp", HostAddr: netip.IPv4Unspecified(), HostPort: 9100, HostPortLast: 9102, GuestAddr: guestAddr(0),
 		GuestPort: 81, GuestPortLast: 83, MaxConns: 1}
 	tp.converge(t, tp.rules(rng))
 	stopWatcher(tp.table)
