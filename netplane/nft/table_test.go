@@ -717,16 +717,7 @@ func TestCapSlowPathAlone(t *testing.T) {
 		assert.Equal(t, "g1", tag)
 	}
 	dst := netip.MustParseAddrPort("10.99.0.1:8080")
-	var closeA func()
-	require.Eventually(t, func() bool {
-		ok, _, cl := openConns(t, tp.client, dst, 1)
-		if ok != 1 {
-			cl()
-			return false
-		}
-		closeA = cl
-		return true
-	}, 2*time.Second, 10*time.Millisecond)
+	closeA := holdOne(t, tp.client, dst, 2*time.Second)
 	before, err := tp.cap.Counters()
 	require.NoError(t, err)
 	ok, refused, cl := openConns(t, tp.client, dst, 1)
@@ -981,16 +972,7 @@ func TestCapSlowPathOfAPortRange(t *testing.T) {
 	tag, err := dialTag(tp.client, "10.99.0.1:9102")
 	require.NoError(t, err)
 	assert.Equal(t, "p83", tag, "the kernel's DNAT of a shifted range")
-	var closeA func()
-	require.Eventually(t, func() bool { // the slow path gives the closed caller's place back
-		ok, _, cl := openConns(t, tp.client, netip.MustParseAddrPort("10.99.0.1:9101"), 1)
-		if ok != 1 {
-			cl()
-			return false
-		}
-		closeA = cl
-		return true
-	}, 3*time.Second, 20*time.Millisecond)
+	closeA := holdOne(t, tp.client, netip.MustParseAddrPort("10.99.0.1:9101"), 3*time.Second)
 	ok, refused, cl := openConns(t, tp.client, netip.MustParseAddrPort("10.99.0.1:9100"), 1)
 	cl()
 	assert.Equal(t, 0, ok, "the range's one cap is held on another port")
@@ -1003,4 +985,21 @@ func TestCapSlowPathOfAPortRange(t *testing.T) {
 	assert.Equal(t, "p83", tag, "carried to the guest port of the port dialled")
 	assert.LessOrEqual(t, membersOf(t, tp.table, "rng"), 1)
 	assert.Positive(t, tp.cap.ov.Load().decisions.Load(), "the slow path decided")
+}
+
+// holdOne opens one connection from ns to dst that the cap admits, trying
+// again while the place of a caller closed just before is not back yet;
+// closeIt closes it.
+func holdOne(t *testing.T, ns *nstest.NS, dst netip.AddrPort, within time.Duration) (closeIt func()) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		ok, _, cl := openConns(t, ns, dst, 1)
+		if ok != 1 {
+			cl()
+			return false
+		}
+		closeIt = cl
+		return true
+	}, within, 10*time.Millisecond)
+	return closeIt
 }
