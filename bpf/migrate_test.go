@@ -115,9 +115,9 @@ func (x v1Slot) write(t *testing.T, dir string, v *Store) {
 	v.limit32(i, offGen).Store(x.gen)
 	v.limit64(i, offKernelActive).Store(x.kernel)
 	v.limit64(i, offProxyActive).Store(x.proxy)
-	v.fed(i, offFedValid).Store(1)
-	v.fed(i, offFedAccept).Store(x.fedA)
-	v.fed(i, offFedRefuse).Store(x.fedR)
+	fedWord(v.fmem, i, offFedValid).Store(1)
+	fedWord(v.fmem, i, offFedA).Store(x.fedA)
+	fedWord(v.fmem, i, offFedB).Store(x.fedR)
 	if x.asleep {
 		put(t, filepath.Join(dir, v1WakeMapName), uint32(i), wakeAsleep)
 	}
@@ -162,9 +162,9 @@ func (x v1Slot) check(t *testing.T, dir string, s *Store, extra Counters) *Slot 
 	k, p := sl.Shares()
 	assert.Equal(t, x.kernel+extra.Active, k, x.name)
 	assert.Equal(t, x.proxy, p, x.name)
-	assert.EqualValues(t, 1, s.fed(x.slot, offFedValid).Load())
-	assert.Equal(t, x.fedA, s.fed(x.slot, offFedAccept).Load())
-	assert.Equal(t, x.fedR, s.fed(x.slot, offFedRefuse).Load())
+	assert.EqualValues(t, 1, fedWord(s.fmem, x.slot, offFedValid).Load())
+	assert.Equal(t, x.fedA, fedWord(s.fmem, x.slot, offFedA).Load())
+	assert.Equal(t, x.fedR, fedWord(s.fmem, x.slot, offFedB).Load())
 	wantWake := wakeAwake
 	if x.asleep {
 		wantWake = wakeAsleep

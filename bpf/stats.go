@@ -262,11 +262,6 @@ func openV2(dir string) (*Store, error) {
 // slot is its baseline, once.
 const BytesFedMapName = "fallback_bytes_fed_v2"
 
-const (
-	offBytesFedIn  = 8
-	offBytesFedOut = 16
-)
-
 func bytesFedSpec() *ebpf.MapSpec {
 	spec := fedSpec()
 	spec.Name = BytesFedMapName
@@ -285,11 +280,13 @@ const deniedSize = int(unsafe.Sizeof(statsExposureDeny{}))
 // Only brokkrd reads it; no program does.
 const FedMapName = "fallback_fed_v2"
 
+// A fed record, in fallback_fed_v2 and fallback_bytes_fed_v2 alike: {valid,
+// a, b} (accepted and refused; bytes in and out).
 const (
-	fedSize      = 24
-	offFedValid  = 0
-	offFedAccept = 8
-	offFedRefuse = 16
+	fedSize     = 24
+	offFedValid = 0
+	offFedA     = 8
+	offFedB     = 16
 )
 
 func fedSpec() *ebpf.MapSpec {
@@ -448,20 +445,16 @@ func (s *Store) zero(i int) {
 	s.zeroV1(i, gen)
 	// Nothing fed yet, and that is known: the exposure's kernel counters
 	// are made after its slot, from zero.
-	s.fed(i, offFedAccept).Store(0)
-	s.fed(i, offFedRefuse).Store(0)
-	s.fed(i, offFedValid).Store(1)
-	s.bytesFed(i, offBytesFedIn).Store(0)
-	s.bytesFed(i, offBytesFedOut).Store(0)
-	s.bytesFed(i, offFedValid).Store(1)
+	for _, mem := range [][]byte{s.fmem, s.bmem} {
+		fedWord(mem, i, offFedA).Store(0)
+		fedWord(mem, i, offFedB).Store(0)
+		fedWord(mem, i, offFedValid).Store(1)
+	}
 }
 
-func (s *Store) fed(i, off int) *atomic.Uint64 {
-	return (*atomic.Uint64)(unsafe.Pointer(&s.fmem[i*fedSize+off]))
-}
-
-func (s *Store) bytesFed(i, off int) *atomic.Uint64 {
-	return (*atomic.Uint64)(unsafe.Pointer(&s.bmem[i*fedSize+off]))
+// fedWord is word off of slot i's record in a fed map's values mem.
+func fedWord(mem []byte, i, off int) *atomic.Uint64 {
+	return (*atomic.Uint64)(unsafe.Pointer(&mem[i*fedSize+off]))
 }
 
 // ValidName reports whether name fits a slot.
@@ -691,7 +684,7 @@ func (sl *Slot) AddBytes(in, out uint64) {
 // slot that an older brokkrd left without a fed record takes the first
 // values as its baseline, once.
 func (sl *Slot) FeedKernelTotals(accepted, refused uint64) {
-	if a, r, ok := fedGrowth(sl.s.fed, sl.i, offFedAccept, accepted, offFedRefuse, refused); ok {
+	if a, r, ok := fedGrowth(sl.s.fmem, sl.i, accepted, refused); ok {
 		sl.AddAccepted(a)
 		sl.AddRefused(r)
 	}
@@ -702,18 +695,18 @@ func (sl *Slot) FeedKernelTotals(accepted, refused uint64) {
 // fallback_bytes_fed_v2 map: what the kernel counted while no daemon ran is
 // counted once the next one feeds.
 func (sl *Slot) FeedKernelBytes(in, out uint64) {
-	if i, o, ok := fedGrowth(sl.s.bytesFed, sl.i, offBytesFedIn, in, offBytesFedOut, out); ok {
+	if i, o, ok := fedGrowth(sl.s.bmem, sl.i, in, out); ok {
 		sl.AddBytes(i, o)
 	}
 }
 
-// fedGrowth records a and b as what slot i was last fed in a fed map (at
-// offsets offA and offB) and returns how much each grew since the values
-// recorded before; not ok when nothing was recorded (the first values are
-// a baseline).
-func fedGrowth(fed func(i, off int) *atomic.Uint64, i, offA int, a uint64, offB int, b uint64) (ga, gb uint64, ok bool) {
-	lastA, lastB := fed(i, offA).Swap(a), fed(i, offB).Swap(b)
-	if fed(i, offFedValid).Swap(1) == 0 {
+// fedGrowth records a and b as what slot i was last fed in a fed map's
+// values mem and returns how much each grew since the values recorded
+// before; not ok when nothing was recorded (the first values are a
+// baseline).
+func fedGrowth(mem []byte, i int, a, b uint64) (ga, gb uint64, ok bool) {
+	lastA, lastB := fedWord(mem, i, offFedA).Swap(a), fedWord(mem, i, offFedB).Swap(b)
+	if fedWord(mem, i, offFedValid).Swap(1) == 0 {
 		return 0, 0, false
 	}
 	return grown(lastA, a), grown(lastB, b), true

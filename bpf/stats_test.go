@@ -196,10 +196,7 @@ func TestOpenRefusesADirectoryThatIsNotBPFFS(t *testing.T) {
 // reopened store's first feed is a baseline.)
 func TestFeedKernelBytesGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
 	dir := nstest.PrivateBPFFS(t)
-	s, err := Open(dir)
-	require.NoError(t, err)
-	sl, err := s.Attach("web", ProtoTCP, 80)
-	require.NoError(t, err)
+	s, sl := openWeb(t, dir)
 	sl.FeedKernelTotals(7, 1)
 	sl.FeedKernelBytes(100, 1000)
 	sl.FeedKernelBytes(150, 1200)
@@ -211,10 +208,7 @@ func TestFeedKernelBytesGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
 	sl.Release(false)
 	require.NoError(t, s.Close())
 
-	s, err = Open(dir)
-	require.NoError(t, err)
-	sl, err = s.Attach("web", ProtoTCP, 80)
-	require.NoError(t, err)
+	s, sl = openWeb(t, dir)
 	sl.FeedKernelBytes(400, 1300) // 250 and 100 while no daemon ran
 	c = sl.Read()
 	assert.EqualValues(t, 400, c.BytesIn, "no first-read baseline after a reopen")
@@ -226,11 +220,8 @@ func TestFeedKernelBytesGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
 
 	// An earlier brokkrd's pins, without the bytes map: one baseline.
 	require.NoError(t, os.Remove(filepath.Join(dir, BytesFedMapName)))
-	s, err = Open(dir)
-	require.NoError(t, err)
+	s, sl = openWeb(t, dir)
 	defer s.Close()
-	sl, err = s.Attach("web", ProtoTCP, 80)
-	require.NoError(t, err)
 	defer sl.Release(true)
 	sl.FeedKernelBytes(30, 10)
 	assert.EqualValues(t, 420, sl.Read().BytesIn, "no record: the first values are a baseline")
@@ -242,28 +233,22 @@ func TestFeedKernelBytesGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
 // a reopened store (a new daemon) goes on from there.
 func TestFeedKernelTotalsGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
 	dir := nstest.PrivateBPFFS(t)
-	s, err := Open(dir)
-	require.NoError(t, err)
-	sl, err := s.Attach("web", ProtoTCP, 80)
-	require.NoError(t, err)
+	s, sl := openWeb(t, dir)
 	sl.FeedKernelTotals(10, 1)
 	sl.FeedKernelTotals(12, 1)
 	assert.EqualValues(t, 12, sl.Read().Accepted)
 	sl.Release(false)
 	require.NoError(t, s.Close())
 
-	s, err = Open(dir)
-	require.NoError(t, err)
+	s, sl = openWeb(t, dir)
 	defer s.Close()
-	sl, err = s.Attach("web", ProtoTCP, 80)
-	require.NoError(t, err)
 	sl.FeedKernelTotals(15, 2)
 	c := sl.Read()
 	assert.EqualValues(t, 15, c.Accepted, "no first-read baseline after a reopen")
 	assert.EqualValues(t, 2, c.Refused)
 
 	// A slot an older brokkrd fed without a record: one baseline.
-	s.fed(sl.i, offFedValid).Store(0)
+	fedWord(s.fmem, sl.i, offFedValid).Store(0)
 	sl.FeedKernelTotals(40, 2)
 	assert.EqualValues(t, 15, sl.Read().Accepted, "no record: the first values are a baseline")
 	sl.FeedKernelTotals(41, 2)
@@ -271,9 +256,19 @@ func TestFeedKernelTotalsGoesOnFromWhatWasFedAcrossAReopen(t *testing.T) {
 
 	// Deleting the exposure zeroes its record with it.
 	sl.Release(true)
-	sl, err = s.Attach("web", ProtoTCP, 80)
+	sl, err := s.Attach("web", ProtoTCP, 80)
 	require.NoError(t, err)
 	defer sl.Release(true)
 	sl.FeedKernelTotals(3, 0)
 	assert.EqualValues(t, 3, sl.Read().Accepted, "a new exposure counts from its counters' zero")
+}
+
+// openWeb opens the store pinned in dir and attaches exposure web to it.
+func openWeb(t *testing.T, dir string) (*Store, *Slot) {
+	t.Helper()
+	s, err := Open(dir)
+	require.NoError(t, err)
+	sl, err := s.Attach("web", ProtoTCP, 80)
+	require.NoError(t, err)
+	return s, sl
 }

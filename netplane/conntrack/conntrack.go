@@ -36,8 +36,6 @@ type Entry struct {
 	Orig      netip.AddrPort // original source
 	OrigDst   netip.AddrPort // original destination (the host side of an exposure)
 	TCPState  uint8          // 0 for other protocols
-	BytesOrig uint64         // caller -> guest (needs nf_conntrack_acct=1)
-	BytesRepl uint64         // guest -> caller
 	Destroyed bool           // from a destroy event (the entry is gone)
 }
 
@@ -164,13 +162,11 @@ func (c *Conn) entries() (int, error) {
 
 func entry(f *ct.Flow) Entry {
 	e := Entry{
-		ID:        f.ID,
-		Mark:      f.Mark,
-		Proto:     f.TupleOrig.Proto.Protocol,
-		Orig:      netip.AddrPortFrom(f.TupleOrig.IP.SourceAddress, f.TupleOrig.Proto.SourcePort),
-		OrigDst:   netip.AddrPortFrom(f.TupleOrig.IP.DestinationAddress, f.TupleOrig.Proto.DestinationPort),
-		BytesOrig: f.CountersOrig.Bytes,
-		BytesRepl: f.CountersReply.Bytes,
+		ID:      f.ID,
+		Mark:    f.Mark,
+		Proto:   f.TupleOrig.Proto.Protocol,
+		Orig:    netip.AddrPortFrom(f.TupleOrig.IP.SourceAddress, f.TupleOrig.Proto.SourcePort),
+		OrigDst: netip.AddrPortFrom(f.TupleOrig.IP.DestinationAddress, f.TupleOrig.Proto.DestinationPort),
 	}
 	if f.ProtoInfo.TCP != nil {
 		e.TCPState = f.ProtoInfo.TCP.State

@@ -281,21 +281,16 @@ func desiredSetCap(inet *TableSpec, overflowPort uint16) {
 	// counters do; what conntrack accounting gave (live entries and the
 	// ended ones the daemon saw) lost what ended while none ran. After the
 	// nat hooks, so a connection's first packet carries its mark.
-	counted := func(hook *nftables.ChainHook, prio int32) *ChainSpec {
-		byDir := func(comment string, dir byte, set string) RuleSpec {
-			return rule(fam, comment, append(append(ctDirection(dir), ctMarkMasked(ctmark.IDMask|ctmark.Owned)...),
-				&expr.Lookup{SourceRegister: 1, SetName: set})...)
-		}
-		return &ChainSpec{Hook: &HookSpec{nftables.ChainTypeFilter, *hook, prio}, Rules: []RuleSpec{
-			byDir("bytes caller to guest", 0, MapExpBytesOrig), byDir("bytes guest to caller", 1, MapExpBytesReply)}}
+	byDir := func(comment string, dir byte, set string) RuleSpec {
+		return rule(fam, comment, append(append(ctDirection(dir), ctMarkMasked(ctmark.IDMask|ctmark.Owned)...),
+			&expr.Lookup{SourceRegister: 1, SetName: set})...)
 	}
 	for _, c := range []struct {
 		name string
 		hook *nftables.ChainHook
 	}{{chainBytesFwd, nftables.ChainHookForward}, {chainBytesIn, nftables.ChainHookInput}, {chainBytesOut, nftables.ChainHookOutput}} {
-		cs := counted(c.hook, 10)
-		cs.Name = c.name
-		inet.addChain(cs)
+		inet.addChain(&ChainSpec{Name: c.name, Hook: &HookSpec{nftables.ChainTypeFilter, *c.hook, 10}, Rules: []RuleSpec{
+			byDir("bytes caller to guest", 0, MapExpBytesOrig), byDir("bytes guest to caller", 1, MapExpBytesReply)}})
 	}
 }
 

@@ -12,11 +12,12 @@ package compile
 
 import (
 	"fmt"
-
-	"github.com/brokkr/brokkr/bpf/ctmark"
 	"net"
 	"net/netip"
 	"strconv"
+
+	"github.com/brokkr/brokkr/bpf/ctmark"
+	"github.com/brokkr/brokkr/internal/spec"
 )
 
 // Rules is the whole desired state of brokkr's tables.
@@ -119,18 +120,18 @@ func (e Exposure) IsRange() bool { return e.HostPortLast > e.HostPort }
 // keepsPort reports whether each host port goes to the same guest port.
 func (e Exposure) keepsPort() bool { return e.GuestPortLast != 0 && e.GuestPort == e.HostPort }
 
-// GuestPortOf is the guest port a caller of host port hp reaches.
-func (e Exposure) GuestPortOf(hp uint16) uint16 {
-	if e.GuestPortLast == 0 || hp < e.HostPort {
-		return e.GuestPort
-	}
-	return e.GuestPort + (hp - e.HostPort)
+// ports is e's ports as the model has them, whose methods say what a port
+// of a range maps to (one rule for every path).
+func (e Exposure) ports() spec.Exposure {
+	return spec.Exposure{HostPort: e.HostPort, HostPortLast: e.HostPortLast, GuestPort: e.GuestPort, GuestPortLast: e.GuestPortLast}
 }
 
+// GuestPortOf is the guest port a caller of host port hp (one of e's)
+// reaches.
+func (e Exposure) GuestPortOf(hp uint16) uint16 { return e.ports().GuestPortOf(hp) }
+
 // HasPort reports whether host port hp is one of the exposure's.
-func (e Exposure) HasPort(hp uint16) bool {
-	return hp == e.HostPort || e.IsRange() && hp > e.HostPort && hp <= e.HostPortLast
-}
+func (e Exposure) HasPort(hp uint16) bool { return hp >= e.HostPort && hp <= e.ports().LastHostPort() }
 
 // shifted reports whether each host port goes to a guest port of its own,
 // another one.
