@@ -2,6 +2,7 @@ package qemu
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -69,8 +70,15 @@ func validateLaunch(cfg supervisor.LaunchConfig) error {
 // panic ends qemu, so the engine sees the exit), the VM name for the guest,
 // and on microvm under TCG the host TSC frequency (microvm has no HPET or
 // PM timer, and TSC calibration against the PIT under TCG can hang the guest).
+//
+// What follows a "--" is init's argument list, not the kernel's: the
+// additions go before it, and a key is looked for only in the kernel's part.
 func kernelCmdline(cfg supervisor.LaunchConfig, p launchPlan) string {
 	args := strings.Fields(cfg.Cmdline)
+	var initArgs []string
+	if i := slices.Index(args, "--"); i >= 0 {
+		args, initArgs = args[:i:i], args[i:]
+	}
 	has := func(key string) bool {
 		for _, a := range args {
 			if a == key || strings.HasPrefix(a, key+"=") {
@@ -92,7 +100,7 @@ func kernelCmdline(cfg supervisor.LaunchConfig, p launchPlan) string {
 	if p.Machine == MachineMicroVM && p.Accel == AccelTCG && p.TSCKHz > 0 && !has("tsc_early_khz") {
 		args = append(args, "tsc_early_khz="+strconv.FormatInt(p.TSCKHz, 10))
 	}
-	return strings.Join(args, " ")
+	return strings.Join(append(args, initArgs...), " ")
 }
 
 // buildArgs is the qemu-system-x86_64 argument list for one launch.

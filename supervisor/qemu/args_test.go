@@ -117,6 +117,15 @@ func TestKernelCmdlineKeepsUserValues(t *testing.T) {
 	assert.Equal(t, "panicky=1 console=ttyS0 panic=-1 brokkr.name=web", got, "no TSC hint when the host rate is unknown")
 }
 
+// What follows "--" is init's: the backend's additions go before it, and a
+// console= among init's arguments does not count as the kernel's.
+func TestKernelCmdlineAddsBeforeInitsArguments(t *testing.T) {
+	cfg := testLaunch()
+	cfg.Cmdline = "quiet rdinit=/bin/busybox -- sh -c \"seq 1 3; console=x\""
+	got := kernelCmdline(cfg, launchPlan{Machine: MachineMicroVM, Accel: AccelTCG, TSCKHz: 1000})
+	assert.Equal(t, "quiet rdinit=/bin/busybox console=ttyS0 panic=-1 brokkr.name=web tsc_early_khz=1000 -- sh -c \"seq 1 3; console=x\"", got)
+}
+
 func TestValidateLaunchNamesTheField(t *testing.T) {
 	cases := map[string]func(*supervisor.LaunchConfig){
 		"Name":       func(c *supervisor.LaunchConfig) { c.Name = "" },

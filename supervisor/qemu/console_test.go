@@ -29,6 +29,10 @@ import (
 // guest); a reader takes the connection over in the middle of the count,
 // and the log must hold every number once, in order. (Fails with handOver
 // replaced by a close and a new connection, as before: numbers missing.)
+// The guest sleeps after the count: the tty's transmit buffer (up to a
+// page) is still draining through the UART when seq exits, and an init
+// that exits panics the kernel at once, so its tail was lost whenever a
+// slow reader held the UART back (CI under -race lost 2820..3000 so).
 // No network: needs neither root nor a namespace.
 //
 // What a connected reader can still lose: qemu's 16550 drops a byte when
@@ -41,7 +45,7 @@ func TestAConnectedConsoleReaderLosesNothing(t *testing.T) {
 	img := qemuGuest(t)
 	cfg := guestConfig(t, img, "cons", 128)
 	const n = 3000
-	cfg.Cmdline = fmt.Sprintf("console=ttyS0 panic=-1 brokkr.name=cons quiet rdinit=/bin/busybox -- seq 1 %d", n)
+	cfg.Cmdline = fmt.Sprintf("console=ttyS0 panic=-1 brokkr.name=cons quiet rdinit=/bin/busybox -- sh -c \"seq 1 %d; sleep 600\"", n)
 	b := New("", WithAccel(AccelTCG))
 	inst, err := b.Start(t.Context(), cfg)
 	require.NoError(t, err)
