@@ -71,6 +71,13 @@ type Options struct {
 // Plane converges the guest network of one namespace: bridge, taps, IPAM,
 // DHCP, and the nftables table, and feeds the kernel counters into the
 // shared exposure_stats_v2 slots.
+//
+// Why it is this large (17 fields, 28 methods over plane.go, exposures.go,
+// capbackend.go and validate.go): it is the one owner of a namespace's
+// pieces, and a pass must see them under one lock (mu) so that a lease, its
+// tap, its DHCP binding and its exposures' elements never disagree. Each
+// piece's own logic lives in its package (link, ipam, dhcp, radv, nft);
+// what is left here is the order of a pass and who may change what.
 type Plane struct {
 	opts  Options
 	log   *slog.Logger

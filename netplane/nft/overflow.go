@@ -85,6 +85,11 @@ const guestDialTimeout = 2 * time.Second
 // often in case no release event comes.
 const recheckEvery = 5 * time.Millisecond
 
+// overflow is the set-based cap's slow path: a listener that takes the
+// callers a full kernel set turned away and admits them once a place frees.
+// Its 16 fields are one listener's state: the three counters of its own
+// latency sit beside the lock-held maps rather than in a type of their own
+// because they are written on the same path and read only by tests.
 type overflow struct {
 	c     *SetCap
 	ln    *net.TCPListener

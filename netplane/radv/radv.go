@@ -88,7 +88,11 @@ var defaults = timing{
 	minRS:    100 * time.Millisecond,
 }
 
-// Server advertises on one bridge until Close or Withdraw.
+// Server advertises on one bridge until Close or Withdraw. Its 16 fields
+// are one sender's: what it sends from (conn, src, mac), when (t, now,
+// lastRS), to whom (bindings, newGuest), and its life (stop, wg, closing,
+// withdrawn); the guests' bindings share mu with the writes so that no
+// advertisement can follow a withdrawal.
 type Server struct {
 	cfg     Config
 	t       timing

@@ -133,7 +133,12 @@ func ObservedFrom(t *TableSpec) *Observed {
 }
 
 // delta is the difference between a desired table and an observed one,
-// sorted into the buckets one netlink batch applies in order.
+// sorted into the buckets one netlink batch applies in order. It has a
+// field per bucket (16) on purpose: ops emits the batch in the order of
+// these fields (the table, element deletions, chain flushes and deletions, set and
+// counter deletions, then counters, sets, chains, rules and elements added),
+// and folding them into one list of operations would move that order into
+// a sort the reader has to trust instead of see.
 type delta struct {
 	fam         nftables.TableFamily
 	addTable    bool
