@@ -359,12 +359,17 @@ func normalizeJSON(t *testing.T, s string) string {
 	return strings.Join(out, "\n")
 }
 
+// shortConn connects, reads the guest's greeting and closes. A caller the
+// cap refuses is reset (or closed by the slow path): it never waits. So the greeting is waited for 10 s, not dialTCP's 2: a CI run under
+// load once had one of 1,000 callers served later than 2 s (read: i/o
+// timeout), a stall, not a refusal, and the cap's verdict is what is tested.
 func shortConn(addr string) error {
 	c, err := dialTCP(addr)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
 	buf := make([]byte, 3)
 	if _, err := c.Read(buf); err != nil {
 		return fmt.Errorf("read: %w", err)
