@@ -48,3 +48,20 @@ func BenchmarkDecode(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkDecodeJSON is BenchmarkDecode's desired state as a JSON
+// document, which jsonNode reads instead of the YAML parser; yaml-parser is
+// the same document read by the YAML parser (a comment after it).
+func BenchmarkDecodeJSON(b *testing.B) {
+	data := configJSON(100000)
+	for name, doc := range map[string][]byte{"json-reader": data, "yaml-parser": append(data[:len(data):len(data)], "\n# yaml"...)} {
+		b.Run(name, func(b *testing.B) {
+			b.SetBytes(int64(len(doc)))
+			for i := 0; i < b.N; i++ {
+				if _, err := Decode(doc); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -240,6 +240,9 @@ func readDocument(data []byte) (*yaml.Node, error) {
 	if len(data) > MaxConfigBytes {
 		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), MaxConfigBytes)}}
 	}
+	if doc, ok := jsonNode(data); ok {
+		return doc, nil
+	}
 	var root yaml.Node
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	if err := dec.Decode(&root); err != nil {
