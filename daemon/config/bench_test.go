@@ -65,3 +65,20 @@ func BenchmarkDecodeJSON(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkReadDocument is the parse alone of BenchmarkDecodeJSON's
+// document: jsonNode, and the YAML parser it replaces for such documents.
+func BenchmarkReadDocument(b *testing.B) {
+	data := configJSON(100000)
+	for name, doc := range map[string][]byte{"json-reader": data, "yaml-parser": append(data[:len(data):len(data)], "\n# yaml"...)} {
+		b.Run(name, func(b *testing.B) {
+			b.SetBytes(int64(len(doc)))
+			b.ReportAllocs()
+			for i := 0; i < b.N; i++ {
+				if _, err := readDocument(doc); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
