@@ -2,9 +2,11 @@ package netplane
 
 import (
 	"context"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -266,4 +268,51 @@ func TestGuestsGetAddressesByDHCPOrAreSeenStatically(t *testing.T) {
 	out, err = dyn.Run("busybox", "udhcpc", "-i", "eth0", "-n", "-q", "-f", "-t", "5", "-T", "1", "-s", "/bin/true")
 	require.NoError(t, err, "DHCP after the bridge was re-made: %s", out)
 	assert.Contains(t, out, "lease of "+st["dyn"].Address.String()+" obtained")
+}
+
+// A guest that answers ARP only after a while (a VM being resumed from
+// disk, slower than the kernel's three probes on a loaded host) is waited
+// for: the caller's SYNs wait in the neighbour entry and it is served,
+// instead of failing with "no route to host" after about 3 s. (Fails with
+// PatientNeighbours' call removed: connect: no route to host.)
+func TestACallerWaitsForAGuestSlowToAnswerARP(t *testing.T) {
+	ns := nstest.New(t, "host")
+	p, _ := newPlane(t, ns, t.TempDir())
+	d := Desired{Network: network(), Guests: guestsOf("slow")}
+	rep := p.Converge(context.Background(), d)
+	require.NoError(t, rep.Err)
+	require.Len(t, rep.Guests, 1)
+	g := rep.Guests[0]
+	assert.Equal(t, strconv.Itoa(link.NeighbourProbes), strings.TrimSpace(ns.MustRun(t, "cat", "/proc/sys/net/ipv4/neigh/brokkr0/mcast_solicit")))
+
+	guest := nstest.New(t, "slow")
+	ns.MustRun(t, "ip", "link", "add", "vh-slow", "type", "veth", "peer", "name", "eth0", "address", g.MAC.String(), "netns", guest.Name)
+	ns.MustRun(t, "ip", "link", "set", "vh-slow", "master", "brokkr0", "up")
+	guest.MustRun(t, "ip", "link", "set", "eth0", "arp", "off", "up")
+	guest.MustRun(t, "ip", "addr", "add", g.Address.String()+"/24", "dev", "eth0")
+	guest.ServeTCP(t, "tcp4", ":80", nstest.AnswerPort)
+
+	const silent = 6 * time.Second // twice what the kernel's default probes wait
+	go func() {
+		time.Sleep(silent)
+		_, _ = guest.Run("ip", "link", "set", "eth0", "arp", "on")
+	}()
+	t0 := time.Now()
+	var line string
+	err := ns.Do(func() error {
+		c, err := net.DialTimeout("tcp4", netip.AddrPortFrom(g.Address, 80).String(), 30*time.Second)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		b := make([]byte, 8)
+		n, err := c.Read(b)
+		line = string(b[:n])
+		return err
+	})
+	require.NoError(t, err, "after %v", time.Since(t0))
+	assert.Equal(t, "80\n", line)
+	assert.GreaterOrEqual(t, time.Since(t0), silent-time.Second, "the guest answered no ARP before")
+	t.Logf("served %v after the first SYN", time.Since(t0).Round(time.Millisecond))
 }

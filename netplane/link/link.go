@@ -14,9 +14,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/netip"
 	"os"
+	"strconv"
 	"strings"
 
 	"github.com/vishvananda/netlink"
@@ -190,6 +192,49 @@ func (m *Manager) EnableForwarding6() (changed []string, err error) {
 	})
 	if err != nil {
 		return changed, fmt.Errorf("enabling IPv6 forwarding: %w", err)
+	}
+	return changed, nil
+}
+
+// NeighbourProbes is how many times (a second apart, the kernel's
+// retrans_time) the host asks for a guest's MAC before it gives up on it
+// and answers the packets waiting for it with "host unreachable". The
+// kernel's 3 (unicast) and 3 (broadcast) made a caller of a suspended VM
+// fail with EHOSTUNREACH whenever the resume took longer than the host's
+// patience (a CI run under load failed the nat wake test so); 30 waits as
+// long as the proxy waits for a woken guest, its packets queued meanwhile.
+const NeighbourProbes = 30
+
+// PatientNeighbours sets the bridge's neighbour probes (IPv4 and, where the
+// bridge has it, IPv6 ucast_solicit and mcast_solicit) to NeighbourProbes in
+// the managed namespace, on brokkr's bridge only. It reports what it had to
+// change.
+func (m *Manager) PatientNeighbours(bridge string) (changed []string, err error) {
+	want := strconv.Itoa(NeighbourProbes)
+	err = nlsafe.Do(m.ns, func() error {
+		for _, fam := range []string{"ipv4", "ipv6"} {
+			dir := "/proc/sys/net/" + fam + "/neigh/" + bridge + "/"
+			if _, err := os.Stat(dir); fam == "ipv6" && errors.Is(err, fs.ErrNotExist) {
+				continue // IPv6 disabled on the host
+			}
+			for _, key := range []string{"ucast_solicit", "mcast_solicit"} {
+				cur, err := os.ReadFile(dir + key)
+				if err != nil {
+					return err
+				}
+				if strings.TrimSpace(string(cur)) == want {
+					continue
+				}
+				if err := os.WriteFile(dir+key, []byte(want+"\n"), 0o644); err != nil {
+					return err
+				}
+				changed = append(changed, "net."+fam+".neigh."+bridge+"."+key+"="+want)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return changed, fmt.Errorf("setting the bridge's neighbour probes: %w", err)
 	}
 	return changed, nil
 }
