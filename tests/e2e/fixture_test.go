@@ -436,11 +436,18 @@ func (e *env) brokkr(args ...string) (string, string, int) {
 	return out.String(), errb.String(), code
 }
 
-// status is `brokkr status -o json`, parsed.
+// status is `brokkr status -o json`, parsed; anything failed fails the test.
 func (e *env) status() api.Status {
 	e.t.Helper()
+	return e.statusCodes(0)
+}
+
+// statusCodes is status accepting the exit codes given: 3 (something
+// failed) still prints the whole status.
+func (e *env) statusCodes(codes ...int) api.Status {
+	e.t.Helper()
 	out, errs, code := e.brokkr("status", "-o", "json")
-	require.Equal(e.t, 0, code, "brokkr status: %s", errs)
+	require.Contains(e.t, codes, code, "brokkr status: %s", errs)
 	var st api.Status
 	require.NoError(e.t, json.Unmarshal([]byte(out), &st), out)
 	return st
@@ -451,7 +458,10 @@ func (e *env) waitStatus(what string, timeout time.Duration, ok func(api.Status)
 	deadline := time.Now().Add(timeout)
 	var st api.Status
 	for time.Now().Before(deadline) {
-		st = e.status()
+		// A wait goes through what it waits for: a VM restarted under load
+		// may show a failed start (exit 3) before its retry runs it, which
+		// a CI-like run read and stopped at. The state waited for decides.
+		st = e.statusCodes(0, 3)
 		if ok(st) {
 			return st
 		}
