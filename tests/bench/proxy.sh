@@ -8,11 +8,14 @@
 # The proxies listen in the host namespace; "direct" routes client -> guest
 # through it. Measured: iperf3 -P1 and -P8 throughput, short-connection rate
 # (connect, 1-byte exchange, close; 8 connectors, and 1 connector for the
-# latency a proxy adds), and RSS per idle held connection.
+# latency a proxy adds), and RSS per idle held connection. The proxies that
+# write a PROXY protocol header (brokkr, its variants, haproxy) are measured
+# once more with one (v2, to a guest echo that reads it: ports 73xx), as
+# "conns/s, PROXY v2".
 # Each figure is the median of $ROUNDS runs; ratios are to direct (and to
 # docker-proxy) from the same run.
 #
-# Run as root: tests/bench/proxy.sh   (env: ROUNDS=3 SECS=4 HOLD=1000)
+# Run as root: tests/bench/proxy.sh   (env: ROUNDS=3 SECS=4 HOLD=1000 KEEP=FILE)
 #
 # A/B of a proxy change: VARIANTS="NAME=ENV:BINARY ..." adds brokkr proxies
 # to the run, each a proxyrun binary started with ENV ("-" for none), e.g.
@@ -31,6 +34,9 @@ work=$(mktemp -d /tmp/$P-bench.XXXXXX)
 pids=()
 
 cleanup() {
+  # KEEP=FILE keeps the raw results ("round path metric value" lines), also
+  # those of a run that failed half-way.
+  [ -n "${KEEP:-}" ] && [ -e "$work/results" ] && cp "$work/results" "$KEEP"
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
   for n in $CL $HO $GU; do ip netns delete "$n" 2>/dev/null || true; done
@@ -84,10 +90,13 @@ nsenter --net=/run/netns/$GU -- iperf3 -s -p 5201 >"$work/iperf3.log" 2>&1 &
 pids+=($!)
 nsenter --net=/run/netns/$GU -- "$work/connrate" -serve 10.77.2.2:7000 >"$work/serve.log" 2>&1 &
 pids+=($!)
+nsenter --net=/run/netns/$GU -- "$work/connrate" -serve-pp 10.77.2.2:7001 >"$work/servepp.log" 2>&1 &
+pids+=($!)
 
 # --- proxies in the host namespace ----------------------------------------------
 # port pairs: iperf3 via 62xx, connection rate via 72xx
-nsenter --net=/run/netns/$HO -- "$work/proxyrun" -e 10.77.1.1:6201=10.77.2.2:5201 -e 10.77.1.1:7201=10.77.2.2:7000 >"$work/brokkr.log" 2>&1 &
+nsenter --net=/run/netns/$HO -- "$work/proxyrun" -e 10.77.1.1:6201=10.77.2.2:5201 -e 10.77.1.1:7201=10.77.2.2:7000 \
+  -e ppv2:10.77.1.1:7301=10.77.2.2:7001 >"$work/brokkr.log" 2>&1 &
 pids+=($!); BROKKR=$!
 # docker-proxy reports readiness on fd 3 and then closes it: give it one, or
 # it closes whatever socket landed on fd 3 (its own listener).
@@ -114,6 +123,11 @@ frontend rate
   default_backend rate
 backend rate
   server g 10.77.2.2:7000
+frontend ratepp
+  bind 10.77.1.1:7303
+  default_backend ratepp
+backend ratepp
+  server g 10.77.2.2:7001 send-proxy-v2
 EOF
 nsenter --net=/run/netns/$HO -- haproxy -db -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
 pids+=($!); HAPROXY=$!
@@ -122,8 +136,8 @@ pids+=($!)
 nsenter --net=/run/netns/$HO -- socat TCP-LISTEN:7204,bind=10.77.1.1,fork,reuseaddr TCP:10.77.2.2:7000 >/dev/null 2>&1 &
 pids+=($!)
 
-# A/B variants: port pairs 62NN/72NN from 10 on.
-declare -A VPID=() VIPERF=() VRATE=()
+# A/B variants: port pairs 62NN/72NN/73NN from 10 on.
+declare -A VPID=() VIPERF=() VRATE=() VRATEPP=()
 vnames=() vi=10
 for v in ${VARIANTS:-}; do
   name=${v%%=*} rest=${v#*=}
@@ -132,15 +146,15 @@ for v in ${VARIANTS:-}; do
   [ -x "$bin" ] || { echo "proxy.sh: variant $name: $bin is not an executable" >&2; exit 1; }
   # shellcheck disable=SC2086 # ENV is a list of assignments
   env $envs nsenter --net=/run/netns/$HO -- "$bin" -e 10.77.1.1:62$vi=10.77.2.2:5201 \
-    -e 10.77.1.1:72$vi=10.77.2.2:7000 >"$work/variant-$name.log" 2>&1 &
-  pids+=($!); VPID[$name]=$! VIPERF[$name]=10.77.1.1:62$vi VRATE[$name]=10.77.1.1:72$vi
+    -e 10.77.1.1:72$vi=10.77.2.2:7000 -e ppv2:10.77.1.1:73$vi=10.77.2.2:7001 >"$work/variant-$name.log" 2>&1 &
+  pids+=($!); VPID[$name]=$! VIPERF[$name]=10.77.1.1:62$vi VRATE[$name]=10.77.1.1:72$vi VRATEPP[$name]=10.77.1.1:73$vi
   vnames+=("$name"); vi=$((vi + 1))
 done
 
 # wait until every port listens (a probe connection would use up an iperf3 test)
-for a in $GU/10.77.2.2:5201 $GU/10.77.2.2:7000 $HO/10.77.1.1:6201 $HO/10.77.1.1:7201 $HO/10.77.1.1:6202 \
+for a in $GU/10.77.2.2:5201 $GU/10.77.2.2:7000 $GU/10.77.2.2:7001 $HO/10.77.1.1:7301 $HO/10.77.1.1:7303 $HO/10.77.1.1:6201 $HO/10.77.1.1:7201 $HO/10.77.1.1:6202 \
          $HO/10.77.1.1:7202 $HO/10.77.1.1:6203 $HO/10.77.1.1:7203 $HO/10.77.1.1:6204 $HO/10.77.1.1:7204 \
-         $(for n in "${vnames[@]}"; do echo "$HO/${VIPERF[$n]} $HO/${VRATE[$n]}"; done); do
+         $(for n in "${vnames[@]}"; do echo "$HO/${VIPERF[$n]} $HO/${VRATE[$n]} $HO/${VRATEPP[$n]}"; done); do
   for i in $(seq 100); do
     [ -n "$(ip netns exec "${a%%/*}" ss -Hltn "sport = :${a##*:}")" ] && break
     sleep 0.1
@@ -150,8 +164,9 @@ done
 
 declare -A IPERF=( [direct]=10.77.2.2:5201 [brokkr]=10.77.1.1:6201 [docker-proxy]=10.77.1.1:6202 [haproxy]=10.77.1.1:6203 [socat]=10.77.1.1:6204 )
 declare -A RATE=( [direct]=10.77.2.2:7000 [brokkr]=10.77.1.1:7201 [docker-proxy]=10.77.1.1:7202 [haproxy]=10.77.1.1:7203 [socat]=10.77.1.1:7204 )
+declare -A RATEPP=( [brokkr]=10.77.1.1:7301 [haproxy]=10.77.1.1:7303 )
 paths=(direct brokkr docker-proxy haproxy socat)
-for n in "${vnames[@]}"; do IPERF[$n]=${VIPERF[$n]} RATE[$n]=${VRATE[$n]}; paths+=("$n"); done
+for n in "${vnames[@]}"; do IPERF[$n]=${VIPERF[$n]} RATE[$n]=${VRATE[$n]} RATEPP[$n]=${VRATEPP[$n]}; paths+=("$n"); done
 
 # iperf3 receiver throughput in Gbit/s
 tput() { # addr streams
@@ -192,6 +207,13 @@ for round in $(seq "$ROUNDS"); do
     # latency a proxy adds to each short connection (µs = 1e6 / rate).
     r1=$(crate "${RATE[$p]}" 1)
     echo "$round $p lat $(awk -v r="$r1" 'BEGIN { printf "%.0f", (r > 0 ? 1e6 / r : 0) }')" >>"$work/results"
+    if [ -n "${RATEPP[$p]:-}" ]; then # the same with a PROXY v2 header to the guest
+      c0=$(cpus "${PID2[$p]}")
+      r=$(crate "${RATEPP[$p]}")
+      echo "$round $p ratepp $r" >>"$work/results"
+      echo "$round $p cpuconnpp $(awk -v c0="$c0" -v c1="$(cpus "${PID2[$p]}")" -v r="$r" -v s="$SECS" \
+        'BEGIN { n = r * s; printf "%.1f", (n > 0 ? (c1 - c0) * 1e6 / n : 0) }')" >>"$work/results"
+    fi
   done
   for n in $CL $HO $GU; do
     [ -e /run/netns/$n ] || { echo "proxy.sh: namespace $n vanished mid-run (scripts/clean-ns.sh from another run?)" >&2; exit 1; }
@@ -264,11 +286,22 @@ report() {
       }
       printf "brokkr / docker-proxy CPU (median of per-round ratios): per GB -P1 %.2f×, -P8 %.2f×; per connection %.2f×\n",
         medratio("brokkr", "docker-proxy", "cpu1"), medratio("brokkr", "docker-proxy", "cpu8"), medratio("brokkr", "docker-proxy", "cpuconn")
-      print "\nevery round (-P1 Gbit/s | -P8 Gbit/s | conns/s | µs per connection):"
+      print "\nagainst haproxy (median of per-round ratios; conns/s and -P1 higher is better, CPU lower):"
+      print "| proxy | conns/s | × haproxy | CPU µs/conn | × haproxy | conns/s, PROXY v2 | × haproxy | CPU µs/conn, PROXY v2 | × haproxy | -P1 × haproxy |"
+      print "|---|---|---|---|---|---|---|---|---|---|"
       for (i = 1; i <= np; i++) {
-        p = P[i]; a = ""; b = ""; c = ""; d = ""
-        for (r = 1; r <= rounds; r++) { a = a " " v[r, p, "p1"]; b = b " " v[r, p, "p8"]; c = c " " v[r, p, "rate"]; d = d " " v[r, p, "lat"] }
-        printf "  %-12s%s |%s |%s |%s\n", p, a, b, c, d
+        p = P[i]
+        if (!((1, p, "ratepp") in v)) continue
+        printf "| %s | %.0f | %.2f | %.1f | %.2f | %.0f | %.2f | %.1f | %.2f | %.2f |\n", p, med(p, "rate"), medratio(p, "haproxy", "rate"),
+          med(p, "cpuconn"), medratio(p, "haproxy", "cpuconn"), med(p, "ratepp"), medratio(p, "haproxy", "ratepp"),
+          med(p, "cpuconnpp"), medratio(p, "haproxy", "cpuconnpp"), medratio(p, "haproxy", "p1")
+      }
+      print "\nevery round (-P1 Gbit/s | -P8 Gbit/s | conns/s | µs per connection | CPU µs/conn | conns/s, PROXY v2 | CPU µs/conn, PROXY v2):"
+      for (i = 1; i <= np; i++) {
+        p = P[i]; a = ""; b = ""; c = ""; d = ""; e = ""; f = ""; g = ""
+        for (r = 1; r <= rounds; r++) { a = a " " v[r, p, "p1"]; b = b " " v[r, p, "p8"]; c = c " " v[r, p, "rate"]; d = d " " v[r, p, "lat"]
+          e = e " " v[r, p, "cpuconn"]; f = f " " v[r, p, "ratepp"]; g = g " " v[r, p, "cpuconnpp"] }
+        printf "  %-12s%s |%s |%s |%s |%s |%s |%s\n", p, a, b, c, d, e, f, g
       }
     }' "$work/results"
 }

@@ -2,18 +2,22 @@
 // guest-side responder.
 //
 //	connrate -serve ADDR              echo whatever arrives until the caller closes
+//	connrate -serve-pp ADDR           the same after reading a PROXY protocol header (v1 or v2)
 //	connrate -rate ADDR -c 8 -d 4s    connect, send 1 byte, read 1 byte, close; print conns/s
 //	connrate -hold ADDR -n 1000       open n connections, one exchange each, print "held n",
 //	                                  keep them until stdin closes
 package main
 
 import (
+	"bufio"
+	"encoding/binary"
 	"flag"
 	"fmt"
 	"io"
 	"net"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -21,6 +25,7 @@ import (
 
 func main() {
 	serve := flag.String("serve", "", "address to serve an echo on")
+	servePP := flag.String("serve-pp", "", "address to serve an echo on, each connection led by a PROXY header")
 	rate := flag.String("rate", "", "address to measure the connection rate against")
 	hold := flag.String("hold", "", "address to hold idle connections to")
 	workers := flag.Int("c", 8, "concurrent connectors")
@@ -29,7 +34,9 @@ func main() {
 	flag.Parse()
 	switch {
 	case *serve != "":
-		runServe(*serve)
+		runServe(*serve, false)
+	case *servePP != "":
+		runServe(*servePP, true)
 	case *rate != "":
 		runRate(*rate, *workers, *dur)
 	case *hold != "":
@@ -40,7 +47,7 @@ func main() {
 	}
 }
 
-func runServe(addr string) {
+func runServe(addr string, pp bool) {
 	ln, err := net.Listen("tcp", addr)
 	check(err)
 	for {
@@ -49,8 +56,41 @@ func runServe(addr string) {
 			time.Sleep(time.Millisecond)
 			continue
 		}
-		go func() { defer c.Close(); io.Copy(c, c) }()
+		go func() {
+			defer c.Close()
+			if !pp {
+				io.Copy(c, c)
+				return
+			}
+			r := bufio.NewReader(c)
+			if skipPPHeader(r) != nil {
+				return
+			}
+			io.Copy(c, r)
+		}()
 	}
+}
+
+// skipPPHeader reads a PROXY protocol header: a v1 line, or v2's 16 bytes
+// and the addresses they announce.
+func skipPPHeader(r *bufio.Reader) error {
+	sig, err := r.Peek(12)
+	if err != nil {
+		return err
+	}
+	if string(sig) == "\r\n\r\n\x00\r\nQUIT\n" {
+		var h [16]byte
+		if _, err := io.ReadFull(r, h[:]); err != nil {
+			return err
+		}
+		_, err := r.Discard(int(binary.BigEndian.Uint16(h[14:])))
+		return err
+	}
+	line, err := r.ReadString('\n')
+	if err == nil && !strings.HasPrefix(line, "PROXY ") {
+		err = fmt.Errorf("not a PROXY header: %q", line)
+	}
+	return err
 }
 
 func exchange(c net.Conn) error {

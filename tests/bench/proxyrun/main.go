@@ -3,6 +3,7 @@
 // address, converged once a second the way the daemon does.
 //
 //	proxyrun -e 10.77.1.1:6201=10.77.2.2:5201 -e udp:10.77.1.1:6301=10.77.2.2:5301
+//	proxyrun -e ppv2:10.77.1.1:7301=10.77.2.2:7001   (a PROXY header, v1 or v2, to the guest)
 package main
 
 import (
@@ -29,7 +30,7 @@ func (e *exposures) Set(v string) error { *e = append(*e, v); return nil }
 
 func main() {
 	var es exposures
-	flag.Var(&es, "e", "[tcp:|udp:]HOST:PORT=GUEST:PORT (repeatable)")
+	flag.Var(&es, "e", "[tcp:|udp:|ppv1:|ppv2:]HOST:PORT=GUEST:PORT (repeatable)")
 	maxConns := flag.Int("max", 0, "per-exposure connection cap (0 = unlimited)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile here until stopped")
 	flag.Parse()
@@ -48,8 +49,11 @@ func main() {
 	var specs []proxy.Spec
 	for i, e := range es {
 		proto := "tcp"
+		var pp spec.ProxyProtocol
 		if p, rest, ok := strings.Cut(e, ":"); ok && (p == "tcp" || p == "udp") {
 			proto, e = p, rest
+		} else if ok && (p == "ppv1" || p == "ppv2") {
+			pp, e = spec.ProxyProtocol(strings.TrimPrefix(p, "pp")), rest
 		}
 		host, guest, ok := strings.Cut(e, "=")
 		if !ok {
@@ -66,7 +70,7 @@ func main() {
 		if ha != "" && !addr.IsValid() {
 			fail("-e %q: %q is not an IP address", e, ha)
 		}
-		specs = append(specs, proxy.Spec{Exposure: spec.Exposure{Name: fmt.Sprintf("bench-%d", i), Target: spec.Target{VM: vm}, Proto: spec.Proto(proto), HostPort: uint16(hp), GuestPort: uint16(gp), MaxConns: *maxConns}, Listen: addr})
+		specs = append(specs, proxy.Spec{Exposure: spec.Exposure{Name: fmt.Sprintf("bench-%d", i), Target: spec.Target{VM: vm}, Proto: spec.Proto(proto), HostPort: uint16(hp), GuestPort: uint16(gp), MaxConns: *maxConns, ProxyProtocol: pp}, Listen: addr})
 	}
 	m := proxy.NewManager(func(vm string) string { return guests[vm] }, nil)
 	defer m.StopAll()
