@@ -285,10 +285,8 @@ func TestACallerWaitsForAGuestSlowToAnswerARP(t *testing.T) {
 	g := rep.Guests[0]
 	assert.Equal(t, strconv.Itoa(link.NeighbourProbes), strings.TrimSpace(ns.MustRun(t, "cat", "/proc/sys/net/ipv4/neigh/brokkr0/mcast_solicit")))
 
-	guest := nstest.New(t, "slow")
-	ns.MustRun(t, "ip", "link", "add", "vh-slow", "type", "veth", "peer", "name", "eth0", "address", g.MAC.String(), "netns", guest.Name)
-	ns.MustRun(t, "ip", "link", "set", "vh-slow", "master", "brokkr0", "up")
-	guest.MustRun(t, "ip", "link", "set", "eth0", "arp", "off", "up")
+	guest := attachGuest(t, ns, g)
+	guest.MustRun(t, "ip", "link", "set", "eth0", "arp", "off")
 	guest.MustRun(t, "ip", "addr", "add", g.Address.String()+"/24", "dev", "eth0")
 	guest.ServeTCP(t, "tcp4", ":80", nstest.AnswerPort)
 

@@ -218,22 +218,30 @@ func (s *jsonScan) object(depth, line, col int) (*yaml.Node, bool) {
 			return nil, false
 		}
 		s.stack = append(s.stack, k, v)
-		s.space()
-		if s.pos >= len(s.data) {
-			return nil, false
-		}
-		switch s.data[s.pos] {
-		case ',':
-			s.pos++
-			s.space()
-		case '}':
-			s.pos++
+		if end, ok := s.after('}'); !ok || end {
 			s.children(n, mark)
-			return n, true
-		default:
-			return nil, false
+			return n, ok
 		}
 	}
+}
+
+// after reads what follows a member or an element: a ',' (more to come),
+// or the container's closing byte (end), anything else is not plain JSON.
+func (s *jsonScan) after(closing byte) (end, ok bool) {
+	s.space()
+	if s.pos >= len(s.data) {
+		return false, false
+	}
+	switch s.data[s.pos] {
+	case ',':
+		s.pos++
+		s.space()
+		return false, true
+	case closing:
+		s.pos++
+		return true, true
+	}
+	return false, false
 }
 
 func (s *jsonScan) array(depth, line, col int) (*yaml.Node, bool) {
@@ -251,20 +259,9 @@ func (s *jsonScan) array(depth, line, col int) (*yaml.Node, bool) {
 			return nil, false
 		}
 		s.stack = append(s.stack, v)
-		s.space()
-		if s.pos >= len(s.data) {
-			return nil, false
-		}
-		switch s.data[s.pos] {
-		case ',':
-			s.pos++
-			s.space()
-		case ']':
-			s.pos++
+		if end, ok := s.after(']'); !ok || end {
 			s.children(n, mark)
-			return n, true
-		default:
-			return nil, false
+			return n, ok
 		}
 	}
 }
