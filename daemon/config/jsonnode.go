@@ -5,8 +5,8 @@ import (
 )
 
 // jsonNode reads a JSON document into the node tree yaml's parser makes of
-// it, about five times faster: at 100,000 exposures the YAML parser is
-// most of an apply's request. It reads only a plain subset of JSON (ASCII
+// it, about seven times faster (BenchmarkReadDocument): at 100,000
+// exposures the YAML parser was most of an apply's request. It reads only a plain subset of JSON (ASCII
 // strings without escapes, integers of at most 18 digits, true, false,
 // null, objects and arrays) and reports false for anything else, which is
 // then read by the YAML parser as before: whatever it accepts, that parser
@@ -14,9 +14,9 @@ import (
 // columns; FuzzJSONNodeIsYAMLs checks it), so what checkTree and Decode
 // make of a document does not depend on which of the two read it.
 func jsonNode(data []byte) (*yaml.Node, bool) {
-	s := jsonScan{data: data, text: string(data), line: 1, lineStart: 0}
+	s := jsonScan{text: string(data), line: 1}
 	s.space()
-	if s.pos >= len(data) || data[s.pos] != '{' {
+	if s.pos >= len(s.text) || s.text[s.pos] != '{' {
 		return nil, false
 	}
 	n, ok := s.value(0)
@@ -24,7 +24,7 @@ func jsonNode(data []byte) (*yaml.Node, bool) {
 		return nil, false
 	}
 	s.space()
-	if s.pos != len(data) {
+	if s.pos != len(s.text) {
 		return nil, false
 	}
 	return n, true
@@ -35,8 +35,9 @@ func jsonNode(data []byte) (*yaml.Node, bool) {
 const maxJSONDepth = 32
 
 type jsonScan struct {
-	data      []byte
-	text      string // data as one string: scalars' values are slices of it, not an allocation each
+	// text is the document, copied once: scalars' values are slices of it,
+	// not an allocation each (so a Config read here keeps it alive).
+	text      string
 	pos       int
 	line      int
 	lineStart int // offset of the current line's first byte
@@ -75,11 +76,11 @@ func (s *jsonScan) col() int { return s.pos - s.lineStart + 1 }
 // space skips JSON's whitespace. A tab is left for the YAML parser (YAML
 // allows it in fewer places than JSON does).
 func (s *jsonScan) space() {
-	for s.pos < len(s.data) {
-		switch s.data[s.pos] {
+	for s.pos < len(s.text) {
+		switch s.text[s.pos] {
 		case ' ':
 		case '\r':
-			if s.pos+1 < len(s.data) && s.data[s.pos+1] == '\n' {
+			if s.pos+1 < len(s.text) && s.text[s.pos+1] == '\n' {
 				break // "\r\n" is one line break, counted at its '\n'
 			}
 			s.line++ // a lone '\r' is a line break of its own in YAML
@@ -95,11 +96,11 @@ func (s *jsonScan) space() {
 }
 
 func (s *jsonScan) value(depth int) (*yaml.Node, bool) {
-	if s.pos >= len(s.data) || depth > maxJSONDepth {
+	if s.pos >= len(s.text) || depth > maxJSONDepth {
 		return nil, false
 	}
 	line, col := s.line, s.col()
-	switch c := s.data[s.pos]; {
+	switch c := s.text[s.pos]; {
 	case c == '{':
 		return s.object(depth, line, col)
 	case c == '[':
@@ -130,7 +131,7 @@ func (s *jsonScan) value(depth int) (*yaml.Node, bool) {
 // scalar, which YAML would read differently).
 func (s *jsonScan) word(w string) bool {
 	end := s.pos + len(w)
-	if end > len(s.data) || string(s.data[s.pos:end]) != w || !s.endsScalar(end) {
+	if end > len(s.text) || s.text[s.pos:end] != w || !s.endsScalar(end) {
 		return false
 	}
 	s.pos = end
@@ -140,10 +141,10 @@ func (s *jsonScan) word(w string) bool {
 // endsScalar: what follows a plain scalar in flow context must end it as
 // it ends a JSON value; anything else ("1x", "true:") is left to YAML.
 func (s *jsonScan) endsScalar(i int) bool {
-	if i >= len(s.data) {
+	if i >= len(s.text) {
 		return true
 	}
-	switch s.data[i] {
+	switch s.text[i] {
 	case ',', '}', ']', ' ', '\n', '\r':
 		return true
 	}
@@ -155,15 +156,15 @@ func (s *jsonScan) endsScalar(i int) bool {
 // numbers go to the YAML parser.
 func (s *jsonScan) integer() (string, bool) {
 	i := s.pos
-	if s.data[i] == '-' {
+	if s.text[i] == '-' {
 		i++
 	}
 	start := i
-	for i < len(s.data) && s.data[i] >= '0' && s.data[i] <= '9' {
+	for i < len(s.text) && s.text[i] >= '0' && s.text[i] <= '9' {
 		i++
 	}
 	digits := i - start
-	if digits == 0 || digits > 18 || (digits > 1 && s.data[start] == '0') || !s.endsScalar(i) {
+	if digits == 0 || digits > 18 || (digits > 1 && s.text[start] == '0') || !s.endsScalar(i) {
 		return "", false
 	}
 	v := s.text[s.pos:i]
@@ -174,8 +175,8 @@ func (s *jsonScan) integer() (string, bool) {
 // str takes a double-quoted string of printable ASCII with no escape.
 func (s *jsonScan) str() (string, bool) {
 	i := s.pos + 1
-	for ; i < len(s.data); i++ {
-		c := s.data[i]
+	for ; i < len(s.text); i++ {
+		c := s.text[i]
 		if c == '"' {
 			v := s.text[s.pos+1 : i]
 			s.pos = i + 1
@@ -193,22 +194,22 @@ func (s *jsonScan) object(depth, line, col int) (*yaml.Node, bool) {
 	mark := len(s.stack)
 	s.pos++ // {
 	s.space()
-	if s.pos < len(s.data) && s.data[s.pos] == '}' {
+	if s.pos < len(s.text) && s.text[s.pos] == '}' {
 		s.pos++
 		return n, true
 	}
 	for {
-		if s.pos >= len(s.data) || s.data[s.pos] != '"' {
+		if s.pos >= len(s.text) || s.text[s.pos] != '"' {
 			return nil, false
 		}
 		k, ok := s.value(depth + 1)
 		if !ok {
 			return nil, false
 		}
-		for s.pos < len(s.data) && s.data[s.pos] == ' ' {
+		for s.pos < len(s.text) && s.text[s.pos] == ' ' {
 			s.pos++ // a YAML key and its ':' are on one line
 		}
-		if s.pos >= len(s.data) || s.data[s.pos] != ':' {
+		if s.pos >= len(s.text) || s.text[s.pos] != ':' {
 			return nil, false
 		}
 		s.pos++
@@ -229,10 +230,10 @@ func (s *jsonScan) object(depth, line, col int) (*yaml.Node, bool) {
 // or the container's closing byte (end), anything else is not plain JSON.
 func (s *jsonScan) after(closing byte) (end, ok bool) {
 	s.space()
-	if s.pos >= len(s.data) {
+	if s.pos >= len(s.text) {
 		return false, false
 	}
-	switch s.data[s.pos] {
+	switch s.text[s.pos] {
 	case ',':
 		s.pos++
 		s.space()
@@ -249,7 +250,7 @@ func (s *jsonScan) array(depth, line, col int) (*yaml.Node, bool) {
 	mark := len(s.stack)
 	s.pos++ // [
 	s.space()
-	if s.pos < len(s.data) && s.data[s.pos] == ']' {
+	if s.pos < len(s.text) && s.text[s.pos] == ']' {
 		s.pos++
 		return n, true
 	}

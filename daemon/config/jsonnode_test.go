@@ -102,9 +102,7 @@ func TestJSONNodeTakesPlainJSONAndLeavesTheRest(t *testing.T) {
 // their lines).
 func TestJSONConfigDecodesAsYAMLDid(t *testing.T) {
 	slow := func(data []byte) (*Config, error) {
-		// readDocument without the JSON reader: a comment after the
-		// document sends it, its lines unchanged, to the YAML parser.
-		return Decode(append(slices.Clip(data), "\n# yaml"...))
+		return Decode(viaYAMLParser(data))
 	}
 	docs := []string{
 		string(configJSON(20)),
@@ -160,3 +158,7 @@ func configJSON(n int) []byte {
 	}
 	return b
 }
+
+// viaYAMLParser is doc with a comment after it: jsonNode leaves it to the
+// YAML parser, which reads the same document, its lines unchanged.
+func viaYAMLParser(doc []byte) []byte { return append(slices.Clip(doc), "\n# yaml"...) }
