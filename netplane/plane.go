@@ -221,11 +221,6 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		return rep
 	}
 	p.made.bridge = true
-	// Set on every pass, quietly: the bridge's sysctls go with the bridge
-	// (a re-made bridge has the defaults again) and are not brokkr's drift.
-	if _, err := p.links.PatientNeighbours(n.Bridge); err != nil {
-		rep.Warnings = append(rep.Warnings, err.Error())
-	}
 	// The guests' /64, where the bridge can carry IPv6.
 	prefix6 := n.CIDR6
 	if prefix6.IsValid() {

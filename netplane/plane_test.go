@@ -274,7 +274,7 @@ func TestGuestsGetAddressesByDHCPOrAreSeenStatically(t *testing.T) {
 // disk, slower than the kernel's three probes on a loaded host) is waited
 // for: the caller's SYNs wait in the neighbour entry and it is served,
 // instead of failing with "no route to host" after about 3 s. (Fails with
-// PatientNeighbours' call removed: connect: no route to host.)
+// EnsureBridge's call of patientNeighbours removed: connect: no route to host.)
 func TestACallerWaitsForAGuestSlowToAnswerARP(t *testing.T) {
 	ns := nstest.New(t, "host")
 	p, _ := newPlane(t, ns, t.TempDir())

@@ -97,7 +97,8 @@ func (m *Manager) EnsureBridge(s BridgeSpec) (created bool, repaired []string, e
 			return created, repaired, err
 		}
 	}
-	return created, repaired, nil
+	// A bridge's sysctls go with it: one re-made has the defaults again.
+	return created, repaired, m.patientNeighbours(s.Name)
 }
 
 // DeleteBridge removes the bridge if brokkr made it; a missing bridge is

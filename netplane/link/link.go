@@ -205,13 +205,14 @@ func (m *Manager) EnableForwarding6() (changed []string, err error) {
 // long as the proxy waits for a woken guest, its packets queued meanwhile.
 const NeighbourProbes = 30
 
-// PatientNeighbours sets the bridge's neighbour probes (IPv4 and, where the
+// patientNeighbours sets the bridge's neighbour probes (IPv4 and, where the
 // bridge has it, IPv6 ucast_solicit and mcast_solicit) to NeighbourProbes in
-// the managed namespace, on brokkr's bridge only. It reports what it had to
-// change.
-func (m *Manager) PatientNeighbours(bridge string) (changed []string, err error) {
+// the managed namespace, on brokkr's bridge only. A value found otherwise
+// is set without a word: a bridge made by a release before this one has
+// the kernel's defaults, and that is not drift.
+func (m *Manager) patientNeighbours(bridge string) error {
 	want := strconv.Itoa(NeighbourProbes)
-	err = nlsafe.Do(m.ns, func() error {
+	err := nlsafe.Do(m.ns, func() error {
 		for _, fam := range []string{"ipv4", "ipv6"} {
 			dir := "/proc/sys/net/" + fam + "/neigh/" + bridge + "/"
 			if _, err := os.Stat(dir); fam == "ipv6" && errors.Is(err, fs.ErrNotExist) {
@@ -228,15 +229,14 @@ func (m *Manager) PatientNeighbours(bridge string) (changed []string, err error)
 				if err := os.WriteFile(dir+key, []byte(want+"\n"), 0o644); err != nil {
 					return err
 				}
-				changed = append(changed, "net."+fam+".neigh."+bridge+"."+key+"="+want)
 			}
 		}
 		return nil
 	})
 	if err != nil {
-		return changed, fmt.Errorf("setting the bridge's neighbour probes: %w", err)
+		return fmt.Errorf("setting the neighbour probes of %s: %w", bridge, err)
 	}
-	return changed, nil
+	return nil
 }
 
 // InterfacePrefix is an IPv4 or IPv6 prefix on a link brokkr does not own.
