@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/brokkr/brokkr/internal/nstest"
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -388,7 +387,7 @@ func TestASlotPastTheV1SizeCounts(t *testing.T) {
 // pins its links and exits: only the pins keep its programs.
 func loadV1NatPath(t *testing.T, tp *natTopo) map[string]ebpf.ProgramID {
 	t.Helper()
-	kernelfeat.Require(t, kernelfeat.NatPath...)
+	requireNetfilterHooks(t)
 	ns, err := loadNatpath()
 	require.NoError(t, err)
 	for _, p := range v1Pins {

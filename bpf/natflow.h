@@ -50,6 +50,7 @@
 #define F_REPLIED 0x20   // the guest answered
 #define F_SEQ_REPL 0x40  // next_seq[1] is known
 #define F_DROPPED 0x80   // counted in dropped
+#define F_DENIED 0x100   // a caller allowFrom keeps out, counted once (nattc.c)
 
 struct nat_flow {
 	__u32 slot;

@@ -43,7 +43,11 @@ const (
 // NatPath is the kernel nat path: admission against the cap, release and
 // counting, by BPF programs writing the exposures' slots.
 type NatPath struct {
-	objs  *natpathObjects // nil when an earlier daemon's programs were adopted
+	// objs: the maps, and the netfilter hooks' programs (nil when an
+	// earlier daemon's programs were adopted; only the maps when the
+	// programs are tc's).
+	objs  *natpathObjects
+	tc    *nattcObjects // the tc programs (Hooks "tc"), nil otherwise
 	links map[string]link.Link
 	// adopted says why this binary's programs did not load and the ones an
 	// earlier brokkrd attached serve on ("" when this binary's run).
@@ -51,6 +55,9 @@ type NatPath struct {
 	pinDir  string
 	// allow is what the allowFrom trie holds, per slot (nil until read).
 	allow map[uint32]*allowSlot
+	// bridge and inNS: where the tc programs are (for Remove).
+	bridge int
+	inNS   func(fn func() error) error
 }
 
 // NatPathConfig says where the programs attach.
@@ -62,7 +69,16 @@ type NatPathConfig struct {
 	// InNS runs fn inside the managed network namespace: netfilter and tcx
 	// links belong to the namespace of the thread that makes them.
 	InNS func(fn func() error) error
+	// TC runs the tc programs even where the netfilter hooks' load: what
+	// a kernel before 6.4 gets, on this one. So does BROKKR_NAT_HOOKS=tc
+	// in the environment (README, "Kernels").
+	TC bool
 }
+
+// HooksEnv is the environment variable that, set to "tc", runs the nat
+// path's tc programs on a kernel that has the netfilter hooks' too: to
+// compare them, and how make test runs the nat path's tests both ways.
+const HooksEnv = "BROKKR_NAT_HOOKS"
 
 // LoadNatPath loads the nat-path programs onto the maps pinned in
 // cfg.PinDir (created if absent) and attaches them, adopting links an
@@ -81,11 +97,22 @@ func LoadNatPath(cfg NatPathConfig) (*NatPath, error) {
 	if err := liftMemlock(); err != nil {
 		return nil, err
 	}
-	if err := kernelfeat.Running().Missing(kernelfeat.NatPath...); err != nil {
-		return nil, err
-	}
 	if cfg.InNS == nil {
 		cfg.InNS = func(fn func() error) error { return fn() }
+	}
+	k := kernelfeat.Running()
+	if k.Missing(kernelfeat.NatPathNetfilter...) != nil || cfg.TC || os.Getenv(HooksEnv) == "tc" {
+		// Before 6.4: the tc programs, or nothing. An earlier binary's
+		// programs are replaced, never adopted: where this binary's cannot
+		// run, none does.
+		if err := k.Missing(kernelfeat.NatPath...); err != nil {
+			return nil, err
+		}
+		n, err := loadNatPathTC(cfg)
+		if err != nil {
+			return nil, errors.Join(err, cfg.InNS(func() error { return detachTC(cfg.Bridge) }))
+		}
+		return n, nil
 	}
 	n, err := loadNatPath(cfg)
 	if err == nil {
@@ -171,7 +198,11 @@ func loadNatPath(cfg NatPathConfig) (*NatPath, error) {
 // armSweeper runs brk_nat_arm once: the sweeping timer runs this object's
 // sweep from now on (docs/ARCHITECTURE.md, "The nat path").
 func (n *NatPath) armSweeper() error {
-	ret, err := n.objs.BrkNatArm.Run(&ebpf.RunOptions{Data: make([]byte, 14)})
+	arm := n.objs.BrkNatArm
+	if n.tc != nil {
+		arm = n.tc.BrkNattcArm
+	}
+	ret, err := arm.Run(&ebpf.RunOptions{Data: make([]byte, 14)})
 	if err != nil {
 		return fmt.Errorf("nat path: arming the sweep: %w", err)
 	}
@@ -188,7 +219,9 @@ func (n *NatPath) Adopted() string { return n.adopted }
 // IPv6 reports whether programs run at the IPv6 hooks: an earlier binary's
 // that were adopted may have none, and then an IPv6 connection would be
 // neither capped nor counted.
-func (n *NatPath) IPv6() bool { return n.links[pinNatPre6] != nil && n.links[pinNatOut6] != nil }
+func (n *NatPath) IPv6() bool {
+	return n.tc != nil || n.links[pinNatPre6] != nil && n.links[pinNatOut6] != nil
+}
 
 // adoptNatPath keeps the nat path an earlier brokkrd attached: its pinned
 // netfilter links still run its programs, which count and release by the
@@ -412,6 +445,9 @@ func (n *NatPath) Close() error {
 		objs = n.objs
 	}
 	err := closeLinks(n.links, objs)
+	if n.tc != nil {
+		err = errors.Join(err, n.tc.Close())
+	}
 	n.links = nil
 	return err
 }
@@ -424,8 +460,11 @@ func (nopCloser) Close() error { return nil }
 // stay): what a teardown does.
 func (n *NatPath) Remove() error {
 	var err error
+	if n.tc != nil {
+		err = n.inNS(func() error { return detachTC(n.bridge) })
+	}
 	if n.objs != nil {
-		err = unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatConfig6, n.objs.NatSweep, n.objs.AllowFrom, n.objs.AllowRestrictedV2)
+		err = errors.Join(err, unpinLinks(n.links, n.objs.NatFlows, n.objs.NatConfig, n.objs.NatConfig6, n.objs.NatSweep, n.objs.AllowFrom, n.objs.AllowRestrictedV2))
 	} else {
 		err = unpinLinks(n.links)
 		for _, m := range []string{"nat_flows", "nat_config", "nat_config6", "nat_sweep", "allow_from", AllowRestrictedMapName} {

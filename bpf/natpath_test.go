@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"strconv"
 	"strings"
 	"syscall"
@@ -102,9 +103,25 @@ func ifindex(t *testing.T, n *nstest.NS, name string) int {
 func (tp *natTopo) load(t *testing.T) *NatPath {
 	t.Helper()
 	kernelfeat.Require(t, kernelfeat.NatPath...)
-	np, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do})
+	np, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do, TC: testTCHooks})
 	require.NoError(t, err)
 	return np
+}
+
+// testTCHooks: the nat path's tests run on its tc programs where the
+// netfilter hooks' load too (HooksEnv=tc, as make test does in a second
+// run); a kernel before 6.4 runs them whatever the variable says.
+var testTCHooks = os.Getenv(HooksEnv) == "tc"
+
+// requireNetfilterHooks skips a test of what only the netfilter hooks'
+// programs have (their links, priorities, two copies at one hook) where
+// the tc programs run.
+func requireNetfilterHooks(t *testing.T) {
+	t.Helper()
+	if testTCHooks {
+		t.Skip("a test of the netfilter hooks' programs; the tc programs run (" + HooksEnv + "=tc)")
+	}
+	kernelfeat.Require(t, kernelfeat.NatPathNetfilter...)
 }
 
 func dial(t *testing.T, ns *nstest.NS, network, addr string) (net.Conn, error) {
@@ -204,9 +221,14 @@ func TestNatPathKeepsWorkingWithoutTheDaemonAndIsAdoptedNotDoubled(t *testing.T)
 
 	np2 := tp.load(t)
 	defer np2.Close()
-	assert.Equal(t, ids, linkIDs(t, np2.links), "a restarted daemon adopts the pinned links")
-	p := np2.objs.natpathPrograms
-	assert.Zero(t, linksOf(t, p.BrkNatPre, p.BrkNatOut, p.BrkNatReflect), "and attaches no second copy of its programs")
+	if np2.Hooks() == "tc" {
+		assert.Equal(t, []ebpf.ProgramID{progID(t, np2.tc.BrkNattcEgress), progID(t, np2.tc.BrkNattcIngress)}, tcPrograms(t, tp),
+			"a restarted daemon's programs replace the earlier ones in place, one at each hook")
+	} else {
+		assert.Equal(t, ids, linkIDs(t, np2.links), "a restarted daemon adopts the pinned links")
+		p := np2.objs.natpathPrograms
+		assert.Zero(t, linksOf(t, p.BrkNatPre, p.BrkNatOut, p.BrkNatReflect), "and attaches no second copy of its programs")
+	}
 
 	b, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
 	require.NoError(t, err)

@@ -13,6 +13,14 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// armProgram is the program that arms the sweep, of either hooks.
+func armProgram(np *NatPath) *ebpf.Program {
+	if np.tc != nil {
+		return np.tc.BrkNattcArm
+	}
+	return np.objs.BrkNatArm
+}
+
 // progID is a loaded program's kernel ID.
 func progID(t *testing.T, p *ebpf.Program) ebpf.ProgramID {
 	t.Helper()
@@ -42,7 +50,7 @@ func progLoaded(id ebpf.ProgramID) bool {
 func TestEveryLoadHandsTheSweepToItsOwnProgram(t *testing.T) {
 	tp := newNatTopo(t, 1)
 	np1 := tp.load(t)
-	first := progID(t, np1.objs.BrkNatArm)
+	first := progID(t, armProgram(np1))
 	eventually(t, "a sweep with no flow ever tracked", func() bool { return sweeps(t, np1) > 0 })
 
 	np2 := tp.load(t)
@@ -64,6 +72,7 @@ func TestEveryLoadHandsTheSweepToItsOwnProgram(t *testing.T) {
 // load returns an error and the caller would run the fallback's marks
 // under the old programs.)
 func TestAnUnloadableBinaryLeavesTheEarlierProgramsServing(t *testing.T) {
+	requireNetfilterHooks(t)
 	tp := newNatTopo(t, 1)
 	np1 := tp.load(t)
 	ids := linkIDs(t, np1.links)
@@ -101,6 +110,7 @@ func TestAnUnloadableBinaryLeavesTheEarlierProgramsServing(t *testing.T) {
 // gone), none is left attached: the fallback's marks are then read by no
 // program. (Fails with detachNatPath's call removed: the other links stay.)
 func TestAnUnloadableBinaryWithNoEarlierPathLeavesNoProgramAttached(t *testing.T) {
+	requireNetfilterHooks(t)
 	tp := newNatTopo(t, 1)
 	np1 := tp.load(t)
 	p := np1.objs.natpathPrograms
@@ -132,6 +142,7 @@ func breakNatFlowsPin(t *testing.T, pins string) {
 // test removed from account(): the second copy takes the first one's new
 // flow for a leftover and admits the connection again.)
 func TestTwoCopiesOfTheProgramsCountEachConnectionOnce(t *testing.T) {
+	requireNetfilterHooks(t)
 	tp := newNatTopo(t, 0)
 	np := tp.load(t)
 	defer np.Close()

@@ -72,6 +72,9 @@ func (p *Plane) chooseCap(n Network) {
 		p.caps = &setCapBackend{reason: reason, carrier: p.opts.Overflow, log: p.log}
 		return
 	}
+	if np.np.Hooks() == "tc" {
+		p.log.Info("netplane: nat path: tc programs on the bridge (docs/ARCHITECTURE.md, \"The nat path on kernels before 6.4\")")
+	}
 	if why := np.np.Adopted(); why != "" {
 		// The earlier binary's programs read the marks this table sets:
 		// the warning says this binary's did not load.

@@ -11,6 +11,9 @@ package kernelfeat
 import (
 	"errors"
 	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -54,6 +57,9 @@ type probe struct {
 	kind string // "enum": Type has the enumerator Name; "func": a function (kfunc) Name
 	Type string
 	Name string
+	// Module is the module a "func" may be built in instead of the kernel
+	// image (its BTF is read when vmlinux's has no Name).
+	Module string
 }
 
 // Feature is one row of the table.
@@ -64,8 +70,12 @@ type Feature struct {
 	probe probe
 }
 
-func enum(typ, name string) probe { return probe{"enum", typ, name} }
-func kfunc(name string) probe     { return probe{"func", "", name} }
+func enum(typ, name string) probe { return probe{kind: "enum", Type: typ, Name: name} }
+func kfunc(name string) probe     { return probe{kind: "func", Name: name} }
+
+// modKfunc is a kfunc of module, or of the kernel image where the module
+// is built in.
+func modKfunc(module, name string) probe { return probe{kind: "func", Name: name, Module: module} }
 
 // The table. Since is upstream's release; a distribution kernel may have a
 // feature earlier (a backport) but must not lack one it is newer than.
@@ -80,6 +90,7 @@ var (
 	Timers            = Feature{"BPF timers", Version{5, 15}, "nat path: the sweep's clock", enum("bpf_func_id", "BPF_FUNC_timer_init")}
 	CastToKernCtx     = Feature{"bpf_cast_to_kern_ctx, bpf_rdonly_cast", Version{6, 2}, "nat path: reading the conntrack entry", kfunc("bpf_rdonly_cast")}
 	SkbDynptr         = Feature{"skb dynptrs", Version{6, 3}, "nat path: reading the packet", kfunc("bpf_dynptr_from_skb")}
+	ConntrackKfuncs   = Feature{"conntrack kfuncs for tc", Version{5, 18}, "nat path before 6.4: a packet's conntrack entry, on the bridge", modKfunc("nf_conntrack", "bpf_skb_ct_lookup")}
 	NetfilterPrograms = Feature{"BPF netfilter programs", Version{6, 4}, "nat path: admission, release and counting per packet", enum("bpf_prog_type", "BPF_PROG_TYPE_NETFILTER")}
 	TCX               = Feature{"tcx links", Version{6, 6}, "nat path: the refused caller's RST", enum("bpf_attach_type", "BPF_TCX_EGRESS")}
 	RunTimeStats      = Feature{"BPF run-time statistics", Version{5, 8}, "tests: the programs' cost per packet", enum("bpf_stats_type", "BPF_STATS_RUN_TIME")}
@@ -88,12 +99,16 @@ var (
 // All is the table in the README's order.
 var All = []Feature{
 	CgroupConnect, CgroupUDPMsg, CgroupGetpeername, CgroupSockRelease, SkcToTCPSock, SetRetval,
-	ForEachMapElem, Timers, CastToKernCtx, SkbDynptr, NetfilterPrograms, TCX, RunTimeStats,
+	ForEachMapElem, Timers, ConntrackKfuncs, CastToKernCtx, SkbDynptr, NetfilterPrograms, TCX, RunTimeStats,
 }
 
 // What each path needs.
 var (
-	NatPath    = []Feature{NetfilterPrograms, TCX, SkbDynptr, CastToKernCtx, Timers, ForEachMapElem}
+	// NatPath is what the nat path needs at least: its tc programs on the
+	// bridge (bpf/nattc.c). NatPathNetfilter is what its programs at the
+	// netfilter hooks need (bpf/natpath.c), which it runs where it can.
+	NatPath          = []Feature{ConntrackKfuncs, Timers, ForEachMapElem}
+	NatPathNetfilter = []Feature{NetfilterPrograms, TCX, SkbDynptr, CastToKernCtx, Timers, ForEachMapElem}
 	SocketPath = []Feature{CgroupConnect, CgroupUDPMsg, CgroupGetpeername, CgroupSockRelease, SkcToTCPSock, SetRetval}
 )
 
@@ -152,12 +167,37 @@ func (k *Kernel) Has(f Feature) (bool, error) {
 	case "func":
 		var fn *btf.Func
 		err := k.spec.TypeByName(f.probe.Name, &fn)
+		if errors.Is(err, btf.ErrNotFound) && f.probe.Module != "" {
+			return hasModuleFunc(f.probe.Module, f.probe.Name)
+		}
 		if errors.Is(err, btf.ErrNotFound) {
 			return false, nil
 		}
 		return err == nil, err
 	}
 	return false, fmt.Errorf("feature %s: no probe", f.Name)
+}
+
+// hasModuleFunc reports whether module has the function name in its BTF,
+// loading the module first (modprobe) when it is not: a module that
+// cannot load lacks it. Not cached: the module may come later.
+func hasModuleFunc(module, name string) (bool, error) {
+	if _, err := os.Stat(filepath.Join("/sys/module", module)); err != nil {
+		_ = exec.Command("modprobe", "-q", module).Run()
+	}
+	spec, err := btf.LoadKernelModuleSpec(module)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	var fn *btf.Func
+	err = spec.TypeByName(name, &fn)
+	if errors.Is(err, btf.ErrNotFound) {
+		return false, nil
+	}
+	return err == nil, err
 }
 
 // MissingError names the features a kernel lacks; it is an

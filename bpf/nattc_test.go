@@ -1,0 +1,77 @@
+package bpf
+
+import (
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/vishvananda/netlink"
+)
+
+// tcPrograms lists the programs of the BPF filters on tp's bridge, at its
+// egress then at its ingress.
+func tcPrograms(t *testing.T, tp *natTopo) []ebpf.ProgramID {
+	t.Helper()
+	var ids []ebpf.ProgramID
+	require.NoError(t, tp.host.Do(func() error {
+		for _, parent := range []uint32{netlink.HANDLE_MIN_EGRESS, netlink.HANDLE_MIN_INGRESS} {
+			fs, err := netlink.FilterList(&netlink.Dummy{LinkAttrs: netlink.LinkAttrs{Index: tp.bridge}}, parent)
+			if err != nil {
+				return err
+			}
+			for _, f := range fs {
+				if b, ok := f.(*netlink.BpfFilter); ok {
+					ids = append(ids, ebpf.ProgramID(b.Id))
+				}
+			}
+		}
+		return nil
+	}))
+	return ids
+}
+
+// A binary whose tc programs cannot load (here a pinned nat_flows of
+// another layout) takes the earlier binary's filters off the bridge: its
+// fallback's marks must not be read as slots by programs it did not load.
+// (Fails with the detachTC in LoadNatPath's error path removed.)
+func TestAnUnloadableBinaryTakesTheTCProgramsOff(t *testing.T) {
+	tp := newNatTopo(t, 1)
+	np1, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do, TC: true})
+	require.NoError(t, err)
+	defer np1.Close()
+	require.Len(t, tcPrograms(t, tp), 2, "one program at each hook")
+	breakNatFlowsPin(t, tp.pins)
+	_, err = LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, InNS: tp.host.Do, TC: true})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "nat_flows")
+	assert.Empty(t, tcPrograms(t, tp), "no program left on the bridge")
+}
+
+// A UDP caller allowFrom kept out is admitted once its prefix is allowed,
+// though it never stopped sending: on the tc programs its conntrack entry
+// (confirmed before the bridge, kept alive by its datagrams) carries a
+// flow marked denied, which must not outlive the restriction. (Fails on
+// the tc programs with the F_DENIED re-check in toward_guest removed.)
+func TestADeniedUDPCallerAllowedSinceIsAdmittedOnTheSameEntry(t *testing.T) {
+	tp := newNatTopo(t, 1)
+	np := tp.load(t)
+	defer np.Close()
+	require.NoError(t, np.SetAllow(tp.slot.Index(), tp.slot.Gen(), []netip.Prefix{netip.MustParsePrefix("10.1.0.0/16")}))
+	u, err := dial(t, tp.client, "udp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	defer u.Close()
+	_, err = u.Write([]byte("denied"))
+	require.NoError(t, err)
+	require.NoError(t, u.SetReadDeadline(time.Now().Add(300*time.Millisecond)))
+	_, err = u.Read(make([]byte, 16))
+	require.Error(t, err, "no answer: dropped")
+	require.EqualValues(t, 1, tp.slot.Read().Denied)
+	require.NoError(t, np.SetAllow(tp.slot.Index(), tp.slot.Gen(), []netip.Prefix{netip.MustParsePrefix("10.99.0.0/24")}))
+	roundTrip(t, u, []byte("allowed since"))
+	c := tp.slot.Read()
+	assert.EqualValues(t, 1, c.Accepted)
+	assert.EqualValues(t, 1, c.Denied, "counted once")
+}
