@@ -109,7 +109,7 @@ var (
 	// netfilter hooks need (bpf/natpath.c), which it runs where it can.
 	NatPath          = []Feature{ConntrackKfuncs, Timers, ForEachMapElem}
 	NatPathNetfilter = []Feature{NetfilterPrograms, TCX, SkbDynptr, CastToKernCtx, Timers, ForEachMapElem}
-	SocketPath = []Feature{CgroupConnect, CgroupUDPMsg, CgroupGetpeername, CgroupSockRelease, SkcToTCPSock, SetRetval}
+	SocketPath       = []Feature{CgroupConnect, CgroupUDPMsg, CgroupGetpeername, CgroupSockRelease, SkcToTCPSock, SetRetval}
 )
 
 // Kernel is what the running kernel has, read once.
