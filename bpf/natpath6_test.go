@@ -477,6 +477,7 @@ func TestIPv6SYNsBehindHeadersNotWalkedAreDropped(t *testing.T) {
 // the first one's new flow for a leftover and every connection is
 // admitted twice.)
 func TestTwoCopiesAtTheIPv6HooksCountEachConnectionOnce(t *testing.T) {
+	requireNetfilterHooks(t)
 	tp := newNatTopo6(t, 0)
 	np := tp.load6(t)
 	defer np.Close()

@@ -111,6 +111,9 @@ func (q *nfQueue) verdict(t *testing.T, id, verdict uint32) {
 // 100 bytes each way) and it was counted in dropped. Here the SYN is held in
 // an NFQUEUE after the nat-path hook, across a sweep, then let go.
 func TestASweepWhileAConnectionIsSetUpKeepsItsFlow(t *testing.T) {
+	// The window between the DNAT and conntrack's confirmation is the
+	// netfilter hooks' alone: the tc programs see confirmed entries only.
+	requireNetfilterHooks(t)
 	tp := newNatTopo(t, 10)
 	np := tp.load(t)
 	defer np.Close()

@@ -348,7 +348,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	nrep, err := d.netRun.run(ctx, d.opts.Timeout, func(ctx context.Context) netplane.Report {
 		d.netMu.Lock()
 		defer d.netMu.Unlock()
-		return d.net.Converge(ctx, netDesired(model))
+		return d.net.Converge(ctx, d.withSleepers(netDesired(model)))
 	})
 	d.m.observe("netplane", time.Since(t0), err == nil && nrep.Err == nil)
 	errs = append(errs, err)

@@ -22,6 +22,19 @@ func netDesired(m *spec.Desired) netplane.Desired {
 	return d
 }
 
+// withSleepers marks the guests of the VMs asleep (suspending, suspended
+// or resuming) in nd: netplane pins their neighbour entries so that their
+// callers' packets reach the bridge and wake them (netplane.Guest.Asleep).
+func (d *Daemon) withSleepers(nd netplane.Desired) netplane.Desired {
+	if d.opts.Wakes == nil {
+		return nd
+	}
+	for i, g := range nd.Guests {
+		nd.Guests[i].Asleep = d.opts.Wakes.Asleep(g.Name)
+	}
+	return nd
+}
+
 // natPathReporter is a network plane that says whether its nat exposures'
 // caps are the shared slot's (netplane.Plane: why not, "" when they are or
 // before its first pass chose).

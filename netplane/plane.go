@@ -299,6 +299,9 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 	if err := p.convergeRadv(n, prefix6, leases); err != nil {
 		rep.Err = errors.Join(rep.Err, fmt.Errorf("netplane: network.cidr6: %w", err))
 	}
+	if err := p.links.PinNeighbours(n.Bridge, sleepers(d.Guests, leases, prefix6)); err != nil {
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("suspended guests' callers may not wake them: %v", err))
+	}
 	hasAddr := p.guestsWithAddress(n.Bridge, leases)
 	var seen6 map[string]netip.Addr
 	if p.radv != nil {
@@ -325,6 +328,25 @@ func (p *Plane) Converge(ctx context.Context, d Desired) Report {
 		rep.Warnings = append(rep.Warnings, p.capWarnings()...)
 	}
 	return rep
+}
+
+// sleepers is where the asleep guests' addresses are: each of their
+// addresses (IPv4, and IPv6 on the /64) at their MAC.
+func sleepers(guests []Guest, leases map[string]ipam.Lease, prefix6 netip.Prefix) map[netip.Addr]net.HardwareAddr {
+	pins := map[netip.Addr]net.HardwareAddr{}
+	for _, g := range guests {
+		l, ok := leases[g.Name]
+		if !g.Asleep || !ok {
+			continue
+		}
+		if l.Addr.IsValid() {
+			pins[l.Addr] = l.MAC
+		}
+		if a := ipam.SLAAC(prefix6, l.MAC); a.IsValid() {
+			pins[a] = l.MAC
+		}
+	}
+	return pins
 }
 
 // removeStaleLinks deletes brokkr's taps whose VM is no longer desired (or

@@ -19,6 +19,10 @@ type Network = spec.Network
 type Guest struct {
 	Name       string
 	MultiQueue bool // create the tap with IFF_MULTI_QUEUE
+	// Asleep: the VM is suspending, suspended or resuming. Its neighbour
+	// entries are pinned to its MAC (link.PinNeighbours), so its callers'
+	// packets reach the bridge, and wake it, though it answers no ARP.
+	Asleep bool
 }
 
 // Exposure is one published port, validated (config.Compile).
