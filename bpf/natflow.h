@@ -175,12 +175,17 @@ struct pkt {
 	__u32 payload;
 };
 
-// allowed reports whether the caller of p may reach the exposure at slot
-// of generation gen.
-static __always_inline int allowed(__u32 slot, __u32 gen, struct pkt *p)
+// allowed reports whether the caller of p may reach the exposure at slot,
+// whose limits are lim. The slot's generation is read only for a slot
+// that is restricted at all: the limits' line is written by every
+// admission and release, and most slots are not restricted.
+static __always_inline int allowed(__u32 slot, struct exposure_limit *lim, struct pkt *p)
 {
 	__u32 *r = bpf_map_lookup_elem(&allow_restricted, &slot);
-	if (!r || *r != gen + 1)
+	if (!r || !*r)
+		return 1;
+	__u32 gen = lim->gen;
+	if (*r != gen + 1)
 		return 1;
 	struct allow_key k = {.prefixlen = 32 + 128, .slot = slot};
 	if (p->v6) {
@@ -392,7 +397,7 @@ static __always_inline int new_flow(__u64 ctp, struct nf_conntrack_tuple *t, __u
 	// (conntrack picks up a mid-stream ACK as a new entry too). Host-local
 	// callers are the host's own processes and are not restricted
 	// (README, "allowFrom").
-	if (restricted && !allowed(slot, lim->gen, p)) {
+	if (restricted && !allowed(slot, lim, p)) {
 		struct exposure_deny *dn = bpf_map_lookup_elem(&exposure_denied, &slot);
 		if (dn && isnew)
 			__sync_fetch_and_add(&dn->denied, 1);
@@ -436,9 +441,14 @@ static __always_inline int on_flow(__u64 ctp, struct nat_flow *f, struct exposur
 			return V_PASS;
 		return reply ? V_PASS : V_DROP;
 	}
-	if (f->gen != lim->gen)
-		return V_PASS; // the slot was given to another exposure since
-
+	// Whether the slot was given to another exposure since matters only
+	// where the slot is touched: at the flow's end (a FIN or a RST, below)
+	// and at a flush (whose bytes, counted into the flow meanwhile, stay
+	// there: the sweep's flush and settle check the generation too). What
+	// a packet writes before that is the flow's own. So the slot's limits
+	// are not read on every packet: every admission and release writes
+	// their line, from whichever CPU, and reading it cost a packet of a
+	// flow 20-60 ns here (BENCHMARKS.md, "The nat path's per-packet cost").
 	if (reply && !(f->flags & F_REPLIED))
 		__sync_fetch_and_or(&f->flags, F_REPLIED);
 	if (p->proto == IPPROTO_UDP) {
@@ -460,6 +470,8 @@ static __always_inline int on_flow(__u64 ctp, struct nat_flow *f, struct exposur
 			advance(f, st, reply, start + p->payload);
 		}
 	}
+	if ((fl & (TH_RST | TH_FIN)) && f->gen != lim->gen)
+		return V_PASS; // the slot was given to another exposure since
 	if (fl & TH_RST) {
 		// The guest refusing the connection (RST before any SYN-ACK)
 		// is a caller admitted but not carried.

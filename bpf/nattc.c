@@ -223,7 +223,7 @@ static __always_inline int toward_guest(struct __sk_buff *skb, struct nf_conn *c
 	// host's own processes are not restricted by allowFrom.
 	int restricted = skb->ingress_ifindex != 0;
 	if (f && (f->flags & F_DENIED)) {
-		if (restricted && !allowed(slot, lim->gen, p))
+		if (restricted && !allowed(slot, lim, p))
 			return V_DROP;
 		bpf_map_delete_elem(&nat_flows, &ctp); // allowed since
 		f = 0;
@@ -232,7 +232,7 @@ static __always_inline int toward_guest(struct __sk_buff *skb, struct nf_conn *c
 		return on_flow(ctp, f, st, lim, p, 0);
 	int fresh = p->proto == IPPROTO_UDP || (p->tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN;
 	int v = new_flow(ctp, &ct->tuplehash[0].tuple, slot, st, lim, p, restricted, 0, fresh);
-	if (v == V_DROP && restricted && !allowed(slot, lim->gen, p)) {
+	if (v == V_DROP && restricted && !allowed(slot, lim, p)) {
 		// Denied: the entry outlives the drop here (conntrack confirmed
 		// it before these hooks), so it is counted once, by a flow that
 		// marks it, as the netfilter hooks count a new entry once.
