@@ -307,8 +307,8 @@ func (m *Manager) Freeze() *Snapshot {
 	m.frozenPairs = nil
 	m.carriedMu.Unlock()
 	for _, p := range frozen {
-		cf, err1 := p.client.File()
-		gf, err2 := p.guest.File()
+		cf, err1 := fileOf(p.client)
+		gf, err2 := fileOf(p.guest)
 		p.client.Close()
 		p.guest.Close()
 		if err1 != nil || err2 != nil {

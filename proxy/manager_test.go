@@ -308,9 +308,15 @@ func TestAListenerWhoseAcceptLoopDiedIsRebound(t *testing.T) {
 	only(t, m, tcpSpec("web", port))
 
 	// Close the socket behind the manager's back: the loop was not asked to
-	// stop, so it must hand the exposure back as unbound and say why.
+	// stop, so it must hand the exposure back as unbound and say why. (The
+	// loop waits on its acceptor's duplicate of the listener: that one too.)
 	broken := listenerOf(m, "web")
+	m.mu.Lock()
+	acc := liveOf(m, "web").acc
+	m.mu.Unlock()
+	require.NotNil(t, acc, "a TCP listener is accepted from on raw descriptors")
 	require.NoError(t, broken.Close())
+	acc.close()
 	var reason string
 	eventually(t, "the dead loop gives its listener back", func() bool {
 		m.mu.Lock()
@@ -637,6 +643,34 @@ func TestAcceptedCallersInheritKeepaliveFromTheListener(t *testing.T) {
 	assert.Equal(t, 1, on)
 	assert.Equal(t, int(keepIdle/time.Second), idle)
 	assert.Equal(t, keepCount, cnt)
+}
+
+// Both ends of a carried connection send small writes at once (TCP_NODELAY:
+// the caller's socket inherits it from the listener, the guest's is dialled
+// with it), and the guest's end has keepalive with the proxy's idle time, so
+// a guest that vanished gives its place under the cap back.
+func TestCarriedSocketsHaveNoDelayAndTheGuestKeepalive(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	c := dial(t, st.BoundAddr)
+	defer c.Close()
+	assert.Equal(t, "g:hi", roundTrip(t, c, "g:", "hi"))
+	var p *pair
+	m.carriedMu.Lock()
+	for q := range m.pairs {
+		p = q
+	}
+	m.carriedMu.Unlock()
+	require.NotNil(t, p, "the carried pair")
+	opt := func(s sock, level, name int) (v int) {
+		require.NoError(t, control(s, func(fd int) (err error) { v, err = unix.GetsockoptInt(fd, level, name); return err }))
+		return v
+	}
+	assert.NotZero(t, opt(p.client, unix.IPPROTO_TCP, unix.TCP_NODELAY), "caller's socket without TCP_NODELAY")
+	assert.NotZero(t, opt(p.guest, unix.IPPROTO_TCP, unix.TCP_NODELAY), "guest's socket without TCP_NODELAY")
+	assert.Equal(t, 1, opt(p.guest, unix.SOL_SOCKET, unix.SO_KEEPALIVE))
+	assert.Equal(t, int(keepIdle/time.Second), opt(p.guest, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE))
+	assert.Equal(t, 1, opt(p.client, unix.SOL_SOCKET, unix.SO_KEEPALIVE))
 }
 
 // openFDs counts this process's descriptors, after a few GCs so that
