@@ -120,7 +120,6 @@ type exposure struct {
 	key       string // listenKey of the spec the socket was bound for
 	name      string // listenerName of a bound TCP socket
 	ln        net.Listener
-	acc       *acceptor // ln's raw acceptor (a duplicate descriptor), closed with it
 	udp       *udpRelay
 	stop      chan struct{} // closed when the current socket is closed on purpose
 	boundAddr string
@@ -150,10 +149,6 @@ func (ex *exposure) closeSocket() {
 	if ex.ln != nil {
 		ex.ln.Close()
 		ex.ln = nil
-	}
-	if ex.acc != nil {
-		ex.acc.close()
-		ex.acc = nil
 	}
 	if ex.udp != nil {
 		ex.udp.close()
@@ -324,15 +319,18 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 				return err
 			}
 		}
-		var acc *acceptor
+		// Accepted from on raw descriptors (sock.go); through Accept if
+		// the socket cannot be taken over (out of descriptors).
 		if tl, ok := ln.(*net.TCPListener); ok {
-			acc, _ = newAcceptor(tl) // nil: the loop uses Accept
+			if rl, err := newRawListener(tl); err == nil {
+				ln = rl
+			}
 		}
-		ex.ln, ex.acc, ex.stop, ex.boundAddr, ex.name = ln, acc, stop, ln.Addr().String(), name
+		ex.ln, ex.stop, ex.boundAddr, ex.name = ln, stop, ln.Addr().String(), name
 		m.loops.Add(1)
 		go func() {
 			defer m.loops.Done()
-			m.serveTCP(ex, ln, acc, stop, c.Target, int(c.guestPort()), c.HostPort)
+			m.serveTCP(ex, ln, stop, c.Target, int(c.guestPort()), c.HostPort)
 		}()
 	case "udp":
 		name := listenerName(c.Name, c.listenKey())

@@ -108,6 +108,13 @@ func (sa *sockaddr) set(ap netip.AddrPort) {
 	sa.len = unix.SizeofSockaddrInet6
 }
 
+// noZone is ap without a link-local address's zone: the form accept4 and
+// getsockname give here, which allowFrom's prefixes match (a prefix
+// contains no address with a zone).
+func noZone(ap netip.AddrPort) netip.AddrPort {
+	return netip.AddrPortFrom(ap.Addr().WithZone(""), ap.Port())
+}
+
 // addrPort reads an IPv4 or IPv6 address (zone left out); the zero
 // AddrPort for any other family.
 func (sa *sockaddr) addrPort() netip.AddrPort {
@@ -124,22 +131,34 @@ func (sa *sockaddr) addrPort() netip.AddrPort {
 	return netip.AddrPort{}
 }
 
-// acceptor accepts from one TCP listener on raw descriptors; it belongs to
-// the listener's accept loop. It waits on a duplicate of the listener's
-// descriptor, as an *os.File: a net.TCPListener's SyscallConn cannot wait
-// (its Read is EINVAL). The duplicate must be closed with the listener
-// (close), or the socket would stay bound.
-type acceptor struct {
-	f   *os.File
-	rc  syscall.RawConn
+// rawListener is a TCP listener the proxy accepts from on raw descriptors.
+// It takes a *net.TCPListener's socket over: the descriptor is duplicated
+// into an *os.File, whose RawConn can wait for callers (a TCPListener's
+// cannot: its Read is EINVAL), and the TCPListener is closed, so the socket
+// costs one descriptor, as the descriptor budget counts it
+// (TestAListenerHoldsOneDescriptor). It is the exposure's net.Listener:
+// Close ends the accept loop, File duplicates the socket for a hand-over or
+// systemd's fd store.
+type rawListener struct {
+	f    *os.File
+	rc   syscall.RawConn
+	addr *net.TCPAddr
+	// What try left for accept, which has one caller at a time (the
+	// accept loop): the caller's socket and address, or the error.
 	sa  sockaddr
 	fd  int
 	err error
 	try func(uintptr) bool
 }
 
-func newAcceptor(ln *net.TCPListener) (*acceptor, error) {
-	f, err := ln.File()
+// newRawListener takes ln's socket over and closes ln; on an error ln is
+// left as it was.
+func newRawListener(ln *net.TCPListener) (*rawListener, error) {
+	addr, ok := ln.Addr().(*net.TCPAddr)
+	if !ok {
+		return nil, net.UnknownNetworkError(ln.Addr().Network())
+	}
+	f, err := dupFile(ln)
 	if err != nil {
 		return nil, err
 	}
@@ -148,51 +167,68 @@ func newAcceptor(ln *net.TCPListener) (*acceptor, error) {
 		f.Close()
 		return nil, err
 	}
-	a := &acceptor{f: f, rc: rc}
-	a.try = func(lfd uintptr) bool {
+	l := &rawListener{f: f, rc: rc, addr: addr}
+	l.try = func(lfd uintptr) bool {
 		for {
-			a.sa.len = unix.SizeofSockaddrAny
-			r, _, e := unix.RawSyscall6(unix.SYS_ACCEPT4, lfd, uintptr(unsafe.Pointer(&a.sa.raw)),
-				uintptr(unsafe.Pointer(&a.sa.len)), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+			l.sa.len = unix.SizeofSockaddrAny
+			r, _, e := unix.RawSyscall6(unix.SYS_ACCEPT4, lfd, uintptr(unsafe.Pointer(&l.sa.raw)),
+				uintptr(unsafe.Pointer(&l.sa.len)), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
 			switch e {
 			case 0:
-				a.fd, a.err = int(r), nil
+				l.fd, l.err = int(r), nil
 				return true
 			case unix.EINTR, unix.ECONNABORTED: // a caller that left from the queue
 				continue
 			case unix.EAGAIN:
 				return false
 			}
-			a.fd, a.err = -1, os.NewSyscallError("accept4", e)
+			l.fd, l.err = -1, os.NewSyscallError("accept4", e)
 			return true
 		}
 	}
-	return a, nil
+	ln.Close()
+	return l, nil
 }
 
-// close closes the duplicate; a wait in accept returns an error.
-func (a *acceptor) close() { a.f.Close() }
+func (l *rawListener) Addr() net.Addr { return l.addr }
+
+// Close closes the socket; a wait in accept returns an error.
+func (l *rawListener) Close() error { return l.f.Close() }
+
+// File returns a duplicate of the socket.
+func (l *rawListener) File() (*os.File, error) { return dupFile(l.f) }
+
+// Accept makes rawListener a net.Listener; the accept loop calls accept.
+func (l *rawListener) Accept() (net.Conn, error) {
+	f, _, err := l.accept()
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return net.FileConn(f)
+}
 
 // accept waits for the next caller: its socket, registered with the
 // poller, and its address.
-func (a *acceptor) accept() (*os.File, netip.AddrPort, error) {
-	if err := a.rc.Read(a.try); err != nil {
+func (l *rawListener) accept() (*os.File, netip.AddrPort, error) {
+	if err := l.rc.Read(l.try); err != nil {
 		return nil, netip.AddrPort{}, err
 	}
-	if a.err != nil {
-		return nil, netip.AddrPort{}, a.err
+	if l.err != nil {
+		return nil, netip.AddrPort{}, l.err
 	}
-	// TCP_NODELAY is not inherited from the listener (keepalive is):
-	// set on each caller, as net's Accept does.
-	_ = sysSetsockoptInt(a.fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
-	return rawFile(a.fd), a.sa.addrPort(), nil
+	// TCP_NODELAY, as net's Accept sets it. (An accepted socket would
+	// inherit it from its listener, but the proxy's listeners do not have
+	// it: Go does not set it on a listener, and neither does listenConfig.)
+	_ = sysSetsockoptInt(l.fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	return rawFile(l.fd), l.sa.addrPort(), nil
 }
 
 // sockLocalAddr asks a socket for its local address (getsockname).
 func sockLocalAddr(s sock) netip.AddrPort {
 	if tc, ok := s.(*net.TCPConn); ok {
 		if a, ok := tc.LocalAddr().(*net.TCPAddr); ok {
-			return a.AddrPort()
+			return noZone(a.AddrPort())
 		}
 		return netip.AddrPort{}
 	}
@@ -232,25 +268,28 @@ func closeWrite(s sock) error {
 // setLinger0 makes the close of s send a RST.
 func setLinger0(s sock) {
 	_ = control(s, func(fd int) error {
-		l := unix.Linger{Onoff: 1, Linger: 0}
-		_, _, e := unix.RawSyscall6(unix.SYS_SETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_LINGER,
-			uintptr(unsafe.Pointer(&l)), unsafe.Sizeof(l), 0)
-		return errnoErr(e)
+		return unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
 	})
 }
 
-// fileOf returns a duplicate of s's descriptor for a hand-over.
-func fileOf(s sock) (*os.File, error) {
-	if tc, ok := s.(*net.TCPConn); ok {
-		return tc.File()
-	}
-	var nfd int
-	err := control(s, func(fd int) (err error) {
-		nfd, err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-		return err
-	})
+// dupFile duplicates c's descriptor into an *os.File of its own
+// (close-on-exec; registered with the poller when the socket is
+// non-blocking): for a hand-over, systemd's fd store, or a rawListener.
+// Not net's File, whose Fd would switch the shared socket to blocking mode
+// (see rawFds in cmd/brokkrd), where a raw accept4 or recvfrom would block
+// holding its processor.
+func dupFile(c syscall.Conn) (*os.File, error) {
+	rc, err := c.SyscallConn()
 	if err != nil {
 		return nil, err
+	}
+	nfd := -1
+	var derr error
+	if err := rc.Control(func(fd uintptr) { nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
+		return nil, err
+	}
+	if derr != nil {
+		return nil, os.NewSyscallError("fcntl", derr)
 	}
 	return os.NewFile(uintptr(nfd), "tcp"), nil
 }

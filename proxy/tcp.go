@@ -34,10 +34,7 @@ const (
 // slotPort labels the slot where a carried connection's place is counted
 // on a hand-over: the exposure's host port (a range's first); 0: the port
 // bound (HostPort 0, the OS picked it).
-//
-// acc is ln's raw acceptor (nil: ln.Accept is used); closeSocket closes it
-// with ln.
-func (m *Manager) serveTCP(ex *exposure, ln net.Listener, acc *acceptor, stop chan struct{}, to spec.Target, guestPort int, slotPort uint16) {
+func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, to spec.Target, guestPort int, slotPort uint16) {
 	hostPort := slotPort
 	if a, ok := ln.Addr().(*net.TCPAddr); ok && hostPort == 0 {
 		hostPort = uint16(a.Port)
@@ -45,20 +42,26 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, acc *acceptor, stop ch
 	if !m.held(stop) {
 		return
 	}
-	// A TCP listener is accepted from on raw descriptors (acc, sock.go);
-	// any other (a test's) through Accept.
-	var local netip.AddrPort // the listener's address; unspecified: asked per caller when needed
-	if la, ok := ln.Addr().(*net.TCPAddr); ok && acc != nil {
-		local = la.AddrPort()
+	// A rawListener is accepted from on raw descriptors (sock.go); any
+	// other (one that could not be taken over, a test's) through Accept.
+	rl, _ := ln.(*rawListener)
+	// The address callers dialled: the listener's (without a link-local
+	// one's zone, as getsockname gives it), unless it is a wildcard one
+	// (then asked of the caller's socket only when needed, see admit).
+	var local netip.AddrPort
+	if rl != nil {
+		if la := rl.addr.AddrPort(); !la.Addr().IsUnspecified() {
+			local = noZone(la)
+		}
 	}
 	var pause time.Duration
 	for {
 		var c sock
 		var remote netip.AddrPort
 		var err error
-		if acc != nil {
+		if rl != nil {
 			var f *os.File
-			if f, remote, err = acc.accept(); err == nil {
+			if f, remote, err = rl.accept(); err == nil {
 				c = f
 			}
 		} else {
@@ -71,7 +74,7 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, acc *acceptor, stop ch
 				}
 				c = tc
 				if ra, ok := tc.RemoteAddr().(*net.TCPAddr); ok {
-					remote = ra.AddrPort()
+					remote = noZone(ra.AddrPort())
 				}
 			}
 		}
@@ -109,11 +112,7 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, acc *acceptor, stop ch
 			m.setReason(ex, ln, "")
 			m.logs.event(slog.LevelInfo, ex.id, evRecover, "proxy: accepting again after a descriptor shortage")
 		}
-		lc := local
-		if !lc.IsValid() || lc.Addr().IsUnspecified() {
-			lc = netip.AddrPort{}
-		}
-		m.admit(ex, c, remote, lc, to, uint16(guestPort), hostPort)
+		m.admit(ex, c, remote, local, to, uint16(guestPort), hostPort)
 	}
 }
 
@@ -203,9 +202,10 @@ type carryJob struct {
 }
 
 // carrier carries one connection, then parks for the next instead of
-// exiting. Why: the dial into the guest runs deep in the net package, and a
-// fresh goroutine's stack is copied to a larger one on every connection
-// (about 5% of the proxy's CPU at high connection rates); a reused carrier
+// exiting. Why: a fresh goroutine's stack was copied to a larger one on
+// every connection (about 5% of the proxy's CPU at high connection rates,
+// measured while the dial into the guest ran deep in the net package, before
+// sock.go's dialTCP; not measured since); a reused carrier
 // already has the stack, and the accept loop hands it a job without starting
 // a goroutine. At most maxIdleCarriers park; a burst's extra ones exit.
 func (m *Manager) carrier(job carryJob) {
