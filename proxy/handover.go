@@ -143,6 +143,13 @@ func (m *Manager) DropUnclaimed() []string {
 	return names
 }
 
+// fileListener is a TCP listener that can be handed over: a *rawListener,
+// or a *net.TCPListener where the raw path could not be set up.
+type fileListener interface {
+	net.Listener
+	File() (*os.File, error)
+}
+
 // ListenerFiles returns a duplicate of each bound TCP listener, by
 // ListenerName, for systemd's fd store; only names not in have are
 // duplicated. current lists every bound name.
@@ -151,7 +158,7 @@ func (m *Manager) ListenerFiles(have map[string]bool) (added map[string]*os.File
 	defer m.mu.Unlock()
 	added = map[string]*os.File{}
 	for _, ex := range m.live {
-		tl, ok := ex.ln.(*net.TCPListener)
+		fl, ok := ex.ln.(fileListener)
 		if !ok || ex.name == "" {
 			continue
 		}
@@ -159,7 +166,7 @@ func (m *Manager) ListenerFiles(have map[string]bool) (added map[string]*os.File
 		if have[ex.name] {
 			continue
 		}
-		if f, err := tl.File(); err == nil {
+		if f, err := fl.File(); err == nil {
 			added[ex.name] = f
 		}
 	}
@@ -259,8 +266,8 @@ func (m *Manager) Freeze() *Snapshot {
 	m.mu.Lock()
 	m.frozenMode = true
 	for _, ex := range m.live {
-		if tl, ok := ex.ln.(*net.TCPListener); ok && ex.name != "" {
-			if f, err := tl.File(); err == nil {
+		if fl, ok := ex.ln.(fileListener); ok && ex.name != "" {
+			if f, err := fl.File(); err == nil {
 				snap.Listeners[ex.name] = f
 			}
 		}
@@ -307,8 +314,8 @@ func (m *Manager) Freeze() *Snapshot {
 	m.frozenPairs = nil
 	m.carriedMu.Unlock()
 	for _, p := range frozen {
-		cf, err1 := p.client.File()
-		gf, err2 := p.guest.File()
+		cf, err1 := dupFile(p.client)
+		gf, err2 := dupFile(p.guest)
 		p.client.Close()
 		p.guest.Close()
 		if err1 != nil || err2 != nil {

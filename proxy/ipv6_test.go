@@ -117,8 +117,8 @@ func TestIPv6CallersAreCarriedToTheGuestsIPv6Address(t *testing.T) {
 
 // A v4-mapped caller on a dual-stack listener came over IPv4.
 func TestFromIPv6(t *testing.T) {
-	assert.True(t, fromIPv6(&net.TCPAddr{IP: net.ParseIP("fd00::1")}))
-	assert.False(t, fromIPv6(&net.TCPAddr{IP: net.ParseIP("::ffff:10.0.0.1")}))
-	assert.False(t, fromIPv6(&net.TCPAddr{IP: net.ParseIP("10.0.0.1").To4()}))
-	assert.False(t, fromIPv6(&net.UnixAddr{}))
+	assert.True(t, fromIPv6(netip.MustParseAddrPort("[fd00::1]:80")))
+	assert.False(t, fromIPv6(netip.MustParseAddrPort("[::ffff:10.0.0.1]:80")))
+	assert.False(t, fromIPv6(netip.MustParseAddrPort("10.0.0.1:80")))
+	assert.False(t, fromIPv6(netip.AddrPort{}))
 }

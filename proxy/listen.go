@@ -30,7 +30,7 @@ const (
 // would otherwise make (four per accept) are turned off. At high connection
 // rates the proxy's cost is its syscalls.
 func listenConfig(pktinfo bool) *net.ListenConfig {
-	return &net.ListenConfig{KeepAlive: -1, Control: func(network, _ string, rc syscall.RawConn) error {
+	lc := &net.ListenConfig{KeepAlive: -1, Control: func(network, _ string, rc syscall.RawConn) error {
 		var serr error
 		err := rc.Control(func(fd uintptr) {
 			s := int(fd)
@@ -70,6 +70,12 @@ func listenConfig(pktinfo bool) *net.ListenConfig {
 		}
 		return serr
 	}}
+	// Plain TCP, not Go's default MPTCP: an MPTCP listener's accepted
+	// sockets do not inherit TCP_NODELAY (each would need a setsockopt),
+	// and its SYN handling costs more per caller (measured below in
+	// BENCHMARKS.md, "Proxy against HAProxy").
+	lc.SetMultipathTCP(false)
+	return lc
 }
 
 // family picks the network name for the host address, so "0.0.0.0" never

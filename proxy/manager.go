@@ -27,7 +27,8 @@ type Manager struct {
 	resolve  Resolver
 	resolve6 Resolver // IPv6 addresses for IPv6 callers; nil: IPv4 for all
 	stats    *bpf.Store
-	dialer   net.Dialer
+	// dialTimeout bounds each dial into a guest (DefaultDialTimeout).
+	dialTimeout time.Duration
 	// listenTCP opens a TCP exposure's listener. It is a field so a test can
 	// hand the accept loop a listener whose Accept fails on cue, the way a
 	// real one only does under load a test cannot stage.
@@ -49,7 +50,7 @@ type Manager struct {
 	// nothing counts into the store after StopAll returns and the daemon can
 	// close (unmap) it safely.
 	carriedMu sync.Mutex
-	carried   map[net.Conn]struct{}
+	carried   map[sock]struct{}
 	stopped   bool
 	carriedWG sync.WaitGroup
 
@@ -88,8 +89,8 @@ type Manager struct {
 // NewManager returns a Manager that finds guests through resolve and counts
 // into stats. With stats nil it counts into an in-memory store of its own.
 func NewManager(resolve Resolver, stats *bpf.Store, opts ...Option) *Manager {
-	m := &Manager{resolve: resolve, stats: stats, dialer: guestDialer(),
-		listenTCP: listenTCP, live: map[listenerKey]*exposure{}, carried: map[net.Conn]struct{}{},
+	m := &Manager{resolve: resolve, stats: stats, dialTimeout: DefaultDialTimeout,
+		listenTCP: listenTCP, live: map[listenerKey]*exposure{}, carried: map[sock]struct{}{},
 		carriers: make(chan carryJob), quitCarriers: make(chan struct{}), logs: newLogLimiter(),
 		inherit: map[string]*os.File{}, stopping: make(chan struct{})}
 	for _, o := range opts {
@@ -99,15 +100,6 @@ func NewManager(resolve Resolver, stats *bpf.Store, opts ...Option) *Manager {
 		m.stats = bpf.NewInMemory("counters in memory only: the proxy was given no BPF store")
 	}
 	return m
-}
-
-// guestDialer dials guests with a short timeout. Keepalive on the guest side
-// is only switched on with an idle time (two setsockopt calls, not Go's four
-// per connection): a guest that vanished is noticed within minutes, and the
-// caller's side, which can vanish more easily, has the full settings.
-func guestDialer() net.Dialer {
-	return net.Dialer{Timeout: DefaultDialTimeout,
-		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: keepIdle, Interval: -1, Count: -1}}
 }
 
 // listenerKey names one listener: the exposure, the host address it
@@ -327,6 +319,13 @@ func (m *Manager) bind(ex *exposure, c checked) error {
 				return err
 			}
 		}
+		// Accepted from on raw descriptors (sock.go); through Accept if
+		// the socket cannot be taken over (out of descriptors).
+		if tl, ok := ln.(*net.TCPListener); ok {
+			if rl, err := newRawListener(tl); err == nil {
+				ln = rl
+			}
+		}
 		ex.ln, ex.stop, ex.boundAddr, ex.name = ln, stop, ln.Addr().String(), name
 		m.loops.Add(1)
 		go func() {
@@ -393,7 +392,7 @@ func (m *Manager) StopAll() {
 }
 
 // track registers an accepted caller, or reports false once StopAll has run.
-func (m *Manager) track(c net.Conn) bool {
+func (m *Manager) track(c sock) bool {
 	m.carriedMu.Lock()
 	defer m.carriedMu.Unlock()
 	if m.stopped {
@@ -404,7 +403,7 @@ func (m *Manager) track(c net.Conn) bool {
 	return true
 }
 
-func (m *Manager) untrack(c net.Conn) {
+func (m *Manager) untrack(c sock) {
 	m.carriedMu.Lock()
 	delete(m.carried, c)
 	m.carriedMu.Unlock()

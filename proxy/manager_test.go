@@ -310,6 +310,7 @@ func TestAListenerWhoseAcceptLoopDiedIsRebound(t *testing.T) {
 	// Close the socket behind the manager's back: the loop was not asked to
 	// stop, so it must hand the exposure back as unbound and say why.
 	broken := listenerOf(m, "web")
+	require.IsType(t, &rawListener{}, broken, "a TCP listener is accepted from on raw descriptors")
 	require.NoError(t, broken.Close())
 	var reason string
 	eventually(t, "the dead loop gives its listener back", func() bool {
@@ -639,6 +640,34 @@ func TestAcceptedCallersInheritKeepaliveFromTheListener(t *testing.T) {
 	assert.Equal(t, keepCount, cnt)
 }
 
+// Both ends of a carried connection send small writes at once (TCP_NODELAY:
+// set on the caller's socket at accept, the guest's is dialled with it),
+// and the guest's end has keepalive with the proxy's idle time, so a guest
+// that vanished gives its place under the cap back.
+func TestCarriedSocketsHaveNoDelayAndTheGuestKeepalive(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	c := dial(t, st.BoundAddr)
+	defer c.Close()
+	assert.Equal(t, "g:hi", roundTrip(t, c, "g:", "hi"))
+	var p *pair
+	m.carriedMu.Lock()
+	for q := range m.pairs {
+		p = q
+	}
+	m.carriedMu.Unlock()
+	require.NotNil(t, p, "the carried pair")
+	opt := func(s sock, level, name int) (v int) {
+		require.NoError(t, control(s, func(fd int) (err error) { v, err = unix.GetsockoptInt(fd, level, name); return err }))
+		return v
+	}
+	assert.NotZero(t, opt(p.client, unix.IPPROTO_TCP, unix.TCP_NODELAY), "caller's socket without TCP_NODELAY")
+	assert.NotZero(t, opt(p.guest, unix.IPPROTO_TCP, unix.TCP_NODELAY), "guest's socket without TCP_NODELAY")
+	assert.Equal(t, 1, opt(p.guest, unix.SOL_SOCKET, unix.SO_KEEPALIVE))
+	assert.Equal(t, int(keepIdle/time.Second), opt(p.guest, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE))
+	assert.Equal(t, 1, opt(p.client, unix.SOL_SOCKET, unix.SO_KEEPALIVE))
+}
+
 // openFDs counts this process's descriptors, after a few GCs so that
 // anything the runtime frees by finalizer is gone.
 func openFDs(t *testing.T) int {
@@ -671,6 +700,53 @@ func TestAnIdleConnectionHoldsOnlyItsTwoSockets(t *testing.T) {
 	}
 	assert.GreaterOrEqual(t, grown, 4*n)
 	assert.LessOrEqual(t, grown, 4*n+6, "idle connections hold splice pipes")
+}
+
+// A TCP listener costs the proxy one descriptor, as the descriptor budget
+// counts it (daemon/config.DescriptorBudget: one per listener of a port
+// range): the raw accept path waits on the listener's own descriptor, not
+// on a duplicate beside it.
+func TestAListenerHoldsOneDescriptor(t *testing.T) {
+	m, _ := newManager(t)
+	only(t, m, tcpSpec("warm", 9)) // the poller's own descriptors
+	before := openFDs(t)
+	const n = 16
+	specs := []Spec{tcpSpec("warm", 9)}
+	for i := range n {
+		specs = append(specs, tcpSpec(fmt.Sprintf("web%d", i), 9))
+	}
+	for _, st := range m.Converge(specs) {
+		require.Equal(t, StateActive, st.State, st.Reason)
+	}
+	// Room for a descriptor an earlier test's leftovers close or open
+	// meanwhile; a duplicate per listener would be 2n.
+	grown := openFDs(t) - before
+	assert.GreaterOrEqual(t, grown, n-2)
+	assert.Less(t, grown, n+n/2, "descriptors by kind: %v", fdKinds())
+}
+
+// A listener handed out for systemd's fd store (or a hand-over) is a
+// duplicate whose Fd leaves the socket non-blocking. A blocking listening
+// socket would make the accept loop's raw accept4 block holding its
+// processor, and the next garbage collection wait for it forever.
+func TestAHandedOutListenerLeavesTheSocketNonBlocking(t *testing.T) {
+	m, _ := newManager(t)
+	st := only(t, m, tcpSpec("web", echoServer(t, "g:")))
+	added, _ := m.ListenerFiles(nil)
+	require.Len(t, added, 1)
+	for _, f := range added {
+		_ = f.Fd()
+		f.Close()
+	}
+	rl, ok := listenerOf(m, "web").(*rawListener)
+	require.True(t, ok, "a TCP listener is accepted from on raw descriptors")
+	var flags int
+	var ferr error
+	require.NoError(t, rl.rc.Control(func(fd uintptr) { flags, ferr = unix.FcntlInt(fd, unix.F_GETFL, 0) }))
+	require.NoError(t, ferr)
+	require.NotZero(t, flags&unix.O_NONBLOCK, "the listening socket was switched to blocking mode")
+	c := dial(t, st.BoundAddr)
+	assert.Equal(t, "g:hi", roundTrip(t, c, "g:", "hi"))
 }
 
 func fdKinds() map[string]int {

@@ -102,3 +102,27 @@ func putPipe(p *pipe) {
 	unix.Close(p.r)
 	unix.Close(p.w)
 }
+
+// chunkSize is the small buffer a direction copies through before it
+// switches to splice (copyHalf).
+const chunkSize = 16 << 10
+
+// chunk is a direction's small buffer: bytes read and how many of them
+// were written on.
+type chunk struct {
+	buf     [chunkSize]byte
+	n, sent int
+}
+
+func (c *chunk) unsent() []byte { return c.buf[c.sent:c.n] }
+
+var chunks = sync.Pool{New: func() any { return new(chunk) }}
+
+func getChunk() *chunk { return chunks.Get().(*chunk) }
+
+func putChunk(c *chunk) {
+	if c != nil {
+		c.n, c.sent = 0, 0
+		chunks.Put(c)
+	}
+}

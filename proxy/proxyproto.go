@@ -103,13 +103,11 @@ func appendPPHeader(b []byte, v ppVersion, src, dst netip.AddrPort) []byte {
 // bytes at once; NODELAY (Go's default) sends them without waiting for the
 // caller's first bytes, which a server-speaks-first guest (SMTP) never gets
 // before it has read the header and greeted.
-func writePPHeader(g, c *net.TCPConn, v ppVersion) error {
-	src, ok1 := c.RemoteAddr().(*net.TCPAddr)
-	dst, ok2 := c.LocalAddr().(*net.TCPAddr)
-	if !ok1 || !ok2 {
+func writePPHeader(g sock, src, dst netip.AddrPort, v ppVersion) error {
+	if !src.IsValid() || !dst.IsValid() {
 		return net.UnknownNetworkError("caller without TCP addresses")
 	}
 	var buf [maxPPHeader]byte
-	_, err := g.Write(appendPPHeader(buf[:0], v, src.AddrPort(), dst.AddrPort()))
+	_, err := g.Write(appendPPHeader(buf[:0], v, src, dst))
 	return err
 }

@@ -5,8 +5,8 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
-	"strconv"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -35,7 +35,6 @@ const (
 // on a hand-over: the exposure's host port (a range's first); 0: the port
 // bound (HostPort 0, the OS picked it).
 func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, to spec.Target, guestPort int, slotPort uint16) {
-	target := strconv.Itoa(guestPort)
 	hostPort := slotPort
 	if a, ok := ln.Addr().(*net.TCPAddr); ok && hostPort == 0 {
 		hostPort = uint16(a.Port)
@@ -43,9 +42,42 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, to
 	if !m.held(stop) {
 		return
 	}
+	// A rawListener is accepted from on raw descriptors (sock.go); any
+	// other (one that could not be taken over, a test's) through Accept.
+	rl, _ := ln.(*rawListener)
+	// The address callers dialled: the listener's (without a link-local
+	// one's zone, as getsockname gives it), unless it is a wildcard one
+	// (then asked of the caller's socket only when needed, see admit).
+	var local netip.AddrPort
+	if rl != nil {
+		if la := rl.addr.AddrPort(); !la.Addr().IsUnspecified() {
+			local = noZone(la)
+		}
+	}
 	var pause time.Duration
 	for {
-		c, err := ln.Accept()
+		var c sock
+		var remote netip.AddrPort
+		var err error
+		if rl != nil {
+			var f *os.File
+			if f, remote, err = rl.accept(); err == nil {
+				c = f
+			}
+		} else {
+			var nc net.Conn
+			if nc, err = ln.Accept(); err == nil {
+				tc, ok := nc.(*net.TCPConn)
+				if !ok {
+					nc.Close()
+					continue
+				}
+				c = tc
+				if ra, ok := tc.RemoteAddr().(*net.TCPAddr); ok {
+					remote = noZone(ra.AddrPort())
+				}
+			}
+		}
 		if err != nil {
 			if outOfDescriptors(err) {
 				if pause == 0 {
@@ -80,7 +112,7 @@ func (m *Manager) serveTCP(ex *exposure, ln net.Listener, stop chan struct{}, to
 			m.setReason(ex, ln, "")
 			m.logs.event(slog.LevelInfo, ex.id, evRecover, "proxy: accepting again after a descriptor shortage")
 		}
-		m.admit(ex, c, to, target, hostPort)
+		m.admit(ex, c, remote, local, to, uint16(guestPort), hostPort)
 	}
 }
 
@@ -109,11 +141,19 @@ func outOfDescriptors(err error) bool {
 // admit applies the cap. The count is taken before the decision and given
 // back on refusal, so a burst of simultaneous callers cannot all read a stale
 // count and all pass.
-func (m *Manager) admit(ex *exposure, c net.Conn, to spec.Target, guestPort string, hostPort uint16) {
+//
+// remote is the caller's address; local the address it dialled, or the
+// zero AddrPort when the listener is a wildcard one (asked of the socket
+// only when allowFrom or a PROXY header needs it).
+func (m *Manager) admit(ex *exposure, c sock, remote, local netip.AddrPort, to spec.Target, guestPort, hostPort uint16) {
 	// allowFrom first: a caller from elsewhere is closed at accept and
 	// takes no place of the cap.
 	if a := ex.allow.Load(); a != nil {
-		if src := addrOf(c.RemoteAddr()); !hostLocal(src, addrOf(c.LocalAddr())) && !a.allows(src) {
+		src := remote.Addr()
+		if !remote.Addr().Unmap().IsLoopback() && !local.IsValid() {
+			local = sockLocalAddr(c)
+		}
+		if !hostLocal(src, local.Addr()) && !a.allows(src) {
 			ex.ctr.slot.AddDenied(1)
 			_ = c.Close()
 			m.logs.event(slog.LevelInfo, ex.id, evDenied, "proxy: caller not in allowFrom closed", "from", src)
@@ -136,7 +176,7 @@ func (m *Manager) admit(ex *exposure, c net.Conn, to spec.Target, guestPort stri
 		return
 	}
 	ex.ctr.acquire()
-	job := carryJob{ex: ex, c: c, to: to, guestPort: guestPort, hostPort: hostPort}
+	job := carryJob{ex: ex, c: c, remote: remote, local: local, to: to, guestPort: guestPort, hostPort: hostPort}
 	select {
 	case m.carriers <- job: // a parked carrier takes it
 	default:
@@ -154,17 +194,18 @@ var carrierIdle = 30 * time.Second
 
 // carryJob is one admitted caller waiting to be carried.
 type carryJob struct {
-	ex        *exposure
-	c         net.Conn
-	to        spec.Target
-	guestPort string
-	hostPort  uint16
+	ex                  *exposure
+	c                   sock
+	remote, local       netip.AddrPort // local: zero when not known yet (see admit)
+	to                  spec.Target
+	guestPort, hostPort uint16
 }
 
 // carrier carries one connection, then parks for the next instead of
-// exiting. Why: the dial into the guest runs deep in the net package, and a
-// fresh goroutine's stack is copied to a larger one on every connection
-// (about 5% of the proxy's CPU at high connection rates); a reused carrier
+// exiting. Why: a fresh goroutine's stack was copied to a larger one on
+// every connection (about 5% of the proxy's CPU at high connection rates,
+// measured while the dial into the guest ran deep in the net package, before
+// sock.go's dialTCP; not measured since); a reused carrier
 // already has the stack, and the accept loop hands it a job without starting
 // a goroutine. At most maxIdleCarriers park; a burst's extra ones exit.
 func (m *Manager) carrier(job carryJob) {
@@ -175,7 +216,7 @@ func (m *Manager) carrier(job carryJob) {
 		// Called straight from this loop, not through a helper with defers:
 		// that one more frame under every held connection cost 1.3 kB per
 		// held idle connection (measured; the cause not pinned down).
-		m.carry(job.ex, job.c, job.to, job.guestPort, job.hostPort)
+		m.carry(&job)
 		job.ex.conns.Add(-1)
 		job.ex.ctr.release()
 		m.untrack(job.c)
@@ -206,33 +247,36 @@ func (m *Manager) carrier(job carryJob) {
 // guest that does not answer) is reset at once and counted as dropped. A
 // connection frozen for a hand-over keeps its place under the cap: the next
 // process takes it over (see handover.go), so Closed is not called here.
-func (m *Manager) carry(ex *exposure, c net.Conn, to spec.Target, guestPort string, hostPort uint16) {
+func (m *Manager) carry(job *carryJob) {
+	ex, client, to, hostPort := job.ex, job.c, job.to, job.hostPort
 	slot := ex.ctr.slot
-	client, ok := c.(*net.TCPConn)
-	v6 := fromIPv6(c.RemoteAddr())
+	v6 := fromIPv6(job.remote)
 	addr := m.guestAddr(to, v6)
-	if !ok || addr == "" {
+	if addr == "" {
 		slot.AddDropped(1)
 		slot.Closed()
-		reset(c)
+		reset(client)
 		return
 	}
-	g, err := m.dialGuest(to, addr, guestPort, v6)
+	guest, err := m.dialGuest(to, addr, job.guestPort, v6)
 	if err != nil {
 		slot.AddDropped(1)
 		slot.Closed()
-		reset(c)
+		reset(client)
 		return
 	}
-	guest := g.(*net.TCPConn)
 	if v := ex.pp.Load(); v != ppNone {
 		// Before the first byte of the caller's, as a plain write: the
 		// payload keeps the splice path.
-		if err := writePPHeader(guest, client, v); err != nil {
+		local := job.local
+		if !local.IsValid() {
+			local = sockLocalAddr(client)
+		}
+		if err := writePPHeader(guest, job.remote, local, v); err != nil {
 			guest.Close()
 			slot.AddDropped(1)
 			slot.Closed()
-			reset(c)
+			reset(client)
 			return
 		}
 	}
@@ -246,7 +290,7 @@ func (m *Manager) carry(ex *exposure, c net.Conn, to spec.Target, guestPort stri
 // pair is one carried connection: the caller's socket, the guest's, and
 // what a freeze for a hand-over left of each direction.
 type pair struct {
-	client, guest *net.TCPConn
+	client, guest sock
 	id            string // "" for a connection Carry took from the network plane
 	hostPort      uint16
 	frozen        atomic.Bool
@@ -329,8 +373,14 @@ func (m *Manager) Carry(exposure string, client, guest *net.TCPConn) {
 // (p.frozen, then a deadline error) ends it with both sockets open and what
 // sat in the pipe saved in p.pending[dir].
 //
-// The bytes go socket -> pipe -> socket with splice(2), never through user
-// memory (TestCarriedBytesGoThroughSplice). The proxy drives splice itself
+// A direction starts by copying through a small buffer with recv and send
+// (as HAProxy's splice-auto does): for the few bytes of a short connection
+// these cost less than two splices and a pipe from the pool. The first read
+// that fills the buffer switches the direction to splice for good
+// (TestSmallChunksAreCopiedAndBulkIsSpliced).
+//
+// From then on the bytes go socket -> pipe -> socket with splice(2), never
+// through user memory (TestCarriedBytesGoThroughSplice). The proxy drives splice itself
 // rather than through io.Copy, for two reasons. An idle direction must not
 // hold a pipe (two descriptors) while it waits: the pipe is taken only for a
 // read that finds data and goes back to the pool before waiting
@@ -343,21 +393,25 @@ func (m *Manager) Carry(exposure string, client, guest *net.TCPConn) {
 // ended counts the directions that reached EOF. The second one skips the
 // shutdown: splice closes both sockets as soon as it returns, and a close
 // with nothing left unread sends the same FIN.
-func copyHalf(pr *pair, dir int, dst, src *net.TCPConn, count func(int64), ended *atomic.Int32) (res halfEnd) {
+func copyHalf(pr *pair, dir int, dst, src sock, count func(int64), ended *atomic.Int32) (res halfEnd) {
 	if pr.done[dir] {
 		return halfEOF
 	}
 	var err error
 	var p *pipe
+	var b *chunk // the small buffer, held only while it holds bytes
 	defer func() {
 		switch {
 		case err == nil:
 			pr.done[dir] = true
 			if ended.Add(1) < 2 {
-				_ = dst.CloseWrite()
+				_ = closeWrite(dst)
 			}
 			res = halfEOF
 		case pr.frozen.Load() && errors.Is(err, os.ErrDeadlineExceeded):
+			if b != nil {
+				pr.pending[dir] = append(pr.pending[dir], b.unsent()...)
+			}
 			if p != nil && p.queued > 0 {
 				pr.pending[dir] = append(pr.pending[dir], drainPipe(p)...)
 			}
@@ -368,6 +422,7 @@ func copyHalf(pr *pair, dir int, dst, src *net.TCPConn, count func(int64), ended
 			res = halfError
 		}
 		putPipe(p)
+		putChunk(b)
 	}()
 	// Bytes a previous process had read but not written go first.
 	for len(pr.pending[dir]) > 0 {
@@ -387,6 +442,23 @@ func copyHalf(pr *pair, dir int, dst, src *net.TCPConn, count func(int64), ended
 	dstRC, err := dst.SyscallConn()
 	if err != nil {
 		return
+	}
+	for {
+		var n int
+		if n, err = recvIn(srcRC, &b); err != nil || n == 0 { // n == 0: EOF
+			return
+		}
+		if err = sendOut(dstRC, b); err != nil {
+			count(int64(b.sent))
+			return
+		}
+		count(int64(n))
+		full := n == len(b.buf)
+		putChunk(b)
+		b = nil
+		if full {
+			break
+		}
 	}
 	for {
 		var n int
@@ -446,7 +518,7 @@ func spliceIn(rc syscall.RawConn, pp **pipe) (int, error) {
 			}
 		}
 		for {
-			n, err := unix.Splice(int(fd), nil, (*pp).w, nil, maxPipe, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
+			n, err := sysSplice(int(fd), (*pp).w, maxPipe, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
 			switch {
 			case err == unix.EINTR:
 				continue
@@ -469,12 +541,73 @@ func spliceIn(rc syscall.RawConn, pp **pipe) (int, error) {
 	return moved, serr
 }
 
+// recvIn waits until src has data or has ended and reads what is queued
+// into *bp: the number of bytes read, 0 at EOF. Like spliceIn's pipe, the
+// buffer is taken only when needed and given back before every wait.
+func recvIn(rc syscall.RawConn, bp **chunk) (int, error) {
+	var serr error
+	err := rc.Read(func(fd uintptr) bool {
+		if *bp == nil {
+			*bp = getChunk()
+		}
+		for {
+			n, err := sysRecv(int(fd), (*bp).buf[:])
+			switch {
+			case err == unix.EINTR:
+				continue
+			case err == unix.EAGAIN:
+				putChunk(*bp)
+				*bp = nil
+				return false
+			case err != nil:
+				serr = err
+			default:
+				(*bp).n = n
+			}
+			return true
+		}
+	})
+	if err != nil {
+		return 0, err
+	}
+	if serr != nil {
+		return 0, serr
+	}
+	return (*bp).n, nil
+}
+
+// sendOut writes what b holds to dst, waiting while dst's buffer is full;
+// b.sent says how much went.
+func sendOut(rc syscall.RawConn, b *chunk) error {
+	var serr error
+	err := rc.Write(func(fd uintptr) bool {
+		for b.sent < b.n {
+			n, err := sysSend(int(fd), b.buf[b.sent:b.n])
+			switch {
+			case err == unix.EINTR:
+				continue
+			case err == unix.EAGAIN:
+				return false
+			case err != nil:
+				serr = err
+				return true
+			}
+			b.sent += n
+		}
+		return true
+	})
+	if err != nil {
+		return err
+	}
+	return serr
+}
+
 // spliceOut drains the pipe into dst, waiting while dst's buffer is full.
 func spliceOut(rc syscall.RawConn, p *pipe) error {
 	var serr error
 	err := rc.Write(func(fd uintptr) bool {
 		for p.queued > 0 {
-			n, err := unix.Splice(p.r, nil, int(fd), nil, p.queued, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
+			n, err := sysSplice(p.r, int(fd), p.queued, unix.SPLICE_F_MOVE|unix.SPLICE_F_NONBLOCK)
 			switch {
 			case err == unix.EINTR:
 				continue
@@ -500,7 +633,7 @@ func spliceOut(rc syscall.RawConn, p *pipe) error {
 // copyThroughMemory is the fallback when no pipe can be made: one read and
 // one write at a time, through a small buffer. A freeze mid-write keeps the
 // unwritten rest in pr.pending[dir].
-func copyThroughMemory(pr *pair, dir int, dst, src *net.TCPConn, count func(int64)) error {
+func copyThroughMemory(pr *pair, dir int, dst, src sock, count func(int64)) error {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
@@ -523,9 +656,7 @@ func copyThroughMemory(pr *pair, dir int, dst, src *net.TCPConn, count func(int6
 
 // reset closes a caller with a RST (SO_LINGER 0), so it learns at once that
 // it was not carried instead of reading an orderly, empty reply.
-func reset(c net.Conn) {
-	if tc, ok := c.(*net.TCPConn); ok {
-		_ = tc.SetLinger(0)
-	}
+func reset(c sock) {
+	setLinger0(c)
 	c.Close()
 }

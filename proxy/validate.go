@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"fmt"
-	"net"
 	"net/netip"
 	"strconv"
 	"time"
@@ -123,10 +122,6 @@ func (m *Manager) guestAddr(t spec.Target, v6 bool) string {
 
 // fromIPv6 reports whether a caller came over IPv6 (a v4-mapped address on
 // a dual-stack listener is an IPv4 caller).
-func fromIPv6(a net.Addr) bool {
-	ta, ok := a.(*net.TCPAddr)
-	if !ok {
-		return false
-	}
-	return ta.IP.To4() == nil
+func fromIPv6(a netip.AddrPort) bool {
+	return a.Addr().IsValid() && !a.Addr().Unmap().Is4()
 }

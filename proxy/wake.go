@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net"
+	"net/netip"
 	"time"
 
 	"github.com/brokkr/brokkr/internal/spec"
@@ -39,13 +40,13 @@ func WithWaker(w Waker, hold time.Duration) Option {
 // dialGuest is the dial of carry: for a VM that is awake, one dial; for
 // one that is asleep, the wake, the wait for it, and dials until the guest
 // answers or the hold runs out.
-func (m *Manager) dialGuest(to spec.Target, addr, port string, v6 bool) (net.Conn, error) {
+func (m *Manager) dialGuest(to spec.Target, addr string, port uint16, v6 bool) (sock, error) {
 	var ready <-chan struct{}
 	if m.waker != nil && to.IsVM() {
 		ready = m.waker.Wake(to.VM)
 	}
 	if ready == nil {
-		return m.dialer.Dial("tcp", net.JoinHostPort(addr, port))
+		return m.dial(addr, port, m.dialTimeout)
 	}
 	deadline := time.Now().Add(m.wakeHold)
 	t := time.NewTimer(m.wakeHold)
@@ -61,9 +62,7 @@ func (m *Manager) dialGuest(to spec.Target, addr, port string, v6 bool) (net.Con
 		if a := m.guestAddr(to, v6); a != "" {
 			addr = a
 		}
-		d := m.dialer
-		d.Timeout = min(d.Timeout, max(time.Until(deadline), time.Millisecond))
-		c, err := d.Dial("tcp", net.JoinHostPort(addr, port))
+		c, err := m.dial(addr, port, min(m.dialTimeout, max(time.Until(deadline), time.Millisecond)))
 		if err == nil || time.Until(deadline) < wakeRetry {
 			return c, err
 		}
@@ -73,6 +72,20 @@ func (m *Manager) dialGuest(to spec.Target, addr, port string, v6 bool) (net.Con
 			return nil, net.ErrClosed
 		}
 	}
+}
+
+// dial connects to a guest address (an IP address, as the resolvers give;
+// a link-local one with its zone).
+func (m *Manager) dial(addr string, port uint16, timeout time.Duration) (sock, error) {
+	a, err := netip.ParseAddr(addr)
+	if err != nil {
+		return nil, &net.OpError{Op: "dial", Net: "tcp", Err: err}
+	}
+	f, err := dialTCP(netip.AddrPortFrom(a, port), timeout)
+	if err != nil {
+		return nil, err
+	}
+	return f, nil
 }
 
 // wakeFor asks for the wake of a UDP flow's VM, without waiting.
