@@ -10,7 +10,9 @@
 # a measurement:
 #   BENCH kernel=K round=R path=P conns_s=N ok=N failed=N p99_us=N cpu_us_per_conn=X busy_us_per_conn=Y
 # (cpu: brokkrd's; busy: the whole machine's, /proc/stat less idle and iowait;
-# under TCG both are emulated time, their ratio is what says something).
+# under TCG both are emulated time, their ratio is what says something), and
+# per round an idle line (path=idle: no callers for DUR) with brokkrd's CPU
+# then (cpu_us), which the nat line's cpu_us less is what callers cost it.
 # POSIX sh (the VM has busybox). BIN holds brokkrd, brokkr and connrate.
 set -eu
 # In the VM, make bench-kernels' ROUNDS and DUR come in this file.
@@ -108,8 +110,10 @@ for a in 192.0.2.1:7100 192.0.2.1:7200 10.213.0.11:7000; do
   case "$out" in *" 0 ok"*|"") echo "BENCH-ERROR $a does not answer: $out"; exit 1 ;; esac
 done
 
-# cputicks: brokkrd's user + system clock ticks so far (/proc/PID/stat 14, 15).
-cputicks() { awk '{ print $14 + $15 }' "/proc/$daemon/stat"; }
+# cpuns: brokkrd's time on a CPU so far, in ns, all its threads
+# (/proc/PID/task/*/schedstat's first field: clock ticks, 10 ms here, are
+# too coarse for what one connection costs).
+cpuns() { cat /proc/$daemon/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { printf "%.0f\n", s }'; }
 busyticks() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9; exit }' /proc/stat; }
 hz=$(getconf CLK_TCK 2>/dev/null || echo 100)
 kernel=$(uname -r)
@@ -120,20 +124,28 @@ while [ $r -le "$ROUNDS" ]; do
     1) order="plain direct nat" ;;
     2) order="direct nat plain" ;;
   esac
-  for p in $order; do
+  # idle: no caller for DUR, what brokkrd spends on its own (its passes,
+  # the counters' reads): the nat rounds' CPU less this is what callers
+  # cost it.
+  for p in $order idle; do
     case $p in
       nat) a=192.0.2.1:7100 ;;
       plain) a=192.0.2.1:7200 ;;
       direct) a=10.213.0.11:7000 ;;
     esac
-    t0=$(cputicks) b0=$(busyticks)
-    out=$(in_ns $CL "$BIN/connrate" -rate $a -c "$CONNS" -d "${DUR}s")
-    t1=$(cputicks) b1=$(busyticks)
+    t0=$(cpuns) b0=$(busyticks)
+    if [ $p = idle ]; then
+      sleep "$DUR"
+      out="0 conns/s (0 ok, 0 failed) p50=0us p99=0us"
+    else
+      out=$(in_ns $CL "$BIN/connrate" -rate $a -c "$CONNS" -d "${DUR}s")
+    fi
+    t1=$(cpuns) b1=$(busyticks)
     # "N conns/s (OK ok, F failed) p50=Xus p99=Yus"
     echo "$out" | awk -v k="$kernel" -v r=$r -v p=$p -v dt=$((t1 - t0)) -v db=$((b1 - b0)) -v hz="$hz" '{
       ok = $3; sub(/^\(/, "", ok); f = $5; p99 = $8; sub(/^p99=/, "", p99); sub(/us$/, "", p99)
-      cpu = (ok > 0) ? dt * 1e6 / hz / ok : 0; busy = (ok > 0) ? db * 1e6 / hz / ok : 0
-      printf "BENCH kernel=%s round=%d path=%s conns_s=%s ok=%s failed=%s p99_us=%s cpu_us_per_conn=%.1f busy_us_per_conn=%.1f\n", k, r, p, $1, ok, f, p99, cpu, busy }'
+      cpu = (ok > 0) ? dt / 1e3 / ok : 0; busy = (ok > 0) ? db * 1e6 / hz / ok : 0
+      printf "BENCH kernel=%s round=%d path=%s conns_s=%s ok=%s failed=%s p99_us=%s cpu_us_per_conn=%.1f busy_us_per_conn=%.1f cpu_us=%.0f\n", k, r, p, $1, ok, f, p99, cpu, busy, dt / 1e3 }'
   done
   r=$((r + 1))
 done

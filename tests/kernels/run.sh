@@ -237,6 +237,8 @@ bench_report() {
       c[v["round"], v["path"]] = v["conns_s"]; q[v["round"], v["path"]] = v["p99_us"]
       if (v["path"] == "nat") { cpu[++nc] = v["cpu_us_per_conn"]; busy[nc] = v["busy_us_per_conn"]; share[nc] = (v["busy_us_per_conn"] > 0) ? v["cpu_us_per_conn"] / v["busy_us_per_conn"] : 0 }
       if (v["path"] == "plain") pbusy[++npb] = v["busy_us_per_conn"]
+      if (v["path"] == "nat") { ncpu[v["round"]] = v["cpu_us"]; nok[v["round"]] = v["ok"] }
+      if (v["path"] == "idle") icpu[v["round"]] = v["cpu_us"]
       if (v["round"] > rounds) rounds = v["round"] }
     /^BENCH-ERROR/ { print "    " $0; bad = 1 }
     /^BENCH-NOTE/ { sub(/^BENCH-NOTE /, ""); note = note "    status: " $0 "\n" }
@@ -249,6 +251,9 @@ bench_report() {
       printf "bench %s: %d rounds; conns/s medians: nat %.0f, plain nft DNAT %.0f, direct %.0f\n", name, n, med(np, n), med(pp, n), med(dp, n)
       printf "    nat / plain DNAT: %.2f [%.2f..%.2f]; nat / direct: %.2f; p99 nat / plain: %.2f\n", med(rp, n), lo, hi, med(rd, n), med(rq, n)
       printf "    per connection (medians of rounds): brokkrd %.1f us of the machine'"'"'s %.1f us on nat (%.0f%%); the machine %.1f us on plain DNAT\n", med(cpu, nc), med(busy, nc), 100 * med(share, nc), med(pbusy, npb)
+      nm = 0; for (r = 1; r <= n; r++) if ((r in icpu) && nok[r] > 0) marg[++nm] = (ncpu[r] - icpu[r]) / nok[r]
+      if (nm) { mlo = 1e18; mhi = -1e18; for (i = 1; i <= nm; i++) { if (marg[i] < mlo) mlo = marg[i]; if (marg[i] > mhi) mhi = marg[i] }
+        printf "    brokkrd beyond its idle rounds: %.2f us per nat connection [%.2f..%.2f] (nat round less idle round, medians of rounds)\n", med(marg, nm), mlo, mhi }
       printf "%s", note
       if (bad) exit 1 }' "$2"
 }
