@@ -3,7 +3,7 @@
 # BENCH=1; also runs on a host, in namespaces of its own): short connections
 # per second from a client namespace to a guest namespace on brokkr's bridge
 # through three paths, interleaved round by round (the order rotates):
-#   nat     brokkrd's capped nat exposure (on 6.1: the nat path's fallback)
+#   nat     brokkrd's capped nat exposure (on 6.1: the tc programs; 5.10: the fallback)
 #   plain   one plain nft DNAT rule to the same guest port
 #   direct  the guest's address, routed through the host namespace
 # and brokkrd's CPU time over its nat rounds per connection served. One line
