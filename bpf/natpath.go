@@ -186,6 +186,13 @@ func loadNatPath(cfg NatPathConfig) (*NatPath, error) {
 		}
 		n.links[w.pin] = l
 	}
+	// The tc programs a daemon run with HooksEnv=tc left on the bridge
+	// would go on seeing every packet: the flows are shared, so nothing
+	// would be counted twice, but every packet would pay twice.
+	if err := cfg.InNS(func() error { return detachTC(cfg.Bridge) }); err != nil {
+		n.Close()
+		return nil, fmt.Errorf("nat path: taking the tc programs off: %w", err)
+	}
 	// Only now, with this binary's programs attached: the sweep too is
 	// theirs from here on, and the previous binary's is let go.
 	if err := n.armSweeper(); err != nil {

@@ -55,8 +55,9 @@ func loadNatPathTC(cfg NatPathConfig) (*NatPath, error) {
 		n.Close()
 		return nil, err
 	}
-	// Programs of an earlier binary at the netfilter hooks would count
-	// every connection a second time.
+	// Programs at the netfilter hooks (a daemon run without HooksEnv on
+	// a kernel that has them) would go on seeing every packet: nothing
+	// counted twice (the flows are shared), but every packet paid twice.
 	if err := detachNatPath(cfg.PinDir); err != nil {
 		n.Close()
 		return nil, err

@@ -75,3 +75,27 @@ func TestADeniedUDPCallerAllowedSinceIsAdmittedOnTheSameEntry(t *testing.T) {
 	assert.EqualValues(t, 1, c.Accepted)
 	assert.EqualValues(t, 1, c.Denied, "counted once")
 }
+
+// The netfilter hooks' programs, loaded where the tc programs ran (a
+// daemon restarted without BROKKR_NAT_HOOKS=tc), take those off the bridge:
+// both would see every packet (the flows are shared, so a connection is
+// still counted once, as this test checks, but each packet pays twice).
+// (Fails with the detachTC in loadNatPath removed.)
+func TestTheNetfilterProgramsTakeTheTCProgramsOff(t *testing.T) {
+	requireNetfilterHooks(t)
+	tp := newNatTopo(t, 1)
+	np1, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do, TC: true})
+	require.NoError(t, err)
+	require.NoError(t, np1.Close())
+	require.Len(t, tcPrograms(t, tp), 2)
+	np2 := tp.load(t)
+	defer np2.Close()
+	assert.Equal(t, "netfilter", np2.Hooks())
+	assert.Empty(t, tcPrograms(t, tp), "no tc program left on the bridge")
+	c, err := dial(t, tp.client, "tcp4", "10.99.0.1:8080")
+	require.NoError(t, err)
+	roundTrip(t, c, []byte("once"))
+	c.Close()
+	eventually(t, "counted once", func() bool { s := tp.slot.Read(); return s.Active == 0 && s.Accepted == 1 })
+	assert.EqualValues(t, 4, tp.slot.Read().BytesIn, "counted once")
+}
