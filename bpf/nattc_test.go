@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/brokkr/brokkr/internal/kernelfeat"
 	"github.com/cilium/ebpf"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -38,6 +39,7 @@ func tcPrograms(t *testing.T, tp *natTopo) []ebpf.ProgramID {
 // fallback's marks must not be read as slots by programs it did not load.
 // (Fails with the detachTC in LoadNatPath's error path removed.)
 func TestAnUnloadableBinaryTakesTheTCProgramsOff(t *testing.T) {
+	kernelfeat.Require(t, kernelfeat.NatPath...)
 	tp := newNatTopo(t, 1)
 	np1, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do, TC: true})
 	require.NoError(t, err)

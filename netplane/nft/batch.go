@@ -213,13 +213,15 @@ func (w *attrWriter) elem(e *compile.ElemSpec, counting, interval bool) {
 			w.attr(unix.NFTA_SET_ELEM_USERDATA, userdata.AppendString(nil, userdata.NFTNL_UDATA_SET_ELEM_COMMENT, e.Comment))
 		}
 		if counting && e.Counter != (compile.CounterValue{}) {
-			w.nest(nftaSetElemExpressions, func() {
-				w.nest(unix.NFTA_LIST_ELEM, func() {
-					w.cstr(unix.NFTA_EXPR_NAME, "counter")
-					w.nest(unix.NFTA_EXPR_DATA, func() {
-						w.attr(unix.NFTA_COUNTER_BYTES, binary.BigEndian.AppendUint64(nil, e.Counter.Bytes))
-						w.attr(unix.NFTA_COUNTER_PACKETS, binary.BigEndian.AppendUint64(nil, e.Counter.Packets))
-					})
+			// The one expression as NFTA_SET_ELEM_EXPR, which every
+			// kernel takes: 5.10 has no NFTA_SET_ELEM_EXPRESSIONS (5.12)
+			// and ignored it, so a replaced table's element counters
+			// started again at zero there (the kernel matrix's 5.10 leg).
+			w.nest(unix.NFTA_SET_ELEM_EXPR, func() {
+				w.cstr(unix.NFTA_EXPR_NAME, "counter")
+				w.nest(unix.NFTA_EXPR_DATA, func() {
+					w.attr(unix.NFTA_COUNTER_BYTES, binary.BigEndian.AppendUint64(nil, e.Counter.Bytes))
+					w.attr(unix.NFTA_COUNTER_PACKETS, binary.BigEndian.AppendUint64(nil, e.Counter.Packets))
 				})
 			})
 		}
