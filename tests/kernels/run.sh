@@ -137,6 +137,18 @@ build_payload() {
     rm -f "$p/bin/$t"
     case "$f" in /usr/sbin/"$t" | /usr/bin/"$t" | /sbin/"$t" | /bin/"$t") ;; *) ln -sf "$f" "$p/usr/sbin/$t" ;; esac
   done
+  # iptables' matches and targets (libxt_tcp.so for --dport, NFQUEUE, ...):
+  # it loads them by dlopen, so ldd does not name them.
+  local xt
+  for xt in /usr/lib/x86_64-linux-gnu/xtables /usr/lib/xtables; do
+    [ -d "$xt" ] || continue
+    mkdir -p "$p/$xt"; cp -aL "$xt/." "$p/$xt/"
+    for f in "$xt"/*.so; do
+      for lib in $(ldd "$f" 2>/dev/null | grep -o '/[^ ]*'); do
+        mkdir -p "$p/$(dirname "$lib")"; cp -Ln "$lib" "$p/$lib" 2>/dev/null || true
+      done
+    done
+  done
   for a in modprobe insmod lsmod depmod rmmod modinfo; do rm -f "$p/bin/$a"; ln -sf "$(readlink -f "$(command -v kmod)")" "$p/sbin/$a"; done
   # nft and iproute2 read these; libnftables its rt tables.
   cp /etc/protocols /etc/services "$p/etc/"
