@@ -203,6 +203,7 @@ static __always_inline int allowed(__u32 slot, struct exposure_limit *lim, struc
 #define V_DROP 0
 #define V_PASS 1
 #define V_REFUSED 2 // a refused TCP caller's SYN: answer it with the guest's RST
+#define V_DENIED 3  // a caller allowFrom keeps out: drop it, and count it in denied once per entry
 
 #define PKT_SKIP 0 // not one brokkr accounts (ICMP, another protocol): let it on
 #define PKT_OK 1
@@ -382,14 +383,23 @@ static __always_inline int track(__u64 ctp, struct nf_conntrack_tuple *t, struct
 	return 0;
 }
 
+// count_denied counts one caller allowFrom kept out of slot.
+static __always_inline void count_denied(__u32 slot)
+{
+	struct exposure_deny *dn = bpf_map_lookup_elem(&exposure_denied, &slot);
+	if (dn)
+		__sync_fetch_and_add(&dn->denied, 1);
+}
+
 // new_flow decides the caller's packet p of a marked connection (the
 // entry at ctp, original tuple t, the exposure's slot) no flow is kept
-// for. restricted: allowFrom applies (not a host-local caller); isnew: the
-// packet begins a conntrack entry (counted once in denied); fresh: it may
-// begin a flow (UDP, or a TCP SYN). V_REFUSED is a TCP caller over the
-// cap, whose SYN the program answers (or hands on to be answered).
+// for. restricted: allowFrom applies (not a host-local caller); fresh: it
+// may begin a flow (UDP, or a TCP SYN). V_REFUSED is a TCP caller over the
+// cap, whose SYN the program answers (or hands on to be answered);
+// V_DENIED one allowFrom keeps out, which each program set counts in
+// denied once per conntrack entry, as it can tell one.
 static __always_inline int new_flow(__u64 ctp, struct nf_conntrack_tuple *t, __u32 slot, struct exposure_stat *st,
-				    struct exposure_limit *lim, struct pkt *p, int restricted, int isnew, int fresh)
+				    struct exposure_limit *lim, struct pkt *p, int restricted, int fresh)
 {
 	// allowFrom, before admission: a caller from elsewhere is dropped
 	// (no RST, a firewall's behaviour), takes no place of the cap and
@@ -397,12 +407,8 @@ static __always_inline int new_flow(__u64 ctp, struct nf_conntrack_tuple *t, __u
 	// (conntrack picks up a mid-stream ACK as a new entry too). Host-local
 	// callers are the host's own processes and are not restricted
 	// (README, "allowFrom").
-	if (restricted && !allowed(slot, lim, p)) {
-		struct exposure_deny *dn = bpf_map_lookup_elem(&exposure_denied, &slot);
-		if (dn && isnew)
-			__sync_fetch_and_add(&dn->denied, 1);
-		return V_DROP;
-	}
+	if (restricted && !allowed(slot, lim, p))
+		return V_DENIED;
 	if (!fresh)
 		return V_PASS;
 	struct nat_flow nf = {.slot = slot, .gen = lim->gen};

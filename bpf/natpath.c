@@ -205,7 +205,13 @@ static __always_inline int account(struct bpf_nf_ctx *ctx, int hook)
 	if (reply)
 		return NF_ACCEPT; // a flow that predates the programs
 	int fresh = ctinfo == IP_CT_NEW && (p.proto == IPPROTO_UDP || (p.tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN);
-	int v = new_flow(ctp, &ct->tuplehash[0].tuple, slot, st, lim, &p, hook == NF_INET_PRE_ROUTING, ctinfo == IP_CT_NEW, fresh);
+	int v = new_flow(ctp, &ct->tuplehash[0].tuple, slot, st, lim, &p, hook == NF_INET_PRE_ROUTING, fresh);
+	if (v == V_DENIED) {
+		// A dropped new entry is never confirmed: each is counted once.
+		if (ctinfo == IP_CT_NEW)
+			count_denied(slot);
+		return NF_DROP;
+	}
 	if (v != V_REFUSED)
 		return v;
 	// A guest caller's packets are bridged straight to the target

@@ -103,7 +103,7 @@ func ifindex(t *testing.T, n *nstest.NS, name string) int {
 func (tp *natTopo) load(t *testing.T) *NatPath {
 	t.Helper()
 	kernelfeat.Require(t, kernelfeat.NatPath...)
-	np, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do, TC: testTCHooks})
+	np, err := LoadNatPath(NatPathConfig{PinDir: tp.pins, Bridge: tp.bridge, Guests: netip.MustParsePrefix("10.213.0.0/24"), InNS: tp.host.Do})
 	require.NoError(t, err)
 	return np
 }

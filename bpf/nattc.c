@@ -231,19 +231,16 @@ static __always_inline int toward_guest(struct __sk_buff *skb, struct nf_conn *c
 	if (f)
 		return on_flow(ctp, f, st, lim, p, 0);
 	int fresh = p->proto == IPPROTO_UDP || (p->tcp_flags & (TH_SYN | TH_ACK)) == TH_SYN;
-	int v = new_flow(ctp, &ct->tuplehash[0].tuple, slot, st, lim, p, restricted, 0, fresh);
-	if (v == V_DROP && restricted && !allowed(slot, lim, p)) {
-		// Denied: the entry outlives the drop here (conntrack confirmed
-		// it before these hooks), so it is counted once, by a flow that
-		// marks it, as the netfilter hooks count a new entry once.
-		struct nat_flow nf = {.slot = slot, .gen = lim->gen, .flags = F_DENIED};
-		if (!track(ctp, &ct->tuplehash[0].tuple, &nf)) {
-			struct exposure_deny *dn = bpf_map_lookup_elem(&exposure_denied, &slot);
-			if (dn)
-				__sync_fetch_and_add(&dn->denied, 1);
-		}
-	}
-	return v;
+	int v = new_flow(ctp, &ct->tuplehash[0].tuple, slot, st, lim, p, restricted, fresh);
+	if (v != V_DENIED)
+		return v;
+	// The entry outlives the drop here (conntrack confirmed it before
+	// these hooks), so it is counted once, by a flow that marks it, as the
+	// netfilter hooks count a new entry once.
+	struct nat_flow nf = {.slot = slot, .gen = lim->gen, .flags = F_DENIED};
+	if (!track(ctp, &ct->tuplehash[0].tuple, &nf))
+		count_denied(slot);
+	return V_DROP;
 }
 
 // from_guest counts a packet a guest sends, of the entry ct.

@@ -44,6 +44,9 @@ var ErrForeign = errors.New("exists and was not created by brokkr")
 type Manager struct {
 	ns string
 	h  *netlink.Handle
+	// nonePinned: the last PinNeighbours had no sleeper and left no
+	// permanent entry; the next one with none has nothing to look at.
+	nonePinned bool
 }
 
 // New opens a Manager on the namespace at nsPath ("" = the current one).

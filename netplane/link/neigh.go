@@ -24,7 +24,14 @@ import (
 // kernels before 6.4"). Pinned, they go out to the sleeping guest's port
 // and wake it, as at the netfilter hooks; the guest resumes with the same
 // MAC, so the entry stays right until the pass after the resume removes it.
-func (m *Manager) PinNeighbours(bridge string, pins map[netip.Addr]net.HardwareAddr) error {
+//
+// With no sleeper, as on most passes, and none at the last call either,
+// it does nothing: no neighbour dump every pass for nothing.
+func (m *Manager) PinNeighbours(bridge string, pins map[netip.Addr]net.HardwareAddr) (err error) {
+	if len(pins) == 0 && m.nonePinned {
+		return nil
+	}
+	defer func() { m.nonePinned = err == nil && len(pins) == 0 }()
 	br, err := m.byName(bridge)
 	if err != nil || br == nil {
 		return err

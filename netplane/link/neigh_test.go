@@ -51,4 +51,15 @@ func TestPinNeighboursPinsSleepersAndUnpinsTheRest(t *testing.T) {
 	assert.Empty(t, neigh(a6))
 	assert.Empty(t, neigh(b4))
 	assert.Contains(t, neigh(netip.MustParseAddr("10.213.0.12")), "02:00:00:00:00:12", "a learnt entry is not brokkr's to remove")
+
+	// Every VM awake: the last pin goes, and a manager made anew (a
+	// restarted daemon) removes what an earlier one pinned.
+	require.NoError(t, m.PinNeighbours("brokkr0", nil))
+	assert.Empty(t, neigh(a4))
+	ns.MustRun(t, "ip", "neigh", "replace", b4.String(), "lladdr", macB.String(), "nud", "permanent", "dev", "brokkr0")
+	m2, err := New(ns.Path)
+	require.NoError(t, err)
+	defer m2.Close()
+	require.NoError(t, m2.PinNeighbours("brokkr0", nil))
+	assert.Empty(t, neigh(b4), "the first call looks, sleepers or not")
 }
