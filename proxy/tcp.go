@@ -154,9 +154,11 @@ func (m *Manager) admit(ex *exposure, c sock, remote, local netip.AddrPort, to s
 			local = sockLocalAddr(c)
 		}
 		if !hostLocal(src, local.Addr()) && !a.allows(src) {
+			// Counted and noted before the caller learns it: whoever saw
+			// the close sees the books already written.
 			ex.ctr.slot.AddDenied(1)
-			_ = c.Close()
 			m.logs.event(slog.LevelInfo, ex.id, evDenied, "proxy: caller not in allowFrom closed", "from", src)
+			_ = c.Close()
 			return
 		}
 	}
@@ -164,8 +166,8 @@ func (m *Manager) admit(ex *exposure, c sock, remote, local netip.AddrPort, to s
 	// path of the exposure shares (the kernel's and the other listeners').
 	if !ex.ctr.slot.Reserve() {
 		ex.ctr.slot.AddRefused(1)
-		reset(c)
 		m.logs.event(slog.LevelWarn, ex.id, evRefused, "proxy: caller refused at the connection cap", "maxConns", ex.maxConns.Load())
+		reset(c)
 		return
 	}
 	ex.conns.Add(1)
