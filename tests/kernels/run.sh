@@ -98,6 +98,57 @@ fetch_kernel() {
   touch "$k/.done"
 }
 
+# The nft a kernel line's VM runs when the host's cannot drive that kernel:
+# Debian 12's nft 1.0.6 puts a one-byte byteorder expression on `meta
+# l4proto` in an interval concatenation (the port-range dispatch rules),
+# which 6.12 refuses with EOPNOTSUPP; trixie's nft, the one that kernel
+# ships with, does not emit it. brokkr itself never runs nft (its rules go
+# over netlink), so only the tests' nft -f of golden text is affected.
+nft_suite_of() {
+  case "$1" in
+    6.12) echo trixie ;;
+    *) ;;
+  esac
+}
+
+# fetch_nft LINE: the line's own nft and the libraries it loads, unpacked
+# under /opt/nft with /usr/sbin/nft a wrapper that runs it with its own
+# loader, into $cache/LINE/nft.cpio (once; appended to the VM's initramfs
+# after the payload, so its /usr/sbin/nft replaces the host's).
+fetch_nft() {
+  local line=$1 suite k w pkgs
+  suite=$(nft_suite_of "$line")
+  k="$cache/$line"
+  rm -f "$k/nft.cpio.tmp"
+  [ -n "$suite" ] || { rm -f "$k/nft.cpio"; return 0; }
+  if [ -f "$k/nft.cpio" ] && [ "${KERNELS_REFRESH:-0}" != 1 ]; then return 0; fi
+  w=$(mktemp -d "$cache/fetch.XXXXXX")
+  local deps=(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts
+    --no-breaks --no-replaces --no-enhances nftables)
+  pkgs=$(kapt "$suite" "${deps[@]}" 2>/dev/null | grep -v '^[ <]' | sort -u) || true
+  if [ -z "$pkgs" ]; then
+    kapt "$suite" apt-get -qq update >/dev/null
+    pkgs=$(kapt "$suite" "${deps[@]}" | grep -v '^[ <]' | sort -u)
+  fi
+  echo "test-kernels: $line: downloading $suite's nftables and its libraries"
+  # shellcheck disable=SC2086
+  (cd "$w" && kapt "$suite" apt-get -qq download $pkgs >/dev/null)
+  mkdir -p "$w/root/opt/nft"
+  local f; for f in "$w"/*.deb; do dpkg -x "$f" "$w/root/opt/nft"; done
+  mkdir -p "$w/root/usr/sbin"
+  cat > "$w/root/usr/sbin/nft" <<'WRAP'
+#!/bin/sh
+l=/opt/nft/usr/lib/x86_64-linux-gnu
+exec $l/ld-linux-x86-64.so.2 --library-path $l /opt/nft/usr/sbin/nft "$@"
+WRAP
+  chmod 0755 "$w/root/usr/sbin/nft"
+  rm -rf "$w/root/opt/nft/usr/share/doc" "$w/root/opt/nft/usr/share/man" "$w/root/opt/nft/usr/share/locale" \
+    "$w/root/opt/nft/usr/lib/x86_64-linux-gnu/gconv"
+  (cd "$w/root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) > "$k/nft.cpio.tmp"
+  mv "$k/nft.cpio.tmp" "$k/nft.cpio"
+  rm -rf "$w"
+}
+
 # What the VM runs: "binary dir [flags...]", one package a line (dir is the
 # package's directory, where go test would run it).
 suite() {
@@ -196,6 +247,7 @@ details() {
     /^BRK-BEGIN / { pkg=$2; next }
     /^BRK-END / { if ($3 != 0) print "    " pkg ": exit " $3; next }
     /^BRK-NOMOD / { print "    module " $2 " did not load"; next }
+    /^BRK-NFT / { sub(/^BRK-NFT /, ""); print "    with " $0; next }
     /^=== (RUN|CONT|NAME)/ { cur=$3; next }
     /^[[:space:]]+[A-Za-z0-9_]+\.go:[0-9]+: / { l=$0; sub(/^[[:space:]]+[A-Za-z0-9_]+\.go:[0-9]+: /, "", l); said[cur]=l; next }
     /^[[:space:]]*--- FAIL:/ { l=$0; sub(/^[[:space:]]*--- FAIL: /, "", l); print "    " pkg ": FAIL " l; next }
@@ -210,6 +262,7 @@ run_vm() {
   local line=$1 k="$cache/$1" r="$cache/run-$1"
   rm -rf "$r"; mkdir -p "$r"
   cat "$k/modules.cpio" "$payload.cpio" > "$r/initrd"
+  [ -f "$k/nft.cpio" ] && cat "$k/nft.cpio" >> "$r/initrd"
   local start=$SECONDS
   # TCG: this host's /dev/kvm does not run Debian's kernels. Two vCPUs,
   # one host thread each; no NIC (the tests make their own namespaces).
@@ -270,7 +323,7 @@ bench_report() {
       if (bad) exit 1 }' "$2"
 }
 
-for line in $KERNELS; do fetch_kernel "$line"; done
+for line in $KERNELS; do fetch_kernel "$line"; fetch_nft "$line"; done
 if [ "$BENCH" = 1 ]; then
   payload="$cache/payload"
   echo "bench-kernels: building brokkrd, brokkr, connrate and the VM's userspace"
