@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+
+	"go.yaml.in/yaml/v3"
 )
 
 func configWith(n int) []byte {
@@ -75,6 +77,47 @@ func bothReaders(b *testing.B, read func([]byte) error) {
 			b.ReportAllocs()
 			for i := 0; i < b.N; i++ {
 				if err := read(r.doc); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkReadDocumentYAML is the parse alone of BenchmarkDecodeJSON's
+// desired state as yaml.Marshal writes it: yamlBlockNode, and the YAML
+// parser it replaces for such documents.
+func BenchmarkReadDocumentYAML(b *testing.B) {
+	bothYAMLReaders(b, func(*yaml.Node) error { return nil })
+}
+
+// BenchmarkDecodeYAML is BenchmarkReadDocumentYAML's parse with the rest
+// of Decode after it.
+func BenchmarkDecodeYAML(b *testing.B) {
+	bothYAMLReaders(b, func(doc *yaml.Node) error { _, err := decodeNode(doc); return err })
+}
+
+// bothYAMLReaders runs then on a 100,000-exposure YAML document as
+// yamlBlockNode reads it (block-reader) and as the YAML parser does
+// (yaml-parser).
+func bothYAMLReaders(b *testing.B, then func(*yaml.Node) error) {
+	data := configYAML(100000)
+	if _, ok := yamlBlockNode(data); !ok {
+		b.Fatal("yamlBlockNode leaves the document to the YAML parser")
+	}
+	for _, r := range []struct {
+		name string
+		read func([]byte) (*yaml.Node, error)
+	}{{"block-reader", readDocument}, {"yaml-parser", parseYAML}} {
+		b.Run(r.name, func(b *testing.B) {
+			b.SetBytes(int64(len(data)))
+			b.ReportAllocs()
+			for i := 0; i < b.N; i++ {
+				doc, err := r.read(data)
+				if err == nil {
+					err = then(doc)
+				}
+				if err != nil {
 					b.Fatal(err)
 				}
 			}

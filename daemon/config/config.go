@@ -211,6 +211,11 @@ func Decode(data []byte) (*Config, error) {
 	if err != nil {
 		return nil, err
 	}
+	return decodeNode(doc)
+}
+
+// decodeNode is Decode of the document read.
+func decodeNode(doc *yaml.Node) (*Config, error) {
 	if doc == nil {
 		return Defaults(), nil
 	}
@@ -235,7 +240,8 @@ func Decode(data []byte) (*Config, error) {
 }
 
 // readDocument reads the one YAML (or JSON) document of data; nil when it
-// is empty (or null).
+// is empty (or null). jsonNode and yamlBlockNode read the plain documents
+// they know, faster; the YAML parser reads the rest.
 func readDocument(data []byte) (*yaml.Node, error) {
 	if len(data) > MaxConfigBytes {
 		return nil, Errors{{Msg: fmt.Sprintf("config is %d bytes, more than the %d allowed", len(data), MaxConfigBytes)}}
@@ -243,6 +249,15 @@ func readDocument(data []byte) (*yaml.Node, error) {
 	if doc, ok := jsonNode(data); ok {
 		return doc, nil
 	}
+	if doc, ok := yamlBlockNode(data); ok {
+		return doc, nil
+	}
+	return parseYAML(data)
+}
+
+// parseYAML is readDocument by the YAML parser, for what the fast paths
+// leave to it.
+func parseYAML(data []byte) (*yaml.Node, error) {
 	var root yaml.Node
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	if err := dec.Decode(&root); err != nil {

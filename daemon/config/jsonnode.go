@@ -41,11 +41,15 @@ type jsonScan struct {
 	pos       int
 	line      int
 	lineStart int // offset of the current line's first byte
+	nodes
+}
 
-	// The tree's nodes come from slabs and each container's children are
-	// gathered on one stack, then copied out at their final size: a
-	// document of 100,000 exposures is over a million nodes, and their
-	// allocations, one by one, were most of the reader's time.
+// nodes builds a tree for jsonNode and yamlBlockNode. Its nodes come from
+// slabs and each container's children are gathered on one stack, then
+// copied out at their final size: a document of 100,000 exposures is over
+// a million nodes, and their allocations, one by one, were most of the
+// reader's time.
+type nodes struct {
 	slab  []yaml.Node
 	stack []*yaml.Node
 }
@@ -53,9 +57,11 @@ type jsonScan struct {
 // node is a new node from the current slab, its fields set in place (a
 // yaml.Node is 20 words: built and then copied, it cost a third of the
 // reader's time).
-func (s *jsonScan) node(kind yaml.Kind, tag string, style yaml.Style, value string, line, col int) *yaml.Node {
+func (s *nodes) node(kind yaml.Kind, tag string, style yaml.Style, value string, line, col int) *yaml.Node {
 	if len(s.slab) == cap(s.slab) {
-		s.slab = make([]yaml.Node, 0, 4096)
+		// Slabs double up to 4096 nodes: a small document does not pay
+		// for a big one.
+		s.slab = make([]yaml.Node, 0, min(4096, 2*cap(s.slab)+16))
 	}
 	s.slab = s.slab[:len(s.slab)+1]
 	n := &s.slab[len(s.slab)-1]
@@ -64,7 +70,7 @@ func (s *jsonScan) node(kind yaml.Kind, tag string, style yaml.Style, value stri
 }
 
 // children moves what was stacked since mark into n's Content.
-func (s *jsonScan) children(n *yaml.Node, mark int) {
+func (s *nodes) children(n *yaml.Node, mark int) {
 	if len(s.stack) > mark {
 		n.Content = append([]*yaml.Node(nil), s.stack[mark:]...)
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -31,7 +32,7 @@ func sameTree(a, b *yaml.Node, path string) error {
 	if a.Kind != b.Kind || a.Tag != b.Tag || a.Style != b.Style || a.Value != b.Value ||
 		a.Line != b.Line || a.Column != b.Column || a.Anchor != b.Anchor || (a.Alias == nil) != (b.Alias == nil) ||
 		len(a.Content) != len(b.Content) {
-		return fmt.Errorf("%s: json {kind %d tag %q style %d value %q at %d:%d, %d children} yaml {kind %d tag %q style %d value %q at %d:%d, %d children}",
+		return fmt.Errorf("%s: fast reader {kind %d tag %q style %d value %q at %d:%d, %d children} YAML parser {kind %d tag %q style %d value %q at %d:%d, %d children}",
 			path, a.Kind, a.Tag, a.Style, a.Value, a.Line, a.Column, len(a.Content), b.Kind, b.Tag, b.Style, b.Value, b.Line, b.Column, len(b.Content))
 	}
 	for i := range a.Content {
@@ -129,21 +130,55 @@ func TestJSONConfigDecodesAsYAMLDid(t *testing.T) {
 }
 
 func configJSON(n int) []byte {
+	b, err := json.MarshalIndent(configDoc(n), "", " ")
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+// configYAML is configJSON's document as yaml.Marshal writes it
+// (TestConfigYAMLIsYAMLMarshals), written here directly: yaml.Marshal of
+// 100,000 exposures takes seconds, tens of them under -race.
+func configYAML(n int) []byte {
+	var b strings.Builder
+	b.WriteString("network:\n    cidr: 10.0.0.1/16\nvms:\n")
+	vms := max(1, n/10)
+	for i := 0; i < vms; i++ {
+		fmt.Fprintf(&b, "    - name: vm-%d\n      kernel: /k\n", i)
+	}
+	b.WriteString("exposures:\n")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&b, "    - name: e-%d\n      vm: vm-%d\n      guestPort: 80\n      hostPort: %d\n      mode: nat\n", i, i%vms, 1+i%65000)
+	}
+	return []byte(b.String())
+}
+
+func TestConfigYAMLIsYAMLMarshals(t *testing.T) {
+	for _, n := range []int{1, 25} {
+		want, err := yaml.Marshal(configDoc(n))
+		require.NoError(t, err)
+		assert.Equal(t, string(want), string(configYAML(n)))
+	}
+}
+
+// configDoc is a desired state of n exposures, to be marshalled.
+func configDoc(n int) any {
 	type vm struct {
-		Name   string `json:"name"`
-		Kernel string `json:"kernel"`
+		Name   string `json:"name" yaml:"name"`
+		Kernel string `json:"kernel" yaml:"kernel"`
 	}
 	type exp struct {
-		Name      string `json:"name"`
-		VM        string `json:"vm"`
-		GuestPort int    `json:"guestPort"`
-		HostPort  int    `json:"hostPort"`
-		Mode      string `json:"mode"`
+		Name      string `json:"name" yaml:"name"`
+		VM        string `json:"vm" yaml:"vm"`
+		GuestPort int    `json:"guestPort" yaml:"guestPort"`
+		HostPort  int    `json:"hostPort" yaml:"hostPort"`
+		Mode      string `json:"mode" yaml:"mode"`
 	}
 	doc := struct {
-		Network   map[string]string `json:"network"`
-		VMs       []vm              `json:"vms"`
-		Exposures []exp             `json:"exposures"`
+		Network   map[string]string `json:"network" yaml:"network"`
+		VMs       []vm              `json:"vms" yaml:"vms"`
+		Exposures []exp             `json:"exposures" yaml:"exposures"`
 	}{Network: map[string]string{"cidr": "10.0.0.1/16"}}
 	vms := max(1, n/10)
 	for i := 0; i < vms; i++ {
@@ -152,11 +187,7 @@ func configJSON(n int) []byte {
 	for i := 0; i < n; i++ {
 		doc.Exposures = append(doc.Exposures, exp{fmt.Sprintf("e-%d", i), fmt.Sprintf("vm-%d", i%vms), 80, 1 + i%65000, "nat"})
 	}
-	b, err := json.MarshalIndent(doc, "", " ")
-	if err != nil {
-		panic(err)
-	}
-	return b
+	return doc
 }
 
 // viaYAMLParser is doc with a comment after it: jsonNode leaves it to the
