@@ -124,9 +124,23 @@ func BenchmarkApplyToActive(b *testing.B) {
 	}
 	one := exposuresYAML(1)
 	last := fmt.Sprintf("10.99.%d.1:%d", (n-1)/exposureBlock, 20001+(n-1)%exposureBlock)
-	for _, doc := range []struct{ format, whole string }{{"yaml", exposuresYAML(n)}, {"json", exposuresJSON(n)}} {
+	for _, doc := range []struct{ format, whole string }{
+		{"yaml", exposuresYAML(n)}, {"yaml-block", exposuresBlockYAML(n)}, {"json", exposuresJSON(n)},
+	} {
 		b.Run(fmt.Sprintf("natpath/exposures=%d/%s", n, doc.format), func(b *testing.B) { applyToActive(b, d, apply, echo, doc.whole, one, last, n) })
 	}
+}
+
+// exposuresBlockYAML is exposuresYAML's document in block style, a line
+// per field, as yaml.Marshal and most generators write it.
+func exposuresBlockYAML(n int) string {
+	var y strings.Builder
+	y.WriteString("exposures:\n")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&y, "    - name: e-%d\n      target: 10.213.0.250\n      guestPort: 80\n      hostAddress: 10.99.%d.1\n      hostPort: %d\n      mode: nat\n",
+			i, i/exposureBlock, 20001+i%exposureBlock)
+	}
+	return y.String()
 }
 
 // exposuresJSON is exposuresYAML's document as JSON, as a program that
