@@ -167,6 +167,16 @@ func newRawListener(ln *net.TCPListener) (*rawListener, error) {
 		f.Close()
 		return nil, err
 	}
+	// TCP_NODELAY on the listener, once: accepted sockets inherit it (as
+	// they do the keepalive settings listenConfig gives it), so accept
+	// makes no setsockopt per caller. Set here, not in listenConfig, so a
+	// listener taken over from an earlier process gets it too.
+	if err := rc.Control(func(fd uintptr) {
+		_ = sysSetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	}); err != nil {
+		f.Close()
+		return nil, err
+	}
 	l := &rawListener{f: f, rc: rc, addr: addr}
 	l.try = func(lfd uintptr) bool {
 		for {
@@ -217,10 +227,7 @@ func (l *rawListener) accept() (*os.File, netip.AddrPort, error) {
 	if l.err != nil {
 		return nil, netip.AddrPort{}, l.err
 	}
-	// TCP_NODELAY, as net's Accept sets it. (An accepted socket would
-	// inherit it from its listener, but the proxy's listeners do not have
-	// it: Go does not set it on a listener, and neither does listenConfig.)
-	_ = sysSetsockoptInt(l.fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	// TCP_NODELAY comes from the listener (newRawListener).
 	return rawFile(l.fd), l.sa.addrPort(), nil
 }
 
