@@ -399,7 +399,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 	errs = append(errs, err)
 
 	if d.store != nil {
-		keep := map[string]bool{}
+		keep := make(map[string]bool, len(all.Exposures))
 		for _, e := range all.Exposures {
 			keep[e.Name] = true
 		}

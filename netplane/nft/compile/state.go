@@ -295,10 +295,10 @@ func (s *State) Plan(r Rules, obs *Observation) (*Plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	hint := 0
-	if !s.Applied() {
-		hint = len(r.Exposures) // all of them are new to the state
-	}
+	// At least this many exposures are new to the state (all of them on a
+	// first apply): the maps are made that big at once, not rehashed on
+	// the way to 100,000.
+	hint := max(0, len(r.Exposures)-s.exps.len())
 	_, setBased := r.setBased()
 	w := &want{inet: inet, bridge: bridge, setBased: setBased, changed: make(map[string]*Exposure, hint), n: len(r.Exposures)}
 	rebuild := s.Applied() && setBased != s.setBased
@@ -314,6 +314,7 @@ func (s *State) Plan(r Rules, obs *Observation) (*Plan, error) {
 			w.order, w.expAt = append(w.order, e.Name), append(w.expAt, e)
 		}
 	} else {
+		w.order, w.expAt = make([]string, 0, hint), make([]*Exposure, 0, hint)
 		a := &s.exps
 		a.pass++
 		for i := range r.Exposures {
@@ -556,7 +557,7 @@ func sharesRecreated(want, applied *TableSpec) bool {
 func (w *want) fastDeltas(s *State, oldU func(string) *unit) (dInet, dBridge *delta, touched map[string]bool) {
 	dInet = makeDelta(w.inet, ObservedFrom(s.inet), nil)
 	dBridge = makeDelta(w.bridge, ObservedFrom(s.bridge), nil)
-	touched = map[string]bool{}
+	touched = make(map[string]bool, len(w.order)) // w.order: the changed exposures
 	for i, n := range w.order {
 		from := len(dInet.diffs)
 		old, u := oldU(n), w.unitAt[i]
