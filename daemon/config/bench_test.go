@@ -88,20 +88,26 @@ func bothReaders(b *testing.B, read func([]byte) error) {
 // desired state as yaml.Marshal writes it: yamlBlockNode, and the YAML
 // parser it replaces for such documents.
 func BenchmarkReadDocumentYAML(b *testing.B) {
-	bothYAMLReaders(b, func(*yaml.Node) error { return nil })
+	bothYAMLReaders(b, configYAML(100000), func(*yaml.Node) error { return nil })
+}
+
+// BenchmarkReadDocumentYAMLFlow is BenchmarkReadDocumentYAML of the
+// document BenchmarkApplyToActive (daemon/put_bench_test.go) applies:
+// 100,000 exposures, each a flow mapping on a line of its own.
+func BenchmarkReadDocumentYAMLFlow(b *testing.B) {
+	bothYAMLReaders(b, []byte(applyYAML(100000)), func(*yaml.Node) error { return nil })
 }
 
 // BenchmarkDecodeYAML is BenchmarkReadDocumentYAML's parse with the rest
 // of Decode after it.
 func BenchmarkDecodeYAML(b *testing.B) {
-	bothYAMLReaders(b, func(doc *yaml.Node) error { _, err := decodeNode(doc); return err })
+	bothYAMLReaders(b, configYAML(100000), func(doc *yaml.Node) error { _, err := decodeNode(doc); return err })
 }
 
-// bothYAMLReaders runs then on a 100,000-exposure YAML document as
+// bothYAMLReaders runs then on data, a 100,000-exposure YAML document, as
 // yamlBlockNode reads it (block-reader) and as the YAML parser does
 // (yaml-parser).
-func bothYAMLReaders(b *testing.B, then func(*yaml.Node) error) {
-	data := configYAML(100000)
+func bothYAMLReaders(b *testing.B, data []byte, then func(*yaml.Node) error) {
 	if _, ok := yamlBlockNode(data); !ok {
 		b.Fatal("yamlBlockNode leaves the document to the YAML parser")
 	}

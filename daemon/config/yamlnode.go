@@ -10,18 +10,19 @@ import (
 // yamlBlockNode reads a block-style YAML document into the node tree the
 // YAML parser makes of it, several times faster
 // (BenchmarkReadDocumentYAML): at 100,000 exposures that parser is most of
-// an apply's request. Like
-// jsonNode it reads only a plain subset and reports false for anything
-// else, which the YAML parser then reads as before. The subset: a mapping
-// at the top; block mappings and sequences indented with spaces (a "- "
-// item may hold a mapping on its line, a key's sequence may sit at the
-// key's own indentation); keys and values on one line each; plain scalars
-// of printable ASCII without '#' whose tag is certain (see plainTag);
-// quoted scalars without escapes; an empty value (null); [] and {}; a
-// leading "---"; comments. Whatever it accepts, the YAML parser accepts as
-// the same tree (kinds, tags, styles, values, lines and columns;
-// FuzzYAMLBlockNodeIsYAMLs checks it), so what checkTree and Decode make of
-// a document does not depend on which of the two read it.
+// an apply's request. Like jsonNode it reads only a plain subset and
+// reports false for anything else, which the YAML parser then reads as
+// before. The subset: a mapping at the top; block mappings and sequences
+// indented with spaces (a "- " item may hold a mapping on its line, a
+// key's sequence may sit at the key's own indentation); keys and values on
+// one line each; plain scalars of printable ASCII without '#' whose tag is
+// certain (see plainTag); quoted scalars without escapes; an empty value
+// (null); a value that is a flow collection of such scalars on one line,
+// "[a, b]" or "{k: v, l: w}" (see flow); a leading "---"; comments.
+// Whatever it accepts, the YAML parser accepts as the same tree (kinds,
+// tags, styles, values, lines and columns; FuzzYAMLBlockNodeIsYAMLs checks
+// it), so what checkTree and Decode make of a document does not depend on
+// which of the two read it.
 func yamlBlockNode(data []byte) (*yaml.Node, bool) {
 	s := yamlScan{text: string(data), line: 1}
 	if !s.nextLine() {
@@ -169,7 +170,7 @@ func (s *yamlScan) block(indent, depth int) (*yaml.Node, bool) {
 	if s.entry() {
 		return s.sequence(indent, depth)
 	}
-	k, key, ok := s.scalar()
+	k, key, ok := s.scalar(false)
 	if !ok || !key {
 		return nil, false // a scalar on a line of its own could go on over the next
 	}
@@ -198,7 +199,7 @@ func (s *yamlScan) mapping(indent, depth int, k *yaml.Node) (*yaml.Node, bool) {
 			return nil, false // a scalar going on over this line, or not YAML
 		}
 		var key bool
-		if k, key, ok = s.scalar(); !ok || !key {
+		if k, key, ok = s.scalar(false); !ok || !key {
 			return nil, false
 		}
 	}
@@ -252,16 +253,15 @@ func (s *yamlScan) value(indent, depth int, inMap bool) (*yaml.Node, bool) {
 		s.pos++
 	}
 	var v *yaml.Node
-	switch {
-	case strings.HasPrefix(s.text[s.pos:], "[]"):
-		v = s.node(yaml.SequenceNode, "!!seq", yaml.FlowStyle, "", s.line, s.col())
-		s.pos += 2
-	case strings.HasPrefix(s.text[s.pos:], "{}"):
-		v = s.node(yaml.MappingNode, "!!map", yaml.FlowStyle, "", s.line, s.col())
-		s.pos += 2
+	switch s.text[s.pos] {
+	case '[', '{':
+		var ok bool
+		if v, ok = s.flow(); !ok {
+			return nil, false
+		}
 	default:
 		var key, ok bool
-		if v, key, ok = s.scalar(); !ok {
+		if v, key, ok = s.scalar(false); !ok {
 			return nil, false
 		}
 		if key {
@@ -275,10 +275,75 @@ func (s *yamlScan) value(indent, depth int, inMap bool) (*yaml.Node, bool) {
 	return v, s.endLine() && s.nextLine()
 }
 
-// scalar reads a scalar that starts at s.pos, on its line. key: it is
-// followed by ':' and a space or the line's end, where s then stands;
-// otherwise s stands just after it.
-func (s *yamlScan) scalar() (n *yaml.Node, key, ok bool) {
+// flow reads a flow collection on one line, "[a, 'b', 1]" or
+// "{k: v, 'l': 2}", whose entries are scalars; s stands at its '[' or
+// '{'. A collection inside, an empty entry, a key without a value, a
+// trailing ',', a pair in a sequence ("[a: b]") and a line break are
+// left to the YAML parser.
+func (s *yamlScan) flow() (*yaml.Node, bool) {
+	n := s.node(yaml.SequenceNode, "!!seq", yaml.FlowStyle, "", s.line, s.col())
+	closing := byte(']')
+	if s.text[s.pos] == '{' {
+		n.Kind, n.Tag, closing = yaml.MappingNode, "!!map", '}'
+	}
+	mark := len(s.stack)
+	s.pos++
+	s.spaces()
+	if s.at(closing) {
+		s.pos++
+		return n, true // [], { }
+	}
+	for {
+		k, key, ok := s.flowScalar()
+		if !ok || key != (closing == '}') {
+			return nil, false // "[a: b]", "{a}", "{a, b: c}"
+		}
+		s.stack = append(s.stack, k)
+		if key {
+			s.pos++ // ':'
+			s.spaces()
+			v, _, ok := s.flowScalar()
+			if !ok {
+				return nil, false // "{a: }"
+			}
+			s.stack = append(s.stack, v)
+		}
+		s.spaces()
+		switch {
+		case s.at(closing):
+			s.pos++
+			s.children(n, mark)
+			return n, true
+		case s.at(','):
+			s.pos++
+			s.spaces()
+		default:
+			return nil, false // "{a: b: c}", "{a: b # c}", "[a, b" and a line break
+		}
+	}
+}
+
+// flowScalar is scalar in a flow collection, where s may stand at the
+// line's end.
+func (s *yamlScan) flowScalar() (n *yaml.Node, key, ok bool) {
+	if s.pos == len(s.text) {
+		return nil, false, false
+	}
+	return s.scalar(true)
+}
+
+func (s *yamlScan) spaces() {
+	for s.pos < len(s.text) && s.text[s.pos] == ' ' {
+		s.pos++
+	}
+}
+
+func (s *yamlScan) at(c byte) bool { return s.pos < len(s.text) && s.text[s.pos] == c }
+
+// scalar reads a scalar that starts at s.pos, on its line, in a flow
+// collection or not. key: it is followed by ':' and a space or the line's
+// end, where s then stands; otherwise s stands just after it.
+func (s *yamlScan) scalar(flow bool) (n *yaml.Node, key, ok bool) {
 	line, col := s.line, s.col()
 	var v, tag string
 	style := yaml.Style(0)
@@ -300,7 +365,7 @@ func (s *yamlScan) scalar() (n *yaml.Node, key, ok bool) {
 		}
 		s.pos = i + 1
 	default:
-		if v, ok = s.plain(); !ok {
+		if v, ok = s.plain(flow); !ok {
 			return nil, false, false
 		}
 		if tag, ok = plainTag(v); !ok {
@@ -319,8 +384,12 @@ func (s *yamlScan) scalar() (n *yaml.Node, key, ok bool) {
 // a space or the line's end follows (a key's), or to the spaces before the
 // line's end or a comment. Single spaces and runs of them inside are its
 // own. Its first byte is a letter, a digit, '/', '_', or the '-' of a
-// negative number; the rest is plainTag's to judge.
-func (s *yamlScan) plain() (string, bool) {
+// negative number; the rest is plainTag's to judge. In a flow collection
+// (flow) ',', ']' and '}' end it too, and the spaces before them; a '[',
+// '{' or '?' in it is left to the YAML parser, whose scanner ends a plain
+// scalar there too ("[a?b]" is a, then "?b"). A ':' that no space follows
+// is the scalar's, there as in a block ("[https://h:2379]", "[a:]").
+func (s *yamlScan) plain(flow bool) (string, bool) {
 	start, i := s.pos, s.pos
 	if c := s.text[i]; !(isLetter(c) || isDigit(c) || c == '/' || c == '_' ||
 		c == '-' && i+1 < len(s.text) && isDigit(s.text[i+1])) {
@@ -339,15 +408,17 @@ func (s *yamlScan) plain() (string, bool) {
 			for j < len(s.text) && s.text[j] == ' ' {
 				j++
 			}
-			if j == len(s.text) || s.text[j] == '\n' || s.text[j] == '#' {
+			if j == len(s.text) || s.text[j] == '\n' || s.text[j] == '#' || flow && flowEnd(s.text[j]) {
 				s.pos = i
 				return s.text[start:i], true
 			}
 			i = j
-		case c == '\n':
+		case c == '\n' || flow && flowEnd(c):
 			s.pos = i
 			return s.text[start:i], true
 		case c == '#' || c < ' ' || c > '~':
+			return "", false
+		case flow && (c == '[' || c == '{' || c == '?'):
 			return "", false
 		default:
 			i++
@@ -433,6 +504,9 @@ func plainDigitsStr(v string) bool {
 	}
 	return str || dots > 1
 }
+
+// flowEnd reports whether c ends a plain scalar in a flow collection.
+func flowEnd(c byte) bool { return c == ',' || c == ']' || c == '}' }
 
 func isDigit(c byte) bool  { return c >= '0' && c <= '9' }
 func isLetter(c byte) bool { return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' }

@@ -50,6 +50,17 @@ var yamlTaken = []string{
 	"a: b\n\n\n", "a:\n\n- b", "# c\n---\na: 1", "a:\n- b:\n  - c\n  d: 1\n",
 	"a:\n  - b: 1\n    c:\n    - d\n    e: f\n  - g\n", "a: [] # c\n",
 	"-1: a\n-2:\n- 3\n",
+	// Flow collections of scalars on one line.
+	"a: [b]\n", "a: {b: c}\n", "a: [ ]\n", "a: { }\n", "a: [  ]  # c\n",
+	"exposures:\n  - {name: e-1, target: 10.213.0.250, guestPort: 80, hostAddress: 10.99.0.1, hostPort: 30001, mode: nat}\n",
+	"allowFrom: [10.0.0.0/8, 192.168.1.0/24]\nports: [80, 443]\n",
+	"endpoints: [https://10.0.0.5:2379, https://10.0.0.6:2379]\n", "a: [fd00::/8, 1:2, a:b, a::b]\n", "a: {k: a:b, l: http://x}\n",
+	"a: {a: b,c: d}\n", "a: { a: b }\n", "a: {a: b} # c\n", "a: {\"a\": 1}\n", "a: {'a': 1}\n", "a: {a: b, a: c}\n",
+	"a: [a b, c  d ,e]\n", "a: [ a ,  b ]\n", "a: ['x, y', \"]\", 'z}']\n", "a: [null, true, false, -1, 0, x]\n",
+	"a: {null: true, 1: -2}\n", "a: [b :c]\n", "a: [a!b, c&d, e*f, g|h, i>j, k%l, m@n, o`p, q\"r, s'u]\n",
+	"a:\n- [b, c]\n- {d: e}\n- []\n-   {}   # c\n- f\n", "a:\n  - {b: c, d: e}\n  - [1]\nb: [x] # caf\u00e9\n",
+	"a: {b: c}\nb:\n  c: [d]\n  e: {f: g}\n",
+	"a: [a:, b:]\n", "a: [a:]\n", "a: {a: b:}\n", "a: {a: 1:, b: c}\n", "a: [a :b, a:b:c]\n",
 }
 
 var yamlLeft = []string{
@@ -60,13 +71,24 @@ var yamlLeft = []string{
 	"<<: {}\n", "a: <<\n", "a: b: c\n", "a : b\n", "a:b\n", "a: b\n  c\n", "a: b\n\n  c\n", "a:\n  b\n",
 	"a: 'it''s'\n", "a: \"tab\\t\"\n", "a: \"multi\n  line\"\n", "a: 'x\n", "a: |\n  x\n", "a: >\n  x\n",
 	"a: &x 1\nb: *x\n", "a: !!str 1\n", "? a\n: b\n", "%YAML 1.2\n---\na: 1\n", "a: 1\n---\nb: 2\n", "a: 1\n...\n",
-	"a: [b]\n", "a: {b: c}\n", "a: [ ]\n", "a:\tb\n", "\ta: b\n", "a: b\r\n", "a: b\rc: d\n", "a: caf\u00e9\n", "\ufeffa: b\n",
+	"a:\tb\n", "\ta: b\n", "a: b\r\n", "a: b\rc: d\n", "a: caf\u00e9\n", "\ufeffa: b\n",
 	"a: b#c\n", "a: b #c\u2028d: e\n", "a: b #\xff\n", "a:\n  b: 1\n c: 2\n", "a: 1\n b: 2\n",
 	"a:\n  - b\n  c: 1\n", "a:\n- b\n- c\n- d: 1\n  e: 2\n   f: 3\n",
 	"a: -\n", "a: - b\n", "a:\n  -b\n", "- a: 1\n", "a:\n- - b\n",
 	"a: b\n---\n", "a: \"b\"c\n", "a: \"b\":\n", "a: [] x\n",
 	"a: \"x\"#c\n", "a: 1:", "a: 1234-5", "a: 0x1:", "a: 0b-1", "a: 0o-7", "a: 1e-5", "a: 'x'y", "a: b\n...\n",
-	"a: {}\n- b\n", strings.Repeat("k", 1025) + ": v\n", "  a: 1\nb: 2\n", "  a: 1\n b: 2\n", "  a:\n  - b\n - c\n", "a: 9999999999999999999\n", "a: 1.\n", "a: 1.e5\n",
+	"a: {}\n- b\n", strings.Repeat("k", 1025) + ": v\n", "  a: 1\nb: 2\n", "  a: 1\n b: 2\n", "  a:\n  - b\n - c\n",
+	"a: 9999999999999999999\n", "a: 1.\n", "a: 1.e5\n",
+	// Flow collections the subset leaves to the parser.
+	"a: {a: [b]}\n", "a: [a, {b: c}]\n", "a: [[]]\n", "a: {a: {}}\n", "a: {a: b}x\n", "a: [a, b]]\n", "a: [a b: c]\n",
+	"a: [a: b]\n", "a: [\"a\": b]\n", "a: [\"a\":b]\n", "a: {\"a\":b}\n", "a: {a:b}\n", "a: {a :b}\n", "a: {a : b}\n",
+	"a: [-1, 0x1, 1e3, yes, ~]\n", "a: [0x1]\n", "a: [1e3]\n", "a: [yes]\n", "a: [~]\n", "a: [-x]\n",
+	"a: [a, b,]\n", "a: {a: 1,}\n", "a: [a,,b]\n", "a: [,a]\n", "a: {a}\n", "a: {a: }\n", "a: {a:}\n", "a: {a, b: c}\n",
+	"a: {? a: b}\n", "a: [? a]\n", "a: [a?b]\n", "a: {a: b?c}\n", "a: {a: b: c}\n",
+	"a: [a, # c\n  b]\n", "a: [a,\n  b]\n", "a: {a: b,\n  c: d}\n", "a: [a\n", "a: [a\n]\n", "a: [a #c]\n", "a: [a]#c\n",
+	"a: [caf\u00e9]\n", "a: ['caf\u00e9']\n", "a: [a\tb]\n", "a: [\ta]\n", "a: [a]: b\n", "- [a]: b\n", "a:\n- [a]: b\n", "[a]: b\n",
+	"a: [&x a, *x]\n", "a: [!!str a]\n", "a: ['it''s']\n", "a: [\"a\\\"b\"]\n", "a: ['a'b]\n", "a: [<<]\n", "a: {<<: b}\n",
+	"a: [- a]\n", "a: [-]\n", "a: [a] [b]\n", "a: [a], [b]\n", "a: [a]\n  b\n",
 }
 
 // Whatever yamlBlockNode takes, the YAML parser takes as the same tree, so
@@ -80,6 +102,9 @@ func FuzzYAMLBlockNodeIsYAMLs(f *testing.F) {
 	}
 	f.Add(configYAML(3))
 	f.Add([]byte(designExample))
+	f.Add([]byte(applyYAML(3)))
+	f.Add(configWith(3))
+	f.Add([]byte(allowFromYAML))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		got, ok := yamlBlockNode(data)
 		if !ok {
@@ -109,8 +134,9 @@ func sameAsParser(got *yaml.Node, data []byte) error {
 }
 
 // Every document of up to three lines of these shapes at these
-// indentations (and of four lines of fewer shapes), which is most of the
-// ways the subset's lines can follow each other: what yamlBlockNode takes
+// indentations (and of four lines of fewer shapes; and of three lines of
+// flow collections among block lines), which is most of the ways the
+// subset's lines can follow each other: what yamlBlockNode takes
 // of them, the YAML parser takes as the same tree.
 func TestYAMLBlockNodeSmallDocuments(t *testing.T) {
 	var taken int
@@ -139,7 +165,33 @@ func TestYAMLBlockNodeSmallDocuments(t *testing.T) {
 	each([]string{"a:", "a: b", "b: c # x", "c: d e", "a: 1", "a: []", "'a': \"b\"", "a:b", "---", "# c", "",
 		"- a", "- a:", "- a: b", "-", "- - a", "- 'k':", "- {}"}, []string{"", " ", "  ", "    "}, 3)
 	each([]string{"a:", "a: b", "- a", "- a:", "- a: b", "-", "# c", ""}, []string{"", "  ", "    "}, 4)
-	assert.Greater(t, taken, 40000, "documents taken")
+	each([]string{"a:", "a: b", "- a", "- a:", "-", "a: [b]", "a: {b: c}", "a: [ ]", "b: {'c': d, e: f} # x", "- [a, 'b']",
+		"- {a: b}", "- {a: [b]}", "a: [b :c]", "a: [b, c", "a: {b: c}:"}, []string{"", " ", "  ", "    "}, 3)
+	assert.Greater(t, taken, 45000, "documents taken")
+}
+
+// Every flow collection after a key of up to five of these pieces after
+// its '[' or '{': most of the ways the bytes that matter in a flow
+// collection can follow each other.
+func TestYAMLBlockNodeSmallFlows(t *testing.T) {
+	pieces := []string{"a", "1", " ", ",", ":", "]", "}", "'b'", " #", "?", "-", "[", "\n"}
+	var taken int
+	var fill func(doc []byte, n int)
+	fill = func(doc []byte, n int) {
+		for _, p := range pieces {
+			d := append(slices.Clip(doc), p...)
+			if got, ok := yamlBlockNode(d); ok {
+				taken++
+				require.NoError(t, sameAsParser(got, d))
+			}
+			if n > 1 {
+				fill(d, n-1)
+			}
+		}
+	}
+	fill([]byte("k: ["), 5)
+	fill([]byte("k: {"), 5)
+	assert.Greater(t, taken, 7000, "flow collections taken")
 }
 
 // repoYAML is the repository's YAML: the example config, the example
@@ -191,18 +243,71 @@ func TestYAMLBlockNodeTakesConfigs(t *testing.T) {
 	example = []byte(strings.Replace(string(example), "kernelSha256: 00000000", "kernelSha256: 0a000000", 1))
 	_, ok = yamlBlockNode(example)
 	assert.True(t, ok, "yamlBlockNode reads the example config")
-	_, ok = yamlBlockNode([]byte(designExample))
-	assert.False(t, ok, "the design example's disk: {...} is a flow mapping: left to the YAML parser")
-
-	repo := repoYAML(t)
-	_, ok = yamlBlockNode(repo[1])
-	assert.True(t, ok, "yamlBlockNode reads the example alerting rules")
-	_, ok = yamlBlockNode(repo[2])
-	assert.False(t, ok, "the rules' tests have flow mappings ({severity: warning, ...}): left to the YAML parser")
-	for _, r := range repo[3:] {
-		_, ok = yamlBlockNode(r)
-		assert.False(t, ok, "the README's fleet: has a flow sequence of endpoints: left to the YAML parser")
+	takes := func(doc []byte, what string) {
+		t.Helper()
+		got, ok := yamlBlockNode(doc)
+		if assert.True(t, ok, "yamlBlockNode reads %s", what) {
+			assert.NoError(t, sameAsParser(got, doc), what)
+		}
 	}
+	takes([]byte(designExample), "the design example (disk: {source: /srv/root.img, size: 2G})")
+	repo := repoYAML(t)
+	takes(repo[1], "the example alerting rules")
+	takes(repo[2], "the rules' tests (exp_labels: {severity: warning, ...})")
+	for _, r := range repo[3:] {
+		takes(r, "the README's snippet (fleet: endpoints: [https://10.0.0.5:2379, ...])")
+	}
+}
+
+// The fast path reads the flow forms desired states are written in: the
+// document BenchmarkApplyToActive (daemon/put_bench_test.go) applies, one
+// flow mapping an exposure; BenchmarkParse's (configWith); a config with
+// allowFrom and ports lists.
+func TestYAMLBlockNodeTakesFlowConfigs(t *testing.T) {
+	for _, doc := range [][]byte{
+		[]byte(applyYAML(100000)), configWith(100000),
+	} {
+		_, ok := yamlBlockNode(doc)
+		require.True(t, ok, "yamlBlockNode reads %.200s...", doc)
+	}
+	for _, doc := range [][]byte{
+		[]byte(applyYAML(300)), configWith(300), []byte(allowFromYAML),
+	} {
+		got, ok := yamlBlockNode(doc)
+		require.True(t, ok, "yamlBlockNode reads %.200s...", doc)
+		require.NoError(t, sameAsParser(got, doc))
+	}
+}
+
+// allowFromYAML is a config whose exposures carry short flow sequences.
+const allowFromYAML = `network:
+  cidr: 10.0.0.1/16
+vms:
+  - {name: a, kernel: /k, memory: 512M}
+exposures:
+  - name: e
+    vm: a
+    guestPort: 80
+    hostPort: 8080
+    allowFrom: [10.0.0.0/8, 192.168.1.0/24]   # the office
+  - name: f
+    vm: a
+    guestPort: 443
+    hostPort: 8443
+    allowFrom: ['10.0.0.0/8', "fd00::/8"]
+`
+
+// applyYAML is exposuresYAML of daemon/put_bench_test.go: the document of
+// n exposures BenchmarkApplyToActive applies, one flow mapping each.
+func applyYAML(n int) string {
+	const block = 40000 // exposureBlock
+	var y strings.Builder
+	y.WriteString("exposures:\n")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&y, "  - {name: e-%d, target: 10.213.0.250, guestPort: 80, hostAddress: 10.99.%d.1, hostPort: %d, mode: nat}\n",
+			i, i/block, 20001+i%block)
+	}
+	return y.String()
 }
 
 // A YAML config decodes as it did through the YAML parser alone: the same
@@ -235,6 +340,15 @@ func TestYAMLConfigDecodesAsBefore(t *testing.T) {
 		"vms:\n  -\n",
 		"network:\n  mtu: 123456789012345678\n",
 		"unknown: 1\nnetwork:\n  masquerade: nope\n",
+		allowFromYAML,
+		applyYAML(30),
+		string(configWith(20)),
+		"exposures:\n  - {name: e, vm: a, guestPort: '80', hostPort: 30000-30099, maxConns: true}\n",
+		"exposures:\n  - {name: e, name: f}\n",
+		"exposures:\n  - {name: e, allowFrom: 10.0.0.0/8}\n  - name: f\n    allowFrom: {a: b}\n",
+		"exposures:\n  - [a, b]\n",
+		"network: {cidr: 10.0.0.1/16, mtu: big}\n",
+		"vms: [a]\n",
 	}
 	for _, d := range docs {
 		_, ok := yamlBlockNode([]byte(d))
