@@ -93,13 +93,24 @@ func kernelRig(tb testing.TB, n int, role string, pinned bool) (d *Daemon, echo 
 const exposureBlock = 40000
 
 // exposuresYAML is the exposures: list of kernelRig's n exposures, e-0..,
-// each on a host port (and address) of its own.
+// each on a host port (and address) of its own, one flow mapping a line.
 func exposuresYAML(n int) string {
+	return exposuresAs(n, "  - {name: e-%d, target: 10.213.0.250, guestPort: 80, hostAddress: 10.99.%d.1, hostPort: %d, mode: nat}\n")
+}
+
+// exposuresBlockYAML is exposuresYAML's document in block style, a line
+// per field, as yaml.Marshal and most generators write it.
+func exposuresBlockYAML(n int) string {
+	return exposuresAs(n, "    - name: e-%d\n      target: 10.213.0.250\n      guestPort: 80\n      hostAddress: 10.99.%d.1\n      hostPort: %d\n      mode: nat\n")
+}
+
+// exposuresAs writes the exposures: list with entry, formatted with the
+// exposure's number, its host address's block and its host port.
+func exposuresAs(n int, entry string) string {
 	var y strings.Builder
 	y.WriteString("exposures:\n")
 	for i := 0; i < n; i++ {
-		fmt.Fprintf(&y, "  - {name: e-%d, target: 10.213.0.250, guestPort: 80, hostAddress: 10.99.%d.1, hostPort: %d, mode: nat}\n",
-			i, i/exposureBlock, 20001+i%exposureBlock)
+		fmt.Fprintf(&y, entry, i, i/exposureBlock, 20001+i%exposureBlock)
 	}
 	return y.String()
 }
@@ -129,18 +140,6 @@ func BenchmarkApplyToActive(b *testing.B) {
 	} {
 		b.Run(fmt.Sprintf("natpath/exposures=%d/%s", n, doc.format), func(b *testing.B) { applyToActive(b, d, apply, echo, doc.whole, one, last, n) })
 	}
-}
-
-// exposuresBlockYAML is exposuresYAML's document in block style, a line
-// per field, as yaml.Marshal and most generators write it.
-func exposuresBlockYAML(n int) string {
-	var y strings.Builder
-	y.WriteString("exposures:\n")
-	for i := 0; i < n; i++ {
-		fmt.Fprintf(&y, "    - name: e-%d\n      target: 10.213.0.250\n      guestPort: 80\n      hostAddress: 10.99.%d.1\n      hostPort: %d\n      mode: nat\n",
-			i, i/exposureBlock, 20001+i%exposureBlock)
-	}
-	return y.String()
 }
 
 // exposuresJSON is exposuresYAML's document as JSON, as a program that

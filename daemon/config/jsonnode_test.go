@@ -102,9 +102,6 @@ func TestJSONNodeTakesPlainJSONAndLeavesTheRest(t *testing.T) {
 // the same errors (a key given twice, an unknown key, a wrong type, with
 // their lines).
 func TestJSONConfigDecodesAsYAMLDid(t *testing.T) {
-	slow := func(data []byte) (*Config, error) {
-		return Decode(viaYAMLParser(data))
-	}
 	docs := []string{
 		string(configJSON(20)),
 		`{"network": {"cidr": "10.0.0.1/16"}, "vms": [{"name": "a", "kernel": "/k"}], "exposures": [{"name": "e", "vm": "a", "guestPort": 80, "hostPort": 8080, "allowFrom": ["10.0.0.0/8"]}]}`,
@@ -114,8 +111,23 @@ func TestJSONConfigDecodesAsYAMLDid(t *testing.T) {
 		`{"exposures": [{"name": "e", "hostPort": true}]}`,
 		`{"stateDir": null}`,
 	}
+	decodesAsTheParser(t, jsonNode, docs)
+}
+
+// decodesAsTheParser requires fast to take every document of docs, and
+// Decode (which then reads them with it) to make the same Config, or the
+// same error, as the YAML parser's path alone.
+func decodesAsTheParser(t *testing.T, fast func([]byte) (*yaml.Node, bool), docs []string) {
+	t.Helper()
+	slow := func(data []byte) (*Config, error) {
+		doc, err := parseYAML(data)
+		if err != nil {
+			return nil, err
+		}
+		return decodeNode(doc)
+	}
 	for _, d := range docs {
-		_, ok := jsonNode([]byte(d))
+		_, ok := fast([]byte(d))
 		require.True(t, ok, "the fast path reads %s", d)
 		got, gotErr := Decode([]byte(d))
 		want, wantErr := slow([]byte(d))

@@ -314,13 +314,6 @@ func applyYAML(n int) string {
 // Config, the same errors (a key given twice, an unknown key, a wrong type,
 // with their lines).
 func TestYAMLConfigDecodesAsBefore(t *testing.T) {
-	slow := func(data []byte) (*Config, error) {
-		doc, err := parseYAML(data)
-		if err != nil {
-			return nil, err
-		}
-		return decodeNode(doc)
-	}
 	example, err := os.ReadFile("../../dist/brokkr.example.yaml")
 	require.NoError(t, err)
 	docs := []string{
@@ -350,17 +343,5 @@ func TestYAMLConfigDecodesAsBefore(t *testing.T) {
 		"network: {cidr: 10.0.0.1/16, mtu: big}\n",
 		"vms: [a]\n",
 	}
-	for _, d := range docs {
-		_, ok := yamlBlockNode([]byte(d))
-		require.True(t, ok, "the fast path reads %s", d)
-		got, gotErr := Decode([]byte(d))
-		want, wantErr := slow([]byte(d))
-		if wantErr != nil {
-			require.Error(t, gotErr, d)
-			assert.Equal(t, wantErr.Error(), gotErr.Error(), d)
-			continue
-		}
-		require.NoError(t, gotErr, d)
-		assert.Equal(t, want, got, d)
-	}
+	decodesAsTheParser(t, yamlBlockNode, docs)
 }
