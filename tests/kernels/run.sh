@@ -53,14 +53,9 @@ kapt() {
     -o APT::Sandbox::User=root
 }
 
-# fetch_kernel LINE: downloads and unpacks the line's newest cloud kernel
-# into $cache/LINE (once; again only with KERNELS_REFRESH=1).
-fetch_kernel() {
-  local line=$1 suite d k
-  suite=$(suite_of "$line")
-  k="$cache/$line"
-  if [ -f "$k/.done" ] && [ "${KERNELS_REFRESH:-0}" != 1 ]; then return 0; fi
-  d="$cache/apt-$suite"
+# apt_sources SUITE: kapt's state directory and sources list for SUITE.
+apt_sources() {
+  local suite=$1 d="$cache/apt-$1"
   mkdir -p "$d/lists/partial" "$d/cache/archives/partial"
   local keyring=/usr/share/keyrings/debian-archive-keyring.gpg
   {
@@ -68,6 +63,16 @@ fetch_kernel() {
     echo "deb [signed-by=$keyring] http://deb.debian.org/debian $suite-updates main"
     echo "deb [signed-by=$keyring] http://deb.debian.org/debian-security $suite-security main"
   } > "$d/sources.list"
+}
+
+# fetch_kernel LINE: downloads and unpacks the line's newest cloud kernel
+# into $cache/LINE (once; again only with KERNELS_REFRESH=1).
+fetch_kernel() {
+  local line=$1 suite k
+  suite=$(suite_of "$line")
+  k="$cache/$line"
+  if [ -f "$k/.done" ] && [ "${KERNELS_REFRESH:-0}" != 1 ]; then return 0; fi
+  apt_sources "$suite"
   echo "test-kernels: $line: asking the archive for $suite's linux-image-cloud-amd64"
   kapt "$suite" apt-get -qq update >/dev/null
   local kpkg kver
@@ -122,6 +127,7 @@ fetch_nft() {
   rm -f "$k/nft.cpio.tmp"
   [ -n "$suite" ] || { rm -f "$k/nft.cpio"; return 0; }
   if [ -f "$k/nft.cpio" ] && [ "${KERNELS_REFRESH:-0}" != 1 ]; then return 0; fi
+  apt_sources "$suite"
   w=$(mktemp -d "$cache/fetch.XXXXXX")
   local deps=(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts
     --no-breaks --no-replaces --no-enhances nftables)
