@@ -84,6 +84,27 @@ type procHV struct {
 	restores int
 }
 
+// startNaming starts cmd and returns once its command line names needle.
+// exec.Cmd.Start returns when the exec has begun, before the kernel has set
+// the new command line: /proc/<pid>/cmdline reads empty for a while (seen in
+// 841 of 2,000 starts read at once). A real backend returns only once its VMM
+// answers, long after; a fake that returned earlier let a daemon's scan for
+// unrecorded VMMs miss the process it was meant to find.
+func startNaming(cmd *exec.Cmd, needle string) error {
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	path := fmt.Sprintf("/proc/%d/cmdline", cmd.Process.Pid)
+	for deadline := time.Now().Add(testWait); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if b, err := os.ReadFile(path); err == nil && strings.Contains(string(b), needle) {
+			return nil
+		}
+	}
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	return fmt.Errorf("pid %d never named %s on its command line", cmd.Process.Pid, needle)
+}
+
 func newProcHV(t *testing.T) *procHV {
 	h := &procHV{t: t, command: []string{"sleep", "600"}, gauge: newGauge(), pidName: map[int]string{},
 		guestOf: map[int]string{}, paused: map[int]bool{}}
@@ -179,7 +200,7 @@ func (h *procHV) Restore(ctx context.Context, lc LaunchConfig, dir string) (Inst
 	guest, _, _ := strings.Cut(string(b), "\n")
 	cmd := exec.Command("sh", "-c", "while :; do sleep 1; done", filepath.Join(lc.RunDir, "vmm"))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
+	if err := startNaming(cmd, lc.RunDir); err != nil {
 		return Instance{}, err
 	}
 	inst, err := Identify(cmd.Process.Pid)

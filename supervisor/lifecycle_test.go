@@ -275,7 +275,7 @@ func waitingProc(t *testing.T, arg string, setsid bool) (*exec.Cmd, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := cmd.Start(); err != nil {
+	if err := startNaming(cmd, arg); err != nil {
 		return nil, err
 	}
 	t.Cleanup(func() { stdin.Close(); _ = cmd.Process.Kill(); _ = cmd.Wait() })
