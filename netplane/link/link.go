@@ -41,6 +41,12 @@ const (
 var ErrForeign = errors.New("exists and was not created by brokkr")
 
 // Manager creates, repairs and deletes brokkr's links in one namespace.
+//
+// Why 21 methods on one type: they share the one netlink handle of the
+// namespace (and nothing else: 3 fields), and each file holds one concern
+// of it (bridge.go, tap.go, ipv6.go, neigh.go; link.go the forwarding
+// sysctls and the foreign-prefix scan). Types per concern would each wrap
+// the same handle and add nothing a reader could not see from the file.
 type Manager struct {
 	ns string
 	h  *netlink.Handle
