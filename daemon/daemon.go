@@ -332,11 +332,10 @@ func (d *Daemon) Pass(ctx context.Context) {
 	d.mu.Unlock()
 	want := &cp
 	var errs []error
-	var moved, restricted []string
+	var moved fallbackMoves
 	fallback := d.natFallback()
 	if fallback != "" {
-		model, moved = byProxy(model)
-		model, restricted = restrictedByProxy(model)
+		model, moved = onFallback(model)
 	}
 	// The engines see only the exposures that hold their host side; the
 	// status and the counter slots keep every exposure.
@@ -410,11 +409,14 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	d.kw.sync()
 	st := d.mergeStatus(want, all, srep, nrep, pst, errs)
-	if len(restricted) > 0 {
-		st.Warnings = append(st.Warnings, fmt.Sprintf("exposures %v with allowFrom are carried by the proxy (the nat path's BPF programs enforce allowFrom and do not load here): %s", restricted, fallback))
+	if len(moved.restricted) > 0 {
+		st.Warnings = append(st.Warnings, fmt.Sprintf("exposures %v with allowFrom are carried by the proxy (the nat path's BPF programs enforce allowFrom and do not load here): %s", moved.restricted, fallback))
 	}
-	if len(moved) > 0 {
-		st.Warnings = append(st.Warnings, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", moved, fallback))
+	if len(moved.capped) > 0 {
+		st.Warnings = append(st.Warnings, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", moved.capped, fallback))
+	}
+	if len(moved.ipv6) > 0 {
+		st.Warnings = append(st.Warnings, fmt.Sprintf("the IPv6 callers of auto exposures %v are carried by the proxy (the kernel path publishes IPv4 only here): %s", fewNames(moved.ipv6), fallback))
 	}
 	d.mu.Lock()
 	d.status = st

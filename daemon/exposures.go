@@ -447,7 +447,7 @@ func (d *Daemon) publishRound(batch map[string]*spec.Exposure) {
 	defer d.netMu.Unlock()
 	now := make(map[string]spec.Exposure, len(batch))
 	d.mu.Lock()
-	exps := d.model.Exposures
+	exps, network := d.model.Exposures, d.model.Network
 	if d.headModel != nil {
 		exps = d.headModel.Exposures // changed in place under mu
 	}
@@ -461,7 +461,7 @@ func (d *Daemon) publishRound(batch map[string]*spec.Exposure) {
 	var remove []string
 	for name, old := range batch {
 		if cur, ok := now[name]; ok {
-			if e, ok := d.kernelCarried(cur); ok {
+			if e, ok := d.kernelCarried(cur, network); ok {
 				if err := d.takePorts(e); err != nil {
 					// A host program holds its port: not published (the
 					// pass reports it failed, naming the holder).
@@ -474,7 +474,7 @@ func (d *Daemon) publishRound(batch map[string]*spec.Exposure) {
 		}
 		// Gone from the kernel: removed, or now carried by the proxy alone.
 		if old != nil {
-			if _, was := d.kernelCarried(*old); was {
+			if _, was := d.kernelCarried(*old, network); was {
 				remove = append(remove, name)
 			}
 		}
@@ -508,11 +508,10 @@ func (d *Daemon) publishRound(batch map[string]*spec.Exposure) {
 
 // kernelCarried is e as the pass hands it to the network plane, and
 // whether it does (translate.go: the kernel's exposures, after byProxy).
-func (d *Daemon) kernelCarried(e spec.Exposure) (spec.Exposure, bool) {
-	m := &spec.Desired{Exposures: []spec.Exposure{e}}
+func (d *Daemon) kernelCarried(e spec.Exposure, network spec.Network) (spec.Exposure, bool) {
+	m := &spec.Desired{Network: network, Exposures: []spec.Exposure{e}}
 	if d.natFallback() != "" {
-		m, _ = byProxy(m)
-		m, _ = restrictedByProxy(m)
+		m, _ = onFallback(m)
 	}
 	return m.Exposures[0], m.Exposures[0].UsesKernel()
 }

@@ -3,6 +3,8 @@ package daemon
 import (
 	"errors"
 	"fmt"
+	"net/netip"
+	"slices"
 
 	"github.com/brokkr/brokkr/internal/spec"
 	"github.com/brokkr/brokkr/netplane/hold"
@@ -35,17 +37,24 @@ func (d *Daemon) takePorts(e spec.Exposure) error {
 
 // hostSides are the host sides e holds: none where the proxy listens on
 // them (proxy mode; auto with loopback listeners, when there is no socket
-// path); one per port of a range.
+// path, since 127.0.0.1 could not be bound beside a held 0.0.0.0; the
+// IPv6 side of an auto exposure whose IPv6 callers the proxy carries on
+// ::); one per port of a range.
 func hostSides(e spec.Exposure, ipv6, sock bool) []hold.Side {
-	switch {
-	case e.Mode == spec.ModeProxy:
-		return nil
-	case e.Mode == spec.ModeAuto && len(e.ProxyBinds(ipv6, sock)) > 0:
+	if e.Mode == spec.ModeProxy {
 		return nil
 	}
+	binds := e.ProxyBinds(ipv6, sock)
+	if e.Mode == spec.ModeAuto && slices.ContainsFunc(binds, netip.Addr.Is4) {
+		return nil
+	}
+	proxied6 := slices.ContainsFunc(binds, netip.Addr.Is6)
 	// One side per address and per port of a range.
 	var sides []hold.Side
 	for _, a := range e.HostAddrs(ipv6) {
+		if a.Is6() && proxied6 {
+			continue
+		}
 		for _, p := range e.HostPorts() {
 			sides = append(sides, hold.Side{Addr: a, Proto: string(e.Proto), Port: p})
 		}

@@ -20,6 +20,8 @@ func TestHostSidesAreWhatNoProxyListenerBinds(t *testing.T) {
 		return spec.Exposure{Name: "x", Mode: m, HostAddr: a, HostPort: 80, Proto: spec.Proto("tcp")}
 	}
 	s := func(a string) hold.Side { return hold.Side{Addr: netip.MustParseAddr(a), Proto: "tcp", Port: 80} }
+	v6ByProxy := x(spec.ModeAuto, netip.Addr{})
+	v6ByProxy.IPv6ByProxy = true
 	for _, c := range []struct {
 		what      string
 		e         spec.Exposure
@@ -34,6 +36,9 @@ func TestHostSidesAreWhatNoProxyListenerBinds(t *testing.T) {
 		{"auto on loopback with the socket path", x(spec.ModeAuto, lo4), true, true, []hold.Side{s("127.0.0.1")}},
 		{"auto without the socket path: loopback proxies", x(spec.ModeAuto, any4), true, false, nil},
 		{"auto on a host address without the socket path", x(spec.ModeAuto, netip.MustParseAddr("192.0.2.1")), true, false, []hold.Side{s("192.0.2.1")}},
+		{"auto of both families", x(spec.ModeAuto, netip.Addr{}), true, true, []hold.Side{s("0.0.0.0"), s("::")}},
+		{"auto of both families, IPv6 by the proxy on ::", v6ByProxy, true, true, []hold.Side{s("0.0.0.0")}},
+		{"auto of both families, IPv6 by the proxy, no socket path: loopback proxies", v6ByProxy, true, false, nil},
 	} {
 		assert.Equal(t, c.want, hostSides(c.e, c.ipv6, c.sck), c.what)
 	}

@@ -75,12 +75,66 @@ func restrictedByProxy(m *spec.Desired) (*spec.Desired, []string) {
 	return toProxy(m, func(e spec.Exposure) bool { return len(e.AllowFrom) != 0 && e.UsesKernel() })
 }
 
+// ipv6ByProxy is m with the auto exposures the kernel would carry that
+// have IPv6 callers and a guest address of that family given those
+// callers by the proxy, and their names. Used, like byProxy, where the nat
+// path's fallback runs: it publishes IPv4 only (its cap sets are keyed by
+// IPv4 connections), so an IPv6 caller of a default exposure (hostAddress
+// "", both families) would go unanswered. One of both families keeps its
+// IPv4 callers in the kernel (IPv6ByProxy: the proxy listens on ::); one of
+// IPv6 alone is carried wholly by the proxy. Both count into the
+// exposure's one slot. mode nat stays the kernel's alone, as asked.
+func ipv6ByProxy(m *spec.Desired) (*spec.Desired, []string) {
+	guest6 := func(e spec.Exposure) bool {
+		if e.Target.IsVM() {
+			return m.Network.CIDR6.IsValid()
+		}
+		return e.Target.Addr6.IsValid()
+	}
+	return moveExposures(m, func(e spec.Exposure) bool {
+		_, v6 := e.HostFamilies()
+		return e.Mode == spec.ModeAuto && v6 && e.UsesKernel() && guest6(e)
+	}, func(e *spec.Exposure) {
+		if e.HostAddr.IsValid() {
+			e.AllByProxy = true
+		} else {
+			e.IPv6ByProxy = true
+		}
+	})
+}
+
+// fallbackMoves names the exposures onFallback gave the proxy, by why.
+type fallbackMoves struct{ capped, restricted, ipv6 []string }
+
+// onFallback is m as the engines carry it where the nat path's fallback
+// runs: what only the BPF nat path carries as it should goes to the proxy
+// (byProxy, restrictedByProxy, ipv6ByProxy); m itself is not changed.
+func onFallback(m *spec.Desired) (*spec.Desired, fallbackMoves) {
+	var mv fallbackMoves
+	m, mv.capped = byProxy(m)
+	m, mv.restricted = restrictedByProxy(m)
+	m, mv.ipv6 = ipv6ByProxy(m)
+	return m, mv
+}
+
 // toProxy is m with the exposures move picks carried by the proxy, and
 // their names; m itself is not changed (cloned at the first one moved). An
 // auto exposure stays auto, carried wholly by the proxy (AllByProxy keeps
 // auto's listeners: the host side and ::1 beside 0.0.0.0); any other
 // becomes a proxy exposure on its host side.
 func toProxy(m *spec.Desired, move func(spec.Exposure) bool) (*spec.Desired, []string) {
+	return moveExposures(m, move, func(e *spec.Exposure) {
+		if e.Mode == spec.ModeAuto {
+			e.AllByProxy = true
+		} else {
+			e.Mode = spec.ModeProxy
+		}
+	})
+}
+
+// moveExposures is m with set applied to the exposures move picks, and
+// their names; m itself is not changed (cloned at the first one picked).
+func moveExposures(m *spec.Desired, move func(spec.Exposure) bool, set func(*spec.Exposure)) (*spec.Desired, []string) {
 	var moved []string
 	var exps []spec.Exposure
 	for i, e := range m.Exposures {
@@ -90,11 +144,7 @@ func toProxy(m *spec.Desired, move func(spec.Exposure) bool) (*spec.Desired, []s
 		if exps == nil {
 			exps = slices.Clone(m.Exposures)
 		}
-		if e.Mode == spec.ModeAuto {
-			exps[i].AllByProxy = true
-		} else {
-			exps[i].Mode = spec.ModeProxy
-		}
+		set(&exps[i])
 		moved = append(moved, e.Name)
 	}
 	if exps == nil {

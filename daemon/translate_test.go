@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -107,6 +108,57 @@ func TestRestrictedByProxyMovesOnlyKernelExposuresWithAllowFrom(t *testing.T) {
 	assert.Equal(t, allow, got.Exposures[0].AllowFrom, "the proxy enforces the same list")
 	assert.Equal(t, spec.ModeNAT, m.Exposures[0].Mode, "the daemon's model is not changed")
 	assert.Len(t, got.KernelExposures(), 1)
+}
+
+// On the nat path's fallback, which publishes IPv4 only, the IPv6 callers
+// of an auto exposure with a guest address of that family go to the
+// proxy: one of both families keeps IPv4 in the kernel and has the proxy
+// on ::, one of IPv6 alone is the proxy's wholly; nat, IPv4-only and
+// guests without IPv6 are left as they are.
+func TestIPv6ByProxyGivesTheProxyTheIPv6CallersTheFallbackCannotCarry(t *testing.T) {
+	any4, any6 := netip.IPv4Unspecified(), netip.IPv6Unspecified()
+	vm := spec.Target{VM: "web"}
+	m := &spec.Desired{Network: spec.Network{CIDR6: netip.MustParsePrefix("fd00:6272:6b72::1/64")}, Exposures: []spec.Exposure{
+		{Name: "both", Target: vm, Mode: spec.ModeAuto, Proto: spec.TCP, HostPort: 7000},
+		{Name: "v6-only", Target: vm, Mode: spec.ModeAuto, Proto: spec.TCP, HostAddr: any6, HostPort: 7001},
+		{Name: "v4-only", Target: vm, Mode: spec.ModeAuto, Proto: spec.TCP, HostAddr: any4, HostPort: 7002},
+		{Name: "nat-both", Target: vm, Mode: spec.ModeNAT, Proto: spec.TCP, HostPort: 7003},
+		{Name: "target-v4", Target: spec.Target{Addr: netip.MustParseAddr("10.213.0.200")}, Mode: spec.ModeAuto, Proto: spec.TCP, HostPort: 7004},
+		{Name: "target-both", Target: spec.Target{Addr: netip.MustParseAddr("10.213.0.200"), Addr6: netip.MustParseAddr("fd00:6272:6b72::c8")},
+			Mode: spec.ModeAuto, Proto: spec.TCP, HostPort: 7005},
+	}}
+	got, moved := ipv6ByProxy(m)
+	assert.Equal(t, []string{"both", "v6-only", "target-both"}, moved)
+	by := map[string]spec.Exposure{}
+	for _, e := range got.Exposures {
+		by[e.Name] = e
+	}
+	assert.True(t, by["both"].IPv6ByProxy)
+	assert.True(t, by["both"].UsesKernel(), "its IPv4 callers stay the kernel's")
+	assert.True(t, by["both"].UsesSocketPath(), "and its host-local ones the socket path's")
+	assert.Equal(t, []netip.Addr{any6}, by["both"].ProxyBinds(true, true), "the proxy on ::")
+	assert.Equal(t, []netip.Addr{netip.MustParseAddr("127.0.0.1"), any6}, by["both"].ProxyBinds(true, false),
+		"without the socket path, auto's IPv4 loopback listener beside it (:: takes ::1)")
+	assert.True(t, by["v6-only"].AllByProxy)
+	assert.False(t, by["v6-only"].UsesKernel())
+	assert.True(t, by["target-both"].IPv6ByProxy)
+	for _, n := range []string{"v4-only", "nat-both", "target-v4"} {
+		assert.Equal(t, m.Exposures[slices.IndexFunc(m.Exposures, func(e spec.Exposure) bool { return e.Name == n })], by[n], n)
+	}
+	assert.False(t, m.Exposures[0].IPv6ByProxy, "the daemon's model is not changed")
+
+	off := *m
+	off.Network.CIDR6 = netip.Prefix{}
+	got, moved = ipv6ByProxy(&off)
+	assert.Equal(t, []string{"target-both"}, moved, "the VMs have no IPv6: none of theirs is moved")
+	assert.False(t, got.Exposures[0].IPv6ByProxy)
+
+	capped := *m
+	capped.Exposures = slices.Clone(m.Exposures)
+	capped.Exposures[0].MaxConns = 2
+	_, mv := onFallback(&capped)
+	assert.Equal(t, []string{"both"}, mv.capped, "a capped one is the proxy's wholly, for one cap")
+	assert.Equal(t, []string{"v6-only", "target-both"}, mv.ipv6)
 }
 
 // natNet is a network plane that says its BPF nat path did not load.

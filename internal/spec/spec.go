@@ -225,6 +225,12 @@ type Exposure struct {
 	// not load): the proxy then carries every caller, on what auto listens
 	// on (hostAddress, and ::1 beside 0.0.0.0).
 	AllByProxy bool
+	// IPv6ByProxy is no key of the config either: the daemon sets it on an
+	// auto exposure of both families (hostAddress "") whose IPv6 callers
+	// the host's kernel path cannot carry (the nat path's fallback
+	// publishes IPv4 only): the kernel carries its IPv4 callers, the proxy
+	// its IPv6 ones on ::.
+	IPv6ByProxy bool
 }
 
 // MaxPortRange is the most ports one exposure's range may have: the
@@ -371,7 +377,9 @@ func (e Exposure) UsesSocketPath() bool { return e.Mode == ModeAuto && !e.proxie
 // the host has IPv6 loopback. With the socket path attached (sock) auto
 // binds nothing: the socket path serves loopback callers. An auto exposure
 // with a PROXY header binds what auto claims, socket path or not:
-// hostAddress (both families for ""), and ::1 beside 0.0.0.0.
+// hostAddress (both families for ""), and ::1 beside 0.0.0.0. One whose
+// IPv6 callers the proxy carries (IPv6ByProxy) binds :: (and 127.0.0.1
+// without the socket path).
 func (e Exposure) ProxyBinds(ipv6, sock bool) []netip.Addr {
 	a := e.HostAddr
 	v4any, v6any := netip.IPv4Unspecified(), netip.IPv6Unspecified()
@@ -379,6 +387,12 @@ func (e Exposure) ProxyBinds(ipv6, sock bool) []netip.Addr {
 	switch {
 	case e.proxiedAuto() || e.Mode == ModeProxy:
 		return e.HostAddrs(ipv6)
+	case e.Mode == ModeAuto && e.IPv6ByProxy && !a.IsValid() && ipv6:
+		// :: takes ::1's callers too.
+		if sock {
+			return []netip.Addr{v6any}
+		}
+		return []netip.Addr{lo4, v6any}
 	case e.Mode == ModeAuto:
 		switch {
 		case sock:

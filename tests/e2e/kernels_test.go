@@ -220,36 +220,55 @@ hypervisor:
   kind: qemu
 exposures:
   - {name: capped-nat, target: 10.213.9.200, target6: "fd00:6272:6b72::c8", guestPort: 7000, hostPort: 7000, mode: nat, maxConns: 2}
+  - {name: open-auto, target: 10.213.9.200, target6: "fd00:6272:6b72::c8", guestPort: 7000, hostPort: 7001, maxConns: 0}
 `
 
 // IPv6 callers on each kernel of the matrix: where the nat path runs, an
 // exposure of both families serves them to the guest's IPv6 address under
 // the one cap (one IPv4 and one IPv6 caller fill a cap of 2, a third of
-// either family is refused); on the fallback it serves IPv4 alone and
-// status says so.
+// either family is refused); on the fallback a nat exposure serves IPv4
+// alone and status says so, and an uncapped auto one serves its IPv6
+// callers by the proxy, counted in its slot (a capped auto exposure, the
+// default, is the proxy's for every caller there: the test above).
 func TestKernelMatrixIPv6CallersShareTheOneCap(t *testing.T) {
 	e := newKernelEnv(t)
 	cfg := strings.NewReplacer("{{state}}", e.state, "{{run}}", e.run, "{{bpf}}", e.bpfDir).Replace(kernelConfig6)
 	require.NoError(t, os.WriteFile(e.cfgPath, []byte(cfg), 0o600))
 	e.startDaemon()
-	st := e.waitStatus("the exposure active", 20*time.Second, func(st api.Status) bool {
+	st := e.waitStatus("the exposures active", 20*time.Second, func(st api.Status) bool {
 		a, ok := exposure(st, "capped-nat")
-		return ok && a.State == "active"
+		b, ok2 := exposure(st, "open-auto")
+		return ok && ok2 && a.State == "active" && b.State == "active"
 	})
 	guest := e.attachGuest("brk-e2k0", "10.213.9.200/24", "10.213.9.1")
 	guest.MustRun(t, "ip", "-6", "addr", "add", "fd00:6272:6b72::c8/64", "dev", "eth0", "nodad")
 	guest.MustRun(t, "ip", "-6", "route", "add", "default", "via", "fd00:6272:6b72::1")
 	guest.ServeEcho(t, "[::]:7000")
 	v4, v6 := hostIP+":7000", "["+hostIP6+"]:7000"
+	auto4, auto6 := hostIP+":7001", "["+hostIP6+"]:7001"
 	if k := kernelfeat.Running(); k.Missing(kernelfeat.NatPath...) != nil {
-		found := false
+		var found, byProxy bool
 		for _, w := range st.Warnings {
 			found = found || strings.Contains(w, "IPv6 callers are not published")
+			byProxy = byProxy || strings.Contains(w, "IPv6 callers of auto exposures [open-auto] are carried by the proxy")
 		}
 		assert.True(t, found, "status says the fallback publishes IPv4 only: %v", st.Warnings)
+		assert.True(t, byProxy, "status says who carries the auto exposure's IPv6 callers: %v", st.Warnings)
 		c := hold(t, e.client, v4)
 		c.Close()
 		assert.True(t, refused(e.client, v6), "no IPv6 DNAT on the fallback")
+		before, _ := exposure(st, "open-auto")
+		c = hold(t, e.client, auto4)
+		c.Close()
+		// The proxy dials the guest from the bridge's IPv6 address, which
+		// is tentative for a moment (duplicate address detection).
+		require.Eventually(t, func() bool {
+			return !refused(e.client, auto6)
+		}, 20*time.Second, 200*time.Millisecond, "an IPv6 caller of the auto exposure reaches the guest")
+		e.waitStatus("the auto exposure's callers counted in its slot", 10*time.Second, func(st api.Status) bool {
+			x, _ := exposure(st, "open-auto")
+			return x.Accepted-before.Accepted == 2 // a call the guest did not answer is not accepted
+		})
 		return
 	}
 	// The bridge has its carrier from the guest just attached, and its IPv6
@@ -263,6 +282,10 @@ func TestKernelMatrixIPv6CallersShareTheOneCap(t *testing.T) {
 		}
 		return err == nil
 	}, 20*time.Second, 200*time.Millisecond, "an IPv6 caller reaches the guest")
+	for _, addr := range []string{auto4, auto6} { // the nat path carries both
+		c := hold(t, e.client, addr)
+		c.Close()
+	}
 	st = e.waitStatus("the probe's place given back", 10*time.Second, func(st api.Status) bool {
 		x, _ := exposure(st, "capped-nat")
 		return x.Active == 0

@@ -13,6 +13,7 @@
 # KERNELS="5.10 6.1 6.12" (default) picks the kernel lines; HOST=0 leaves
 # the host's run out; KERNELS_REFRESH=1 asks the archive for newer packages
 # (otherwise a kernel line downloaded once is reused: no network).
+# KERNELS_SUITE runs only the test binaries and flags it names (see suite).
 # KERNELS_TIMEOUT (minutes per VM, 60) bounds a boot. Logs stay under
 # .cache/kernels/run-<line>/ (console.log, results.log).
 # BENCH=1 (make bench-kernels) runs tests/kernels/bench-vm.sh in each VM
@@ -156,8 +157,14 @@ WRAP
 }
 
 # What the VM runs: "binary dir [flags...]", one package a line (dir is the
-# package's directory, where go test would run it).
+# package's directory, where go test would run it). KERNELS_SUITE replaces
+# it (lines of the same form, e.g. "e2e tests/e2e -test.run ^TestKernelMatrixIPv6"),
+# to run one test on the kernels while working on it.
 suite() {
+  if [ -n "${KERNELS_SUITE:-}" ]; then
+    printf '%s\n' "$KERNELS_SUITE"
+    return
+  fi
   cat <<'SUITE'
 kernelfeat internal/kernelfeat
 bpf bpf
