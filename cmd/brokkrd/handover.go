@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -13,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/brokkr/brokkr/proxy"
@@ -467,21 +469,39 @@ func listenUpgrade(runDir string) (net.Listener, error) {
 }
 
 // serveUpgrades passes each request on the upgrade socket to reqs and
-// writes back the reply. It ends when ln is closed.
+// writes back the reply. It ends when ln is closed, once every request
+// taken has its reply written: a process that handed over exits right
+// after this returns, and the reply it had not yet written left
+// `brokkrd --upgrade` with "no answer" (EOF) although the new process
+// served (seen in CI). A request nobody took by then is dropped.
 func serveUpgrades(ln net.Listener, reqs chan<- upgradeReq) {
+	var conns sync.WaitGroup
+	closed, cancel := context.WithCancel(context.Background())
+	defer conns.Wait()
+	defer cancel()
 	for {
 		c, err := ln.Accept()
 		if err != nil {
 			return
 		}
+		conns.Add(1)
 		go func() {
+			defer conns.Done()
 			defer c.Close()
+			// A client still sending its request when the socket closes
+			// is cut off: it must not hold up a shutdown.
+			cutOff := context.AfterFunc(closed, func() { _ = c.SetReadDeadline(time.Unix(1, 0)) })
 			var r upgradeReq
-			if err := json.NewDecoder(bufio.NewReader(c)).Decode(&r); err != nil {
+			err := json.NewDecoder(bufio.NewReader(c)).Decode(&r)
+			if !cutOff() || err != nil {
 				return
 			}
 			r.reply = make(chan upgradeReply, 1)
-			reqs <- r
+			select {
+			case reqs <- r:
+			case <-closed.Done():
+				return
+			}
 			_ = json.NewEncoder(c).Encode(<-r.reply)
 		}()
 	}

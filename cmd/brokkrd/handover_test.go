@@ -2,6 +2,7 @@ package main
 
 import (
 	"crypto/sha256"
+	"encoding/json"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -259,5 +260,66 @@ func TestTheFDStoreLeavesTheListenerClosable(t *testing.T) {
 		}
 		<-stopped
 		t.Fatal("StopAll waited for a caller: storing the listener switched it to blocking mode")
+	}
+}
+
+// A process that handed over exits as soon as its upgrade socket's loop
+// ends: the loop must not end before the reply of a request it passed on
+// is written, or `brokkrd --upgrade` reads EOF while the new process
+// serves. The reply here comes only after the socket is closed, the
+// latest it can.
+func TestTheUpgradeSocketAnswersBeforeItsLoopEnds(t *testing.T) {
+	ln, err := net.Listen("unix", filepath.Join(t.TempDir(), "up.sock"))
+	require.NoError(t, err)
+	reqs := make(chan upgradeReq)
+	done := make(chan struct{})
+	go func() { serveUpgrades(ln, reqs); close(done) }()
+
+	c, err := net.Dial("unix", ln.Addr().String())
+	require.NoError(t, err)
+	defer c.Close()
+	require.NoError(t, json.NewEncoder(c).Encode(upgradeReq{Exe: "/new/brokkrd"}))
+	r := <-reqs
+	assert.Equal(t, "/new/brokkrd", r.Exe)
+	ln.Close()
+	select {
+	case <-done:
+		t.Fatal("the loop ended with a reply it took the request for still to write")
+	case <-time.After(100 * time.Millisecond):
+	}
+	r.reply <- upgradeReply{PID: 4242}
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the upgrade socket's loop did not end")
+	}
+	// Written before the loop ended: there at once, not on its way.
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Millisecond)))
+	var got upgradeReply
+	require.NoError(t, json.NewDecoder(c).Decode(&got), "the reply was written before serveUpgrades returned")
+	assert.Equal(t, 4242, got.PID)
+}
+
+// A client that connects and sends nothing, or whose request nobody takes,
+// does not keep the loop from ending.
+func TestTheUpgradeSocketEndsWithAnIdleClient(t *testing.T) {
+	ln, err := net.Listen("unix", filepath.Join(t.TempDir(), "up.sock"))
+	require.NoError(t, err)
+	reqs := make(chan upgradeReq) // nobody takes
+	done := make(chan struct{})
+	go func() { serveUpgrades(ln, reqs); close(done) }()
+	idle, err := net.Dial("unix", ln.Addr().String())
+	require.NoError(t, err)
+	defer idle.Close()
+	asking, err := net.Dial("unix", ln.Addr().String())
+	require.NoError(t, err)
+	defer asking.Close()
+	require.NoError(t, json.NewEncoder(asking).Encode(upgradeReq{Exe: "/new/brokkrd"}))
+	time.Sleep(50 * time.Millisecond)
+	ln.Close()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Second):
+		t.Fatal("the upgrade socket's loop waits for clients that will never be answered")
 	}
 }
