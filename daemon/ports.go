@@ -35,24 +35,20 @@ func (d *Daemon) takePorts(e spec.Exposure) error {
 	return d.opts.Holds.Take(hostSides(e, d.opts.IPv6Loopback, d.sock != nil))
 }
 
-// hostSides are the host sides e holds: none where the proxy listens on
-// them (proxy mode; auto with loopback listeners, when there is no socket
-// path, since 127.0.0.1 could not be bound beside a held 0.0.0.0; the
-// IPv6 side of an auto exposure whose IPv6 callers the proxy carries on
-// ::); one per port of a range.
+// hostSides are the host sides e holds: one per address and per port of a
+// range, but none of a family the proxy listens on for e (a proxy
+// listener there binds the port itself, and auto's 127.0.0.1 could not be
+// bound beside a held 0.0.0.0): all of proxy mode's and of an auto
+// exposure the proxy carries wholly, auto's IPv4 ones where loopback
+// callers go through the proxy, the IPv6 ones where the proxy carries the
+// IPv6 callers on ::.
 func hostSides(e spec.Exposure, ipv6, sock bool) []hold.Side {
-	if e.Mode == spec.ModeProxy {
-		return nil
-	}
 	binds := e.ProxyBinds(ipv6, sock)
-	if e.Mode == spec.ModeAuto && slices.ContainsFunc(binds, netip.Addr.Is4) {
-		return nil
-	}
+	proxied4 := slices.ContainsFunc(binds, netip.Addr.Is4)
 	proxied6 := slices.ContainsFunc(binds, netip.Addr.Is6)
-	// One side per address and per port of a range.
 	var sides []hold.Side
 	for _, a := range e.HostAddrs(ipv6) {
-		if a.Is6() && proxied6 {
+		if (a.Is4() && proxied4) || (a.Is6() && proxied6) {
 			continue
 		}
 		for _, p := range e.HostPorts() {
