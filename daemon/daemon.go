@@ -409,15 +409,7 @@ func (d *Daemon) Pass(ctx context.Context) {
 
 	d.kw.sync()
 	st := d.mergeStatus(want, all, srep, nrep, pst, errs)
-	if len(moved.restricted) > 0 {
-		st.Warnings = append(st.Warnings, fmt.Sprintf("exposures %v with allowFrom are carried by the proxy (the nat path's BPF programs enforce allowFrom and do not load here): %s", moved.restricted, fallback))
-	}
-	if len(moved.capped) > 0 {
-		st.Warnings = append(st.Warnings, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", moved.capped, fallback))
-	}
-	if len(moved.ipv6) > 0 {
-		st.Warnings = append(st.Warnings, fmt.Sprintf("the IPv6 callers of auto exposures %v are carried by the proxy (the kernel path publishes IPv4 only here): %s", fewNames(moved.ipv6), fallback))
-	}
+	st.Warnings = append(st.Warnings, moved.warnings(fallback)...)
 	d.mu.Lock()
 	d.status = st
 	d.statusGen = gen

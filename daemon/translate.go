@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"fmt"
 	"net"
 	"net/netip"
 	"slices"
@@ -105,6 +106,22 @@ func ipv6ByProxy(m *spec.Desired) (*spec.Desired, []string) {
 
 // fallbackMoves names the exposures onFallback gave the proxy, by why.
 type fallbackMoves struct{ capped, restricted, ipv6 []string }
+
+// warnings are the status lines that say what mv moved and why; fallback
+// is why the nat path's programs do not run.
+func (mv fallbackMoves) warnings(fallback string) []string {
+	var out []string
+	if len(mv.restricted) > 0 {
+		out = append(out, fmt.Sprintf("exposures %v with allowFrom are carried by the proxy (the nat path's BPF programs enforce allowFrom and do not load here): %s", mv.restricted, fallback))
+	}
+	if len(mv.capped) > 0 {
+		out = append(out, fmt.Sprintf("capped auto exposures %v are carried by the proxy for every caller, so that they keep one cap: %s", mv.capped, fallback))
+	}
+	if len(mv.ipv6) > 0 {
+		out = append(out, fmt.Sprintf("the IPv6 callers of auto exposures %v are carried by the proxy (the kernel path publishes IPv4 only here): %s", fewNames(mv.ipv6), fallback))
+	}
+	return out
+}
 
 // onFallback is m as the engines carry it where the nat path's fallback
 // runs: what only the BPF nat path carries as it should goes to the proxy

@@ -190,3 +190,29 @@ exposures:
 	assert.Empty(t, r.net.desired().Exposures, "the proxy carries it now")
 	assert.Contains(t, strings.Join(d.Status().Warnings, "\n"), "capped auto exposures [capped] are carried by the proxy for every caller, so that they keep one cap: nat path: fallback (the programs did not load)")
 }
+
+// Through a pass on the fallback: an uncapped auto exposure of both
+// families stays the kernel's for IPv4, the proxy listens on :: for its
+// IPv6 callers, and the status says so. (The kernel-matrix test checks
+// the same on a 5.10 VM; CI's kernels run the nat path, so this is where
+// CI sees it.)
+func TestAPassOnTheFallbackGivesTheProxyAnAutoExposuresIPv6Callers(t *testing.T) {
+	r := newRig(t, `
+exposures:
+  - {name: both, target: 10.213.0.200, target6: "fd00:6272:6b72::c8", guestPort: 80, hostPort: 8080, maxConns: 0}
+`)
+	nn := natNet{recNet: r.net, reason: "nat path: fallback (the programs did not load)"}
+	d, err := New(Options{Host: r.host, Store: r.store, Supervisor: r.sup, Network: &nn, Proxy: r.px,
+		Logger: r.d.log, Timeout: 200 * time.Millisecond, IPv6Loopback: true})
+	require.NoError(t, err)
+	d.Pass(context.Background())
+	require.Len(t, r.net.desired().Exposures, 1, "its IPv4 callers stay the kernel's")
+	specs, _ := r.px.specs()
+	var listens []netip.Addr
+	for _, s := range specs {
+		listens = append(listens, s.Listen)
+	}
+	assert.Contains(t, listens, netip.IPv6Unspecified(), "the proxy listens on :: for its IPv6 callers")
+	assert.NotContains(t, listens, netip.IPv4Unspecified(), "and not on 0.0.0.0")
+	assert.Contains(t, strings.Join(d.Status().Warnings, "\n"), "the IPv6 callers of auto exposures [both] are carried by the proxy (the kernel path publishes IPv4 only here): nat path: fallback (the programs did not load)")
+}
